@@ -1,0 +1,33 @@
+"""toolkit: a functional, composable toolkit for PyTorch training steps."""
+
+from toolkit._accumulation import accumulate
+from toolkit._amp import LossScaleError, amp_wrap
+from toolkit._clipping import clip
+from toolkit._decorating import compose
+from toolkit._guards import NonFiniteError, guard_nonfinite
+from toolkit._state import GuardState, TrainState, WindowState
+from toolkit._step import LossSum, Step, StepOutput, make_step
+from toolkit._tree import key_average, map_nested_tensor
+from toolkit._unwrap import unwrap
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GuardState",
+    "LossScaleError",
+    "LossSum",
+    "NonFiniteError",
+    "Step",
+    "StepOutput",
+    "TrainState",
+    "WindowState",
+    "accumulate",
+    "amp_wrap",
+    "clip",
+    "compose",
+    "guard_nonfinite",
+    "key_average",
+    "make_step",
+    "map_nested_tensor",
+    "unwrap",
+]

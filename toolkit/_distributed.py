@@ -1,0 +1,63 @@
+"""The few torch.distributed facts a train step needs: data-parallel size, sync suppression."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["all_reduce_", "data_parallel_size", "is_rank_zero", "suppress_grad_sync"]
+
+
+def _is_ddp(model: torch.nn.Module) -> bool:
+    return isinstance(model, torch.nn.parallel.DistributedDataParallel)
+
+
+def _is_fsdp2(model: torch.nn.Module) -> bool:
+    # FSDP2 modules gain this method from fully_shard; checking the method avoids importing
+    # the private FSDP package on builds without it.
+    return hasattr(model, "set_requires_gradient_sync")
+
+
+def data_parallel_size(model: torch.nn.Module) -> int:
+    """World size over which ``model``'s gradients are averaged, 1 when not data parallel."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    if _is_ddp(model) or _is_fsdp2(model):
+        return dist.get_world_size()
+    return 1
+
+
+def all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType) -> torch.Tensor:
+    """All-reduce ``tensor`` in place over the default group; a no-op without one."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor, op=op)
+    return tensor
+
+
+def is_rank_zero() -> bool:
+    """True on global rank 0, and always when torch.distributed is not initialised."""
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+@contextlib.contextmanager
+def _fsdp2_no_sync(model: torch.nn.Module) -> Iterator[None]:
+    model.set_requires_gradient_sync(False)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+
+def suppress_grad_sync(model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
+    """Context in which backward accumulates locally: DDP ``no_sync``, FSDP2 sync off.
+
+    For any other model it is a null context, so single-process code pays nothing.
+    """
+    if _is_ddp(model):
+        return model.no_sync()  # type: ignore[operator]
+    if _is_fsdp2(model):
+        return _fsdp2_no_sync(model)
+    return contextlib.nullcontext()

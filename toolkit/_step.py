@@ -1,0 +1,420 @@
+"""make_step and Step: one training step as a value, run in the canonical update order."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+from toolkit._distributed import all_reduce_, data_parallel_size, suppress_grad_sync
+from toolkit._state import TrainState, WindowState
+
+if TYPE_CHECKING:
+    from toolkit._accumulation import AccumulateConfig
+    from toolkit._amp import AmpConfig
+    from toolkit._clipping import ClipConfig
+    from toolkit._guards import GuardConfig
+
+__all__ = ["LossSum", "Step", "StepOutput", "make_step"]
+
+
+class LossSum(NamedTuple):
+    """A summed loss with its target count, for exact count-weighted accumulation.
+
+    Return it from a loss function when the loss is a *sum* over targets (tokens, pixels,
+    samples). The step backpropagates the sum and, when the accumulation window closes,
+    divides the gradients by the window's total count (summed over data-parallel ranks), so
+    micro-batches of any sizes give exactly the big-batch gradient of the mean loss.
+
+    Attributes:
+        total: scalar tensor, the loss summed over the micro-batch's targets.
+        count: number of targets (int or scalar tensor; a tensor avoids a host sync).
+        records: optional nested mapping of numbers or 0-d tensors to report.
+
+    Example:
+        >>> import torch
+        >>> from toolkit import LossSum
+        >>> logits, target = torch.randn(5, 3), torch.tensor([0, 1, 2, 0, 1])
+        >>> out = LossSum(torch.nn.functional.cross_entropy(logits, target, reduction="sum"), 5)
+        >>> out.count
+        5
+    """
+
+    total: torch.Tensor
+    count: torch.Tensor | int
+    records: Mapping[str, Any] = {}
+
+
+class StepOutput(NamedTuple):
+    """What one call of a train step reports. Tensors are detached; nothing was synced.
+
+    Attributes:
+        loss: this micro-batch's mean loss (``total / count`` for a :class:`LossSum`), or
+            ``None`` when the loss function skipped the batch.
+        records: the records the loss function returned (``{}`` when none).
+        count: the micro-batch's target count, or ``None`` when not reported.
+        samples: leading dimension of the batch's first tensor, or ``None`` when it has none.
+        updated: the optimizer applied an update in this call.
+        closed: an accumulation window closed in this call (applied, rejected or overflowed).
+        skipped: the loss function returned ``None``; nothing else happened.
+        nonfinite: :func:`guard_nonfinite` rejected the window.
+        overflow: the fp16 ``GradScaler`` skipped the update (gradient overflow).
+        grad_norm: total gradient norm before clipping, when a window closed under
+            :func:`clip` or :func:`guard_nonfinite`; else ``None``.
+        lr: learning rate of the first parameter group that the update used (read before
+            the scheduler steps), when a window closed; else ``None``.
+    """
+
+    loss: torch.Tensor | None
+    records: Mapping[str, Any]
+    count: torch.Tensor | int | None
+    samples: int | None
+    updated: bool
+    closed: bool
+    skipped: bool = False
+    nonfinite: bool = False
+    overflow: bool = False
+    grad_norm: torch.Tensor | None = None
+    lr: Any = None
+
+
+_SKIPPED = StepOutput(None, {}, None, None, updated=False, closed=False, skipped=True)
+
+
+def _leading_dim(batch: Any) -> int | None:
+    # Cheap, no tree flattening: the first tensor found depth-first in common containers.
+    while True:
+        if isinstance(batch, torch.Tensor):
+            return int(batch.shape[0]) if batch.ndim else None
+        if isinstance(batch, (list, tuple)) and batch:
+            batch = batch[0]
+        elif isinstance(batch, Mapping) and batch:
+            batch = next(iter(batch.values()))
+        elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+            fields = dataclasses.fields(batch)
+            if not fields:
+                return None
+            batch = getattr(batch, fields[0].name)
+        else:
+            return None
+
+
+def _bad_return(result: Any, why: str) -> TypeError:
+    return TypeError(
+        f"loss_fn returned {type(result).__name__}: {why}. Expected a scalar tensor, "
+        "(loss, records) with records a mapping, LossSum(total, count[, records]), or None to "
+        "skip the batch."
+    )
+
+
+def _parse(result: Any) -> tuple[torch.Tensor, torch.Tensor | int | None, Mapping[str, Any]]:
+    if isinstance(result, torch.Tensor):
+        loss, count, records = result, None, {}
+    elif isinstance(result, LossSum):
+        loss, count, records = result.total, result.count, result.records
+    elif isinstance(result, tuple) and len(result) == 2:
+        loss, count, records = result[0], None, result[1]
+        if not isinstance(records, Mapping):
+            raise _bad_return(result, f"its second element is a {type(records).__name__}, "
+                              "not a mapping of records")
+    elif isinstance(result, tuple):
+        raise _bad_return(result, f"a tuple of length {len(result)}, not (loss, records)")
+    else:
+        raise _bad_return(result, "not a loss")
+    if not isinstance(loss, torch.Tensor):
+        raise _bad_return(result, f"the loss is a {type(loss).__name__}, not a tensor")
+    if loss.ndim != 0:
+        raise ValueError(
+            f"loss_fn must return a scalar loss (a 0-d tensor); got a tensor of shape "
+            f"{tuple(loss.shape)}. Reduce it first: loss.mean(), or "
+            "LossSum(loss.sum(), count) for count-weighted accumulation."
+        )
+    if not loss.requires_grad:
+        raise ValueError(
+            "loss_fn returned a loss that does not require grad, so backward cannot run. "
+            "Compute it from the model's output inside loss_fn, outside torch.no_grad()."
+        )
+    return loss, count, records
+
+
+def _no_optimizer(state: Any) -> TypeError:
+    given = "None" if getattr(state, "optimizer", None) is None else type(state).__name__
+    return TypeError(
+        f"a train step needs TrainState.optimizer; got {given}. Build the state with one: "
+        "TrainState(model=model, optimizer=torch.optim.AdamW(model.parameters()))."
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """A train step: ``step(state, batch) -> (state, StepOutput)``. Build it with make_step.
+
+    Each decorator (:func:`amp_wrap`, :func:`accumulate`, :func:`clip`,
+    :func:`guard_nonfinite`) fills one field with its configuration; ``__call__`` runs the
+    phases in one fixed order, so the order in which decorators are applied never matters.
+    Per micro-batch: forward (autocast), loss normalisation, backward (through the scaler,
+    gradient sync suppressed unless the window closes). When the window closes: unscale,
+    divide by the total count, finite check (one host sync), clip, optimizer step, scaler
+    update, ``zero_grad(set_to_none=True)``, scheduler step, counters.
+
+    The model, optimizer, scheduler and scaler are updated in place; the returned state
+    refers to the same objects. Do not reuse the state you passed in.
+
+    Attributes:
+        loss_fn: ``loss_fn(model, batch)``, see :func:`make_step`.
+        amp: set by :func:`amp_wrap`.
+        accumulation: set by :func:`accumulate`.
+        clipping: set by :func:`clip`.
+        guard: set by :func:`guard_nonfinite`.
+    """
+
+    loss_fn: Callable[[torch.nn.Module, Any], Any]
+    amp: AmpConfig | None = None
+    accumulation: AccumulateConfig | None = None
+    clipping: ClipConfig | None = None
+    guard: GuardConfig | None = None
+
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, StepOutput]:
+        optimizer = getattr(state, "optimizer", None)
+        if optimizer is None:
+            raise _no_optimizer(state)
+        model = state.model
+        amp, guard = self.amp, self.guard
+        k = self.accumulation.micro_batches if self.accumulation is not None else 1
+        window = state.window
+        closes = window.micro_step + 1 == k
+        scaler = state.scaler
+        if amp is not None and amp.fp16 and scaler is None:
+            scaler = amp.make_scaler(model)
+            state = state.replace(scaler=scaler)
+        elif amp is None or not amp.fp16:
+            scaler = None  # a scaler left in the state by someone else is not ours to use
+
+        with (
+            suppress_grad_sync(model)
+            if not closes
+            else _NULL
+        ):
+            if amp is not None:
+                with amp.autocast(model):
+                    result = self.loss_fn(model, batch)
+            else:
+                result = self.loss_fn(model, batch)
+            if result is None:
+                return state, _SKIPPED
+            loss, count, records = _parse(result)
+            if count is None:
+                if window.count is not None:
+                    raise _mixed_counts("this one reported none")
+                objective = loss / k if k > 1 else loss
+            else:
+                if window.micro_step and window.count is None:
+                    raise _mixed_counts("earlier ones reported none")
+                objective = loss
+            if scaler is not None:
+                objective = scaler.scale(objective)
+            objective.backward()
+
+        detached = loss.detach()
+        window_count = window.count
+        if count is not None:
+            c = torch.as_tensor(count, dtype=torch.float64, device=detached.device)
+            window_count = c if window_count is None else window_count + c
+            detached = detached / c
+        window_loss = window.loss
+        if guard is not None:
+            lf = loss.detach().float()
+            window_loss = lf if window_loss is None else window_loss + lf
+
+        if not closes:
+            state = state.replace(window=WindowState(window.micro_step + 1, window_count, window_loss))
+            return state, StepOutput(detached, records, count, _leading_dim(batch), False, False)
+        return self._close_window(state, scaler, window_count, window_loss, detached, records,
+                                  count, _leading_dim(batch))
+
+    def _close_window(
+        self,
+        state: TrainState,
+        scaler: torch.amp.GradScaler | None,
+        window_count: torch.Tensor | None,
+        window_loss: torch.Tensor | None,
+        loss: torch.Tensor,
+        records: Mapping[str, Any],
+        count: torch.Tensor | int | None,
+        samples: int | None,
+    ) -> tuple[TrainState, StepOutput]:
+        model, optimizer = state.model, state.optimizer
+        assert optimizer is not None
+        clipping, guard = self.clipping, self.guard
+        params = [p for p in model.parameters() if p.grad is not None]
+        grads = [p.grad for p in params]
+
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        if window_count is not None and grads:
+            world = data_parallel_size(model)
+            total = window_count
+            if world > 1:
+                total = all_reduce_(window_count.clone(), torch.distributed.ReduceOp.SUM)
+            # DDP and FSDP average gradients over ranks; the world factor turns that mean back
+            # into the sum that the global count divides.
+            torch._foreach_mul_(grads, (world / total).to(grads[0].dtype))
+
+        grad_norm = None
+        if clipping is not None or guard is not None:
+            norm_type = clipping.norm_type if clipping is not None else 2.0
+            grad_norm = torch.nn.utils.get_total_norm(grads, norm_type)
+
+        nonfinite = overflow = False
+        scale = 1.0
+        if guard is not None or scaler is not None:
+            nonfinite, overflow, scale = _decide(guard, scaler, optimizer, window_loss, grad_norm)
+        apply = not (nonfinite or overflow)
+        guard_state = state.guard
+        if overflow and not nonfinite:
+            guard_state = guard_state._replace(total_overflow=guard_state.total_overflow + 1)
+        if guard is not None:
+            guard_state, apply = guard.judge(
+                guard_state, nonfinite, overflow, state.step, window_loss, grad_norm,
+                _discard_window(optimizer, scaler),
+            )
+
+        lr = optimizer.param_groups[0]["lr"]
+        fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+        if apply:
+            if clipping is not None:
+                clipping.apply(params, grad_norm)
+            if scaler is not None and fused:
+                scaler.step(optimizer)  # found_inf goes into the kernel: no host sync
+            else:
+                # Unfused under a scaler: we already know there was no overflow, which is all
+                # scaler.step would find out (with one more .item()) before calling step().
+                optimizer.step()
+        elif scaler is not None and fused and not nonfinite:
+            # An overflow: scaler.step hands found_inf to the fused kernel, which skips. Done
+            # here too so that optimizer state is created exactly as in a hand-written loop.
+            scaler.step(optimizer)
+        if scaler is not None:
+            scaler.update()
+            if overflow and self.amp is not None:
+                self.amp.check_scale(scale, scaler)
+        optimizer.zero_grad(set_to_none=True)
+        if apply and state.scheduler is not None:
+            state.scheduler.step()
+
+        state = state.replace(
+            step=state.step + 1 if apply else state.step,
+            window=_EMPTY_WINDOW,
+            guard=guard_state,
+        )
+        out = StepOutput(loss, records, count, samples, apply, True, False,
+                         nonfinite, overflow and not nonfinite, grad_norm, lr)
+        return state, out
+
+
+_NULL = contextlib.nullcontext()
+_EMPTY_WINDOW = WindowState()
+
+
+def _mixed_counts(detail: str) -> ValueError:
+    return ValueError(
+        "loss_fn reported a target count for some micro-batches of the window but not for "
+        f"others ({detail}). Return LossSum(total, count) from every call, or from none."
+    )
+
+
+def _discard_window(optimizer: torch.optim.Optimizer, scaler: Any) -> Callable[[], None]:
+    """What a rejected window must still do before an error propagates: leave no stale grads."""
+
+    def discard() -> None:
+        if scaler is not None:
+            scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+
+    return discard
+
+
+def _decide(
+    guard: GuardConfig | None,
+    scaler: torch.amp.GradScaler | None,
+    optimizer: torch.optim.Optimizer,
+    window_loss: torch.Tensor | None,
+    grad_norm: torch.Tensor | None,
+) -> tuple[bool, bool, float]:
+    """Every decision of the window in one host sync: guard verdict, overflow, loss scale.
+
+    The flags are all-reduced with MAX so that every data-parallel rank decides alike.
+    """
+    parts: list[torch.Tensor] = []
+    if guard is not None and window_loss is not None:
+        bad = ~torch.isfinite(window_loss)
+        if scaler is None and grad_norm is not None:
+            # Under fp16, non-finite gradients are the scaler's overflow, not a failure.
+            bad = bad | ~torch.isfinite(grad_norm)
+        parts.append(bad)
+    if scaler is not None:
+        # GradScaler keeps found_inf per optimizer and device after unscale_; reading the
+        # tensors (not .item()) keeps this to the single sync below.
+        found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values()
+        device = next(iter(found)).device
+        parts.append(sum(f.to(device) for f in found))
+        parts.append(scaler._get_scale_async())
+    device = parts[0].device
+    flags = torch.stack([p.to(device, torch.float32).reshape(()) for p in parts])
+    flags = all_reduce_(flags, torch.distributed.ReduceOp.MAX)
+    values = flags.tolist()  # the one host sync of the update
+    nonfinite = guard is not None and values[0] > 0
+    overflow = scaler is not None and values[-2] > 0
+    scale = values[-1] if scaler is not None else 1.0
+    return nonfinite, overflow, scale
+
+
+def make_step(loss_fn: Callable[[torch.nn.Module, Any], Any]) -> Step:
+    """Build a plain train step around ``loss_fn``: forward, backward, optimizer, scheduler.
+
+    ``loss_fn(model, batch)`` returns one of:
+
+    * a scalar loss tensor (mean over the batch);
+    * ``(loss, records)`` with ``records`` a nested mapping of numbers or 0-d tensors;
+    * :class:`LossSum` ``(total, count[, records])``: a summed loss and its target count,
+      for exact count-weighted accumulation;
+    * ``None``: skip this batch entirely (no backward; the accumulation window does not
+      advance, as if the batch never happened).
+
+    Without decorators the step applies one update per call: ``loss.backward()``,
+    ``optimizer.step()``, ``optimizer.zero_grad(set_to_none=True)``, ``scheduler.step()``.
+
+    Args:
+        loss_fn: the user's loss function.
+
+    Returns:
+        A :class:`Step`, callable as ``step(state, batch) -> (state, StepOutput)``.
+
+    Raises:
+        TypeError: when ``loss_fn`` is not callable (at build time); when the state has no
+            optimizer or ``loss_fn`` returns something else than listed above (at call time).
+        ValueError: when the loss is not a scalar or does not require grad (at call time).
+
+    Example:
+        >>> import torch
+        >>> from toolkit import TrainState, make_step
+        >>> model = torch.nn.Linear(3, 1)
+        >>> state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> step = make_step(lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]))
+        >>> state, out = step(state, (torch.randn(8, 3), torch.randn(8, 1)))
+        >>> state.step, out.updated, out.samples
+        (1, True, 8)
+    """
+    if not callable(loss_fn):
+        raise TypeError(
+            f"make_step: expected a callable loss_fn(model, batch); got {type(loss_fn).__name__}."
+        )
+    if isinstance(loss_fn, Step):
+        raise TypeError(
+            "make_step: got a Step, expected a loss function. A Step is already a train step; "
+            "decorate it directly instead of wrapping it again."
+        )
+    return Step(loss_fn)

@@ -1,0 +1,2 @@
+def map_nested_tensor(f, x): return x
+def key_average(r, exclude_nan=False): return {}

@@ -1,0 +1,1 @@
+def unwrap(m): return m
