@@ -5,6 +5,7 @@ from toolkit._amp import LossScaleError, amp_wrap
 from toolkit._clipping import clip
 from toolkit._decorating import compose
 from toolkit._guards import NonFiniteError, guard_nonfinite
+from toolkit._loop import Event, LoopInfo, run
 from toolkit._state import GuardState, TrainState, WindowState
 from toolkit._step import LossSum, Step, StepOutput, make_step
 from toolkit._tree import key_average, map_nested_tensor
@@ -13,7 +14,9 @@ from toolkit._unwrap import unwrap
 __version__ = "0.1.0"
 
 __all__ = [
+    "Event",
     "GuardState",
+    "LoopInfo",
     "LossScaleError",
     "LossSum",
     "NonFiniteError",
@@ -29,5 +32,6 @@ __all__ = [
     "key_average",
     "make_step",
     "map_nested_tensor",
+    "run",
     "unwrap",
 ]

@@ -59,15 +59,14 @@ class AmpConfig:
             return self.scaler
         return torch.amp.GradScaler(self._device_type(model))
 
-    def check_scale(self, scale_before: float, scaler: torch.amp.GradScaler) -> None:
-        after = scale_before * scaler.get_backoff_factor()
-        if after < self.min_scale:
-            raise LossScaleError(
-                f"the fp16 loss scale fell to {after:g}, below min_scale={self.min_scale:g}: "
-                "gradients overflow even at a tiny scale, so they are likely NaN or inf "
-                "whatever the scale. Check the data and the learning rate, or train in bf16 "
-                "(amp_wrap(dtype='bf16')), or lower min_scale."
-            )
+    def raise_collapsed(self, scaler: torch.amp.GradScaler) -> None:
+        """Raise LossScaleError; called after an overflow took the scale below min_scale."""
+        raise LossScaleError(
+            f"the fp16 loss scale fell to {scaler.get_scale():g}, below "
+            f"min_scale={self.min_scale:g}: gradients overflow even at a tiny scale, so they "
+            "are likely NaN or inf whatever the scale. Check the data and the learning rate, "
+            "or train in bf16 (amp_wrap(dtype='bf16')), or lower min_scale."
+        )
 
     def __str__(self) -> str:
         return f"amp_wrap(dtype={self.dtype})"

@@ -8,7 +8,18 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_reduce_", "data_parallel_size", "is_rank_zero", "suppress_grad_sync"]
+__all__ = [
+    "all_reduce_",
+    "data_parallel_size",
+    "is_distributed",
+    "is_rank_zero",
+    "suppress_grad_sync",
+]
+
+
+def is_distributed() -> bool:
+    """True when a default process group with more than one rank is initialised."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _is_ddp(model: torch.nn.Module) -> bool:
@@ -16,9 +27,10 @@ def _is_ddp(model: torch.nn.Module) -> bool:
 
 
 def _is_fsdp2(model: torch.nn.Module) -> bool:
-    # FSDP2 modules gain this method from fully_shard; checking the method avoids importing
-    # the private FSDP package on builds without it.
-    return hasattr(model, "set_requires_gradient_sync")
+    # fully_shard swaps the module's class for an FSDPModule subclass that has this method.
+    # Looking on the class, not the instance, avoids nn.Module.__getattr__'s slow miss path
+    # (it builds an AttributeError), which would cost microseconds per micro-batch.
+    return hasattr(type(model), "set_requires_gradient_sync")
 
 
 def data_parallel_size(model: torch.nn.Module) -> int:
@@ -32,7 +44,7 @@ def data_parallel_size(model: torch.nn.Module) -> int:
 
 def all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType) -> torch.Tensor:
     """All-reduce ``tensor`` in place over the default group; a no-op without one."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if is_distributed():
         dist.all_reduce(tensor, op=op)
     return tensor
 
@@ -56,8 +68,18 @@ def suppress_grad_sync(model: torch.nn.Module) -> contextlib.AbstractContextMana
 
     For any other model it is a null context, so single-process code pays nothing.
     """
-    if _is_ddp(model):
+    kind = _SYNC_KIND.get(type(model))
+    if kind is None:
+        kind = _SYNC_KIND[type(model)] = (
+            "ddp" if _is_ddp(model) else "fsdp2" if _is_fsdp2(model) else "none"
+        )
+    if kind == "ddp":
         return model.no_sync()  # type: ignore[operator]
-    if _is_fsdp2(model):
+    if kind == "fsdp2":
         return _fsdp2_no_sync(model)
-    return contextlib.nullcontext()
+    return _NULL
+
+
+_NULL = contextlib.nullcontext()
+# Per model class, since fully_shard gives every sharded module a class of its own.
+_SYNC_KIND: dict[type, str] = {}

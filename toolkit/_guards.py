@@ -134,8 +134,7 @@ def guard_nonfinite(
         raise ValueError(f"guard_nonfinite: max_retries must be >= 0; got {max_retries}.")
     if on_exhaust not in ("raise", "skip", "accept"):
         raise ValueError(
-            f"guard_nonfinite: on_exhaust must be 'raise', 'skip' or 'accept'; got "
-            f"{on_exhaust!r}."
+            f"guard_nonfinite: on_exhaust must be 'raise', 'skip' or 'accept'; got {on_exhaust!r}."
         )
     config = GuardConfig(max_retries, on_exhaust)
     if step is None:

@@ -138,8 +138,11 @@ class TrainState:
                 f"TrainState.replace: unknown field(s) {sorted(unknown)}; "
                 f"expected some of {sorted(_FIELD_NAMES)}."
             )
-        # Hot path (called once per micro-batch): a shallow copy is several times faster than
-        # dataclasses.replace, which re-runs __init__ and __post_init__.
+        return self._evolve(changes)
+
+    def _evolve(self, changes: dict[str, Any]) -> TrainState:
+        # Hot path (once per micro-batch, field names known to be right): a shallow copy is
+        # several times faster than dataclasses.replace, which re-runs __init__.
         new = object.__new__(TrainState)
         new.__dict__.update(self.__dict__)
         new.__dict__.update(changes)

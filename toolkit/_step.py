@@ -9,7 +9,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from toolkit._distributed import all_reduce_, data_parallel_size, suppress_grad_sync
+from toolkit._distributed import (
+    all_reduce_,
+    data_parallel_size,
+    is_distributed,
+    suppress_grad_sync,
+)
 from toolkit._state import TrainState, WindowState
 
 if TYPE_CHECKING:
@@ -118,8 +123,10 @@ def _parse(result: Any) -> tuple[torch.Tensor, torch.Tensor | int | None, Mappin
     elif isinstance(result, tuple) and len(result) == 2:
         loss, count, records = result[0], None, result[1]
         if not isinstance(records, Mapping):
-            raise _bad_return(result, f"its second element is a {type(records).__name__}, "
-                              "not a mapping of records")
+            raise _bad_return(
+                result,
+                f"its second element is a {type(records).__name__}, not a mapping of records",
+            )
     elif isinstance(result, tuple):
         raise _bad_return(result, f"a tuple of length {len(result)}, not (loss, records)")
     else:
@@ -193,11 +200,7 @@ class Step:
         elif amp is None or not amp.fp16:
             scaler = None  # a scaler left in the state by someone else is not ours to use
 
-        with (
-            suppress_grad_sync(model)
-            if not closes
-            else _NULL
-        ):
+        with suppress_grad_sync(model) if not closes else _NULL:
             if amp is not None:
                 with amp.autocast(model):
                     result = self.loss_fn(model, batch)
@@ -219,21 +222,26 @@ class Step:
             objective.backward()
 
         detached = loss.detach()
+        window_loss = window.loss
+        if guard is not None:
+            # Summed over the window so that one isfinite check covers every micro-batch;
+            # in float32 at least, so that a large fp16 sum cannot overflow into a false alarm.
+            lf = detached.float() if detached.dtype == torch.float16 else detached
+            window_loss = lf if window_loss is None else window_loss + lf
         window_count = window.count
         if count is not None:
             c = torch.as_tensor(count, dtype=torch.float64, device=detached.device)
             window_count = c if window_count is None else window_count + c
             detached = detached / c
-        window_loss = window.loss
-        if guard is not None:
-            lf = loss.detach().float()
-            window_loss = lf if window_loss is None else window_loss + lf
 
         if not closes:
-            state = state.replace(window=WindowState(window.micro_step + 1, window_count, window_loss))
+            state = state._evolve(
+                {"window": WindowState(window.micro_step + 1, window_count, window_loss)}
+            )
             return state, StepOutput(detached, records, count, _leading_dim(batch), False, False)
-        return self._close_window(state, scaler, window_count, window_loss, detached, records,
-                                  count, _leading_dim(batch))
+        return self._close_window(
+            state, scaler, window_count, window_loss, detached, records, count, _leading_dim(batch)
+        )
 
     def _close_window(
         self,
@@ -249,8 +257,13 @@ class Step:
         model, optimizer = state.model, state.optimizer
         assert optimizer is not None
         clipping, guard = self.clipping, self.guard
-        params = [p for p in model.parameters() if p.grad is not None]
-        grads = [p.grad for p in params]
+        params: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        if window_count is not None or clipping is not None or guard is not None:
+            # The optimizer's parameters, not model.parameters(): the tensors the update
+            # touches, and no module-tree walk on the hot path.
+            params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+            grads = [p.grad for p in params]
 
         if scaler is not None:
             scaler.unscale_(optimizer)
@@ -269,16 +282,24 @@ class Step:
             grad_norm = torch.nn.utils.get_total_norm(grads, norm_type)
 
         nonfinite = overflow = False
-        scale = 1.0
+        collapsed = False
         if guard is not None or scaler is not None:
-            nonfinite, overflow, scale = _decide(guard, scaler, optimizer, window_loss, grad_norm)
+            min_scale = self.amp.min_scale if self.amp is not None else 0.0
+            nonfinite, overflow, collapsed = _decide(
+                guard, scaler, min_scale, optimizer, window_loss, grad_norm
+            )
         apply = not (nonfinite or overflow)
         guard_state = state.guard
         if overflow and not nonfinite:
             guard_state = guard_state._replace(total_overflow=guard_state.total_overflow + 1)
         if guard is not None:
             guard_state, apply = guard.judge(
-                guard_state, nonfinite, overflow, state.step, window_loss, grad_norm,
+                guard_state,
+                nonfinite,
+                overflow,
+                state.step,
+                window_loss,
+                grad_norm,
                 _discard_window(optimizer, scaler),
             )
 
@@ -299,8 +320,8 @@ class Step:
             scaler.step(optimizer)
         if scaler is not None:
             scaler.update()
-            if overflow and self.amp is not None:
-                self.amp.check_scale(scale, scaler)
+            if collapsed and self.amp is not None:
+                self.amp.raise_collapsed(scaler)
         optimizer.zero_grad(set_to_none=True)
         if apply and state.scheduler is not None:
             state.scheduler.step()
@@ -310,8 +331,19 @@ class Step:
             window=_EMPTY_WINDOW,
             guard=guard_state,
         )
-        out = StepOutput(loss, records, count, samples, apply, True, False,
-                         nonfinite, overflow and not nonfinite, grad_norm, lr)
+        out = StepOutput(
+            loss,
+            records,
+            count,
+            samples,
+            apply,
+            True,
+            False,
+            nonfinite,
+            overflow and not nonfinite,
+            grad_norm,
+            lr,
+        )
         return state, out
 
 
@@ -340,36 +372,42 @@ def _discard_window(optimizer: torch.optim.Optimizer, scaler: Any) -> Callable[[
 def _decide(
     guard: GuardConfig | None,
     scaler: torch.amp.GradScaler | None,
+    min_scale: float,
     optimizer: torch.optim.Optimizer,
     window_loss: torch.Tensor | None,
     grad_norm: torch.Tensor | None,
-) -> tuple[bool, bool, float]:
-    """Every decision of the window in one host sync: guard verdict, overflow, loss scale.
+) -> tuple[bool, bool, bool]:
+    """Every decision of the window in one host sync: (nonfinite, overflow, scale collapsed).
 
     The flags are all-reduced with MAX so that every data-parallel rank decides alike.
     """
-    parts: list[torch.Tensor] = []
+    if scaler is None:
+        # The common case, kept to as few tiny kernels as a hand-written loop needs.
+        assert window_loss is not None and grad_norm is not None
+        finite = torch.isfinite(window_loss) & torch.isfinite(grad_norm)
+        if is_distributed():
+            bad = all_reduce_((~finite).to(torch.float32), torch.distributed.ReduceOp.MAX)
+            return bool(bad.item() > 0), False, False  # the one host sync of the update
+        return not finite.item(), False, False  # the one host sync of the update
+    # GradScaler keeps found_inf per optimizer and device after unscale_; combining the
+    # tensors on device (no .item()) keeps the whole decision to the single sync below.
+    found_per_device = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+    scale = scaler._get_scale_async()
+    found = sum(f.to(scale.device) for f in found_per_device.values()) > 0
+    collapsed = found & (scale * scaler.get_backoff_factor() < min_scale)
     if guard is not None and window_loss is not None:
-        bad = ~torch.isfinite(window_loss)
-        if scaler is None and grad_norm is not None:
-            # Under fp16, non-finite gradients are the scaler's overflow, not a failure.
-            bad = bad | ~torch.isfinite(grad_norm)
-        parts.append(bad)
-    if scaler is not None:
-        # GradScaler keeps found_inf per optimizer and device after unscale_; reading the
-        # tensors (not .item()) keeps this to the single sync below.
-        found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values()
-        device = next(iter(found)).device
-        parts.append(sum(f.to(device) for f in found))
-        parts.append(scaler._get_scale_async())
-    device = parts[0].device
-    flags = torch.stack([p.to(device, torch.float32).reshape(()) for p in parts])
-    flags = all_reduce_(flags, torch.distributed.ReduceOp.MAX)
-    values = flags.tolist()  # the one host sync of the update
-    nonfinite = guard is not None and values[0] > 0
-    overflow = scaler is not None and values[-2] > 0
-    scale = values[-1] if scaler is not None else 1.0
-    return nonfinite, overflow, scale
+        # Under fp16 only the loss counts: non-finite gradients are the scaler's overflow.
+        bad = ~torch.isfinite(window_loss).to(scale.device)
+    else:
+        bad = torch.zeros((), dtype=torch.bool, device=scale.device)
+    flags = torch.stack([bad, found, collapsed]).to(torch.float32)
+    if is_distributed():
+        flags = all_reduce_(flags, torch.distributed.ReduceOp.MAX)
+    code = int((flags * _FLAG_BITS.to(flags.device)).sum().item())  # the one host sync
+    return bool(code & 1), bool(code & 2), bool(code & 4)
+
+
+_FLAG_BITS = torch.tensor([1.0, 2.0, 4.0])
 
 
 def make_step(loss_fn: Callable[[torch.nn.Module, Any], Any]) -> Step:

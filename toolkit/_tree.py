@@ -1,2 +1,311 @@
-def map_nested_tensor(f, x): return x
-def key_average(r, exclude_nan=False): return {}
+"""Tree utilities: map a function over the tensors of a nested structure, average records."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections import defaultdict
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from typing import Any, TypeVar
+
+import torch
+
+__all__ = ["key_average", "map_nested_tensor"]
+
+T = TypeVar("T")
+
+
+def map_nested_tensor(fn: Callable[[torch.Tensor], Any], tree: T) -> T:
+    """Apply ``fn`` to every tensor in a nested structure, keeping every container type.
+
+    Containers are rebuilt with their own type: ``dict`` and any other ``Mapping``
+    (``OrderedDict``, ``defaultdict`` with its ``default_factory``, ...), ``list``, ``tuple``,
+    namedtuples and ``torch.return_types``, and dataclass instances (frozen ones too, rebuilt
+    through ``dataclasses.replace`` so their ``__post_init__`` runs; fields declared with
+    ``init=False`` are left to the dataclass to recompute). Key order is kept. Everything else
+    (numbers, strings, ``None``, arrays, modules) is returned unchanged, as the same object.
+    ``fn`` is called exactly once per tensor occurrence, in depth-first order.
+
+    Args:
+        fn: called as ``fn(tensor)``; its result takes the tensor's place.
+        tree: any nesting of the containers above.
+
+    Returns:
+        A new structure of the same shape and container types; input containers are not
+        modified.
+
+    Raises:
+        TypeError: when a ``Mapping`` subclass cannot be rebuilt from a ``dict`` of its items
+            (its constructor takes something else).
+
+    Example:
+        >>> import torch
+        >>> from typing import NamedTuple
+        >>> class Batch(NamedTuple):
+        ...     x: torch.Tensor
+        ...     meta: dict
+        >>> batch = Batch(torch.ones(2), {"ids": [torch.tensor(3)], "name": "a"})
+        >>> out = map_nested_tensor(lambda t: t * 2, batch)
+        >>> type(out).__name__, out.x.tolist(), out.meta["ids"][0].item(), out.meta["name"]
+        ('Batch', [2.0, 2.0], 6, 'a')
+    """
+    # An own recursion rather than optree.tree_map: optree treats dataclasses (unless each is
+    # registered), list/dict subclasses and Mappings other than dict/OrderedDict/defaultdict
+    # as leaves, so their tensors would silently stay unmapped. One small recursion handles
+    # every container the same way and keeps insertion order.
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
+    if isinstance(tree, Mapping):
+        items = {key: map_nested_tensor(fn, value) for key, value in tree.items()}
+        if isinstance(tree, defaultdict):
+            rebuilt: Any = type(tree)(tree.default_factory, items)
+            return rebuilt
+        if type(tree) is dict:
+            return items  # type: ignore[return-value]
+        try:
+            return type(tree)(items)  # type: ignore[call-arg]
+        except TypeError as error:
+            raise TypeError(
+                f"map_nested_tensor: cannot rebuild the Mapping type {type(tree).__qualname__} "
+                f"from a dict of its items ({error}). Expected a Mapping whose constructor "
+                "accepts a dict, like dict or OrderedDict; convert it to a dict first, or map "
+                "its values yourself."
+            ) from error
+    if isinstance(tree, tuple):
+        values = [map_nested_tensor(fn, value) for value in tree]
+        if hasattr(type(tree), "_fields") and hasattr(type(tree), "_make"):  # a namedtuple
+            return type(tree)._make(values)  # type: ignore[attr-defined, no-any-return]
+        # tuple itself, torch.return_types (structseq) and plain tuple subclasses take one
+        # iterable.
+        return type(tree)(values)  # type: ignore[call-arg]
+    if isinstance(tree, list):
+        values = [map_nested_tensor(fn, value) for value in tree]
+        return values if type(tree) is list else type(tree)(values)  # type: ignore[return-value]
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        changes = {
+            field.name: map_nested_tensor(fn, getattr(tree, field.name))
+            for field in dataclasses.fields(tree)
+            if field.init
+        }
+        return dataclasses.replace(tree, **changes)  # type: ignore[type-var]
+    return tree
+
+
+_Path = tuple[Hashable, ...]
+# One occurrence of a leaf: (record index, python number or None, index into the synced
+# tensors or None).
+_Leaf = tuple[int, numbers.Real | None, int | None]
+
+
+def key_average(
+    records: Iterable[Mapping[Hashable, Any]],
+    *,
+    exclude_nan: bool = False,
+    weights: Iterable[float | torch.Tensor] | None = None,
+) -> dict[Hashable, Any]:
+    """Average a sequence of nested records, key by key, over the records that have the key.
+
+    Each record is a nested mapping whose leaves are numbers or 0-d tensors (the ``records``
+    of a :class:`toolkit.StepOutput`, for instance). The result has the union of the keys of
+    all records, nested the same way, and each leaf is the mean of that leaf over the records
+    that contain it, as a python ``float``. All 0-d tensors (values and weights) are stacked
+    and copied to the host together: at most one host sync per call, whatever the number of
+    records. Sums are exact (``math.fsum``), so the result does not depend on record order.
+
+    Args:
+        records: a sequence (or other iterable) of mappings; nested mappings are averaged
+            recursively. An empty sequence gives ``{}``.
+        exclude_nan: when ``True``, NaN values are left out of their key's mean; a key whose
+            values are all NaN averages to NaN.
+        weights: optional non-negative finite weights, numbers or 0-d tensors, one per record
+            (e.g. the target count of each step): each leaf is then the weighted mean
+            ``sum(w * v) / sum(w)`` over the records that have it. A record with weight 0
+            contributes nothing (not even a NaN); a key with no positive weight gives NaN.
+
+    Returns:
+        A nested ``dict`` of python floats, keys in order of first appearance.
+
+    Raises:
+        TypeError: when ``records`` is a single mapping or a record is not a mapping, when a
+            leaf is neither a real number nor a 0-d real tensor (the message names its key
+            path), or when a weight is not a real number or 0-d tensor.
+        ValueError: when ``weights`` does not have one entry per record, a weight is negative
+            or not finite, or a key holds a mapping in one record and a value in another.
+
+    Example:
+        >>> import torch
+        >>> records = [
+        ...     {"loss": torch.tensor(2.0), "acc": {"top1": 0.5}},
+        ...     {"loss": torch.tensor(4.0), "acc": {"top1": 1.0, "top5": 1.0}},
+        ... ]
+        >>> key_average(records)
+        {'loss': 3.0, 'acc': {'top1': 0.75, 'top5': 1.0}}
+        >>> key_average(records, weights=[3, 1])
+        {'loss': 2.5, 'acc': {'top1': 0.625, 'top5': 1.0}}
+        >>> key_average([{"x": float("nan")}, {"x": 1.0}], exclude_nan=True)
+        {'x': 1.0}
+    """
+    if isinstance(records, (Mapping, str, bytes)):
+        raise TypeError(
+            "key_average: expected a sequence of record mappings, got a single "
+            f"{type(records).__name__}. Pass a list of records, e.g. key_average([record])."
+        )
+    records = list(records)
+    weight_list = None if weights is None else _check_weights(weights, len(records))
+
+    # path -> "mapping" | "leaf" and the record that first gave it that kind, in pre-order
+    # (a parent before its children), so the result can be built in one pass.
+    kinds: dict[_Path, tuple[str, int]] = {}
+    leaves: dict[_Path, list[_Leaf]] = {}
+    tensors: list[torch.Tensor] = []
+    for index, record in enumerate(records):
+        if not isinstance(record, Mapping):
+            raise TypeError(
+                f"key_average: records[{index}] is a {type(record).__name__}; expected a "
+                "mapping (a dict of numbers, 0-d tensors or nested dicts)."
+            )
+        _collect(record, (), index, kinds, leaves, tensors)
+
+    # Weights that are tensors join the same stack, so values and weights cost one sync.
+    weight_slots: list[int] = []
+    if weight_list is not None:
+        for position, weight in enumerate(weight_list):
+            if isinstance(weight, torch.Tensor):
+                weight_slots.append(position)
+                tensors.append(weight)
+    synced = _to_host(tensors)
+    if weight_list is not None:
+        for offset, position in enumerate(weight_slots, start=len(tensors) - len(weight_slots)):
+            weight_list[position] = synced[offset]
+        _check_weight_values(weight_list)
+
+    result: dict[Hashable, Any] = {}
+    for path, (kind, _) in kinds.items():
+        parent = result
+        for key in path[:-1]:
+            parent = parent[key]
+        if kind == "mapping":
+            parent[path[-1]] = {}
+            continue
+        values = []
+        value_weights = []
+        for index, value, slot in leaves[path]:
+            number = float(synced[slot] if slot is not None else value)  # type: ignore[arg-type]
+            weight = 1.0 if weight_list is None else float(weight_list[index])
+            if weight == 0.0 or (exclude_nan and math.isnan(number)):
+                continue
+            values.append(number)
+            value_weights.append(weight)
+        parent[path[-1]] = _weighted_mean(values, value_weights)
+    return result
+
+
+def _collect(
+    mapping: Mapping[Hashable, Any],
+    prefix: _Path,
+    index: int,
+    kinds: dict[_Path, tuple[str, int]],
+    leaves: dict[_Path, list[_Leaf]],
+    tensors: list[torch.Tensor],
+) -> None:
+    for key, value in mapping.items():
+        path = (*prefix, key)
+        kind = "mapping" if isinstance(value, Mapping) else "leaf"
+        seen = kinds.setdefault(path, (kind, index))
+        if seen[0] != kind:
+            raise ValueError(
+                f"key_average: {_name(path)} is a {_describe(seen[0])} in records[{seen[1]}] "
+                f"but a {_describe(kind)} in records[{index}]. Expected the same structure "
+                "in every record; rename one of the keys."
+            )
+        if kind == "mapping":
+            _collect(value, path, index, kinds, leaves, tensors)
+            continue
+        if isinstance(value, torch.Tensor):
+            if value.ndim != 0 or value.is_complex():
+                raise TypeError(
+                    f"key_average: records[{index}]{_name(path)} is a tensor of shape "
+                    f"{tuple(value.shape)} and dtype {value.dtype}; expected a 0-d real "
+                    "tensor or a number. Reduce it first (e.g. .mean() or .sum())."
+                )
+            tensors.append(value.detach())
+            leaves.setdefault(path, []).append((index, None, len(tensors) - 1))
+        elif isinstance(value, numbers.Real):
+            leaves.setdefault(path, []).append((index, value, None))
+        else:
+            raise TypeError(
+                f"key_average: records[{index}]{_name(path)} is a {type(value).__name__} "
+                f"({value!r:.60}); expected a real number, a 0-d tensor or a nested mapping. "
+                "Leave non-numeric entries out of the records."
+            )
+
+
+def _to_host(tensors: list[torch.Tensor]) -> list[float]:
+    """Copy all tensors to python numbers with a single stack and a single ``tolist``."""
+    if not tensors:
+        return []
+    # Gather on one device (the first non-CPU one, if any) so one copy to the host suffices.
+    device = next((t.device for t in tensors if t.device.type != "cpu"), torch.device("cpu"))
+    stacked = torch.stack([t.detach().to(device) for t in tensors])
+    return stacked.tolist()  # type: ignore[no-any-return]
+
+
+def _weighted_mean(values: list[float], weights: list[float]) -> float:
+    total = math.fsum(weights)
+    if not values or total == 0.0:
+        return math.nan
+    products = [w * v for w, v in zip(weights, values)]
+    try:
+        return math.fsum(products) / total
+    except (ValueError, OverflowError):
+        # fsum refuses inf - inf (the answer is NaN) and overflowing partial sums (inf);
+        # plain summation gives those IEEE results.
+        return sum(products) / total
+
+
+def _check_weights(weights: Iterable[Any], count: int) -> list[Any]:
+    # A 1-d tensor iterates into 0-d tensors, which are fine; a 0-d one cannot be iterated.
+    if isinstance(weights, (Mapping, str, bytes)) or (
+        isinstance(weights, torch.Tensor) and weights.ndim != 1
+    ):
+        shape = f" of shape {tuple(weights.shape)}" if isinstance(weights, torch.Tensor) else ""
+        raise TypeError(
+            f"key_average: weights is a {type(weights).__name__}{shape}; expected a sequence "
+            "of numbers or 0-d tensors, one per record."
+        )
+    weight_list = list(weights)
+    if len(weight_list) != count:
+        raise ValueError(
+            f"key_average: got {len(weight_list)} weights for {count} records; expected one "
+            "weight per record (or weights=None for a plain mean)."
+        )
+    for position, weight in enumerate(weight_list):
+        if isinstance(weight, torch.Tensor):
+            valid = weight.ndim == 0 and not weight.is_complex()
+        else:
+            valid = isinstance(weight, numbers.Real)
+        if not valid:
+            shape = f" of shape {tuple(weight.shape)}" if isinstance(weight, torch.Tensor) else ""
+            raise TypeError(
+                f"key_average: weights[{position}] is a {type(weight).__name__}{shape}; "
+                "expected a real number or a 0-d real tensor."
+            )
+    return weight_list
+
+
+def _check_weight_values(weights: list[Any]) -> None:
+    for position, weight in enumerate(weights):
+        if not (math.isfinite(weight) and weight >= 0):
+            raise ValueError(
+                f"key_average: weights[{position}] is {weight!r}; expected a finite number "
+                ">= 0 (a count or a share of the total)."
+            )
+
+
+def _name(path: _Path) -> str:
+    return "".join(f"[{key!r}]" for key in path)
+
+
+def _describe(kind: str) -> str:
+    return "nested mapping" if kind == "mapping" else "value"

@@ -1,1 +1,67 @@
-def unwrap(m): return m
+"""unwrap: peel torch.compile, DDP, DataParallel and AveragedModel wrappers off a module."""
+
+from __future__ import annotations
+
+import sys
+
+from torch import nn
+from torch.nn.parallel import DataParallel, DistributedDataParallel
+from torch.optim.swa_utils import AveragedModel
+
+__all__ = ["unwrap"]
+
+# Wrappers that keep the wrapped module in ``.module``.
+_MODULE_WRAPPERS = (DistributedDataParallel, DataParallel, AveragedModel)
+
+
+def unwrap(model: nn.Module, *, keep_compile: bool = False) -> nn.Module:
+    """Return the plain module inside any nesting of training wrappers.
+
+    Peels, repeatedly and in any order: ``torch.compile``'s ``OptimizedModule``
+    (``._orig_mod``), ``DistributedDataParallel`` and ``DataParallel`` (``.module``), and
+    ``torch.optim.swa_utils.AveragedModel`` (``.module``, the averaged copy). So
+    ``unwrap(torch.compile(DDP(net)))`` is ``net``. A module compiled in place with
+    ``net.compile()`` and an FSDP2 ``fully_shard``-ed module are not wrappers and come back
+    as they are. Use it to reach the parameters' real names (for a state dict without
+    ``module.`` or ``_orig_mod.`` prefixes) or custom methods of the model.
+
+    Args:
+        model: a ``torch.nn.Module``, wrapped or not.
+        keep_compile: when ``True``, stop at the first ``OptimizedModule`` and return it, so
+            the result still runs compiled (wrappers outside it are still peeled).
+
+    Returns:
+        The innermost module (the same object, not a copy), or the first compiled wrapper
+        with ``keep_compile=True``.
+
+    Raises:
+        TypeError: when ``model`` is not a ``torch.nn.Module``.
+
+    Example:
+        >>> import torch
+        >>> net = torch.nn.Linear(2, 2)
+        >>> compiled = torch.compile(net, backend="eager")  # compiles on the first call only
+        >>> wrapped = torch.nn.DataParallel(compiled)
+        >>> unwrap(wrapped) is net
+        True
+        >>> unwrap(wrapped, keep_compile=True) is compiled
+        True
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"unwrap: expected a torch.nn.Module, got {type(model).__name__}. Pass the model "
+            "(e.g. state.model), not its state dict, parameters or an optimizer."
+        )
+    # torch._dynamo is imported by torch.compile; when it is not loaded no OptimizedModule
+    # can exist, so look it up instead of importing it (a slow import) for every call.
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    compiled = getattr(eval_frame, "OptimizedModule", None)
+    while True:
+        if compiled is not None and isinstance(model, compiled):
+            if keep_compile:
+                return model
+            model = model._orig_mod
+        elif isinstance(model, _MODULE_WRAPPERS):
+            model = model.module
+        else:
+            return model

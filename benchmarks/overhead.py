@@ -1,0 +1,188 @@
+"""Overhead of toolkit against the same training written by hand, measured in one run.
+
+Each case times one optimizer update (4 micro-batches, clip by norm, non-finite guard) of
+the composed toolkit step and of a hand-written loop doing the same arithmetic, interleaved
+in rounds so that machine noise hits both alike, and prints the ratio of their medians.
+
+    make bench                      # or: OMP_NUM_THREADS=1 python benchmarks/overhead.py
+    python benchmarks/overhead.py --rounds 30 --updates 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+from toolkit import (  # noqa: E402
+    TrainState,
+    accumulate,
+    clip,
+    compose,
+    guard_nonfinite,
+    make_step,
+    run,
+)
+
+K = 4  # micro-batches per update
+MAX_NORM = 1.0
+
+
+def mlp(sizes: list[int]) -> torch.nn.Module:
+    layers: list[torch.nn.Module] = []
+    for a, b in zip(sizes[:-1], sizes[1:]):
+        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers[:-1])
+
+
+def loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def setup(sizes: list[int], batch: int, seed: int = 0):
+    torch.manual_seed(seed)
+    model = mlp(sizes)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    data = [(torch.randn(batch, sizes[0]), torch.randint(0, sizes[-1], (batch,))) for _ in range(K)]
+    return model, opt, sched, data
+
+
+def hand_written(sizes: list[int], batch: int) -> Callable[[int], None]:
+    """The nanoGPT-order loop a careful user writes: accumulate, clip, guard, step."""
+    model, opt, sched, data = setup(sizes, batch)
+
+    def updates(n: int) -> None:
+        for _ in range(n):
+            window_loss = 0.0
+            for x, y in data:
+                loss = loss_fn(model, (x, y)) / K
+                loss.backward()
+                window_loss = window_loss + loss.detach()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            if not bool(torch.isfinite(norm) & torch.isfinite(window_loss)):  # one host sync
+                opt.zero_grad(set_to_none=True)
+                continue
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sched.step()
+
+    return updates
+
+
+def composed(sizes: list[int], batch: int) -> Callable[[int], None]:
+    model, opt, sched, data = setup(sizes, batch)
+    step = compose(accumulate(micro_batches=K), clip(max_norm=MAX_NORM), guard_nonfinite())(
+        make_step(loss_fn)
+    )
+    holder = [TrainState(model=model, optimizer=opt, scheduler=sched)]
+
+    def updates(n: int) -> None:
+        state = holder[0]
+        for _ in range(n):
+            for b in data:
+                state, _ = step(state, b)
+        holder[0] = state
+
+    return updates
+
+
+def with_run(sizes: list[int], batch: int, plugins: bool) -> Callable[[int], None]:
+    """run() over the same step, bare or with progress and log_metrics(every=10)."""
+    from toolkit.plugins import jsonl, log_metrics, progress
+    from rich.console import Console
+
+    model, opt, sched, data = setup(sizes, batch)
+    step = compose(accumulate(micro_batches=K), clip(max_norm=MAX_NORM), guard_nonfinite())(
+        make_step(loss_fn)
+    )
+    holder = [TrainState(model=model, optimizer=opt, scheduler=sched)]
+    sink_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"bench-{os.getpid()}.jsonl")
+    console = Console(file=io.StringIO(), force_terminal=False)
+
+    def updates(n: int) -> None:
+        state = holder[0]
+        ps = []
+        if plugins:
+            ps = [
+                progress(every=10, console=console),
+                log_metrics(every=10, sinks=[jsonl(sink_path)]),
+            ]
+        holder[0] = run(step, state, data, max_steps=state.step + n, plugins=ps)
+
+    return updates
+
+
+def bare_loop(sizes: list[int], batch: int) -> Callable[[int], None]:
+    """The composed step driven by a plain for loop: the baseline for run()'s overhead."""
+    return composed(sizes, batch)
+
+
+def measure(
+    base: Callable[[int], None], ours: Callable[[int], None], rounds: int, updates: int
+) -> tuple[float, float, float]:
+    """Median time per update of each, and the median of the per-round ratios.
+
+    Rounds alternate which side runs first, and each round is short, so a burst of load
+    from elsewhere on the machine hits both sides of a ratio alike.
+    """
+    for fn in (base, ours):  # warm-up: allocator, lazy optimizer state, code paths
+        fn(10)
+    t_base: list[float] = []
+    t_ours: list[float] = []
+    for r in range(rounds):
+        order = [(base, t_base), (ours, t_ours)]
+        for fn, sink in order if r % 2 == 0 else order[::-1]:
+            t0 = time.perf_counter()
+            fn(updates)
+            sink.append((time.perf_counter() - t0) / updates)
+    ratios = [o / b for o, b in zip(t_ours, t_base)]
+    return statistics.median(t_base), statistics.median(t_ours), statistics.median(ratios)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=60)
+    parser.add_argument("--updates", type=int, default=10)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print(
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
+        f"{args.rounds} rounds x {args.updates} updates, median time per update\n"
+    )
+    rows = []
+    for name, sizes, batch in [
+        ("tiny MLP 32-64-10, batch 32", [32, 64, 10], 32),
+        ("larger MLP 512-1024-1024-10, batch 64", [512, 1024, 1024, 10], 64),
+    ]:
+        rows.append(
+            (
+                f"step: {name}",
+                *measure(
+                    hand_written(sizes, batch), composed(sizes, batch), args.rounds, args.updates
+                ),
+            )
+        )
+    sizes, batch = [32, 64, 10], 32
+    with contextlib.redirect_stdout(io.StringIO()):
+        timed = measure(
+            bare_loop(sizes, batch), with_run(sizes, batch, plugins=True), args.rounds, args.updates
+        )
+    rows.append(("run()+progress+log_metrics(10) vs for-loop, tiny MLP", *timed))
+    width = max(len(r[0]) for r in rows)
+    print(f"{'case':<{width}}  {'baseline':>10}  {'toolkit':>10}  ratio (median of rounds)")
+    for name, base, ours, ratio in rows:
+        print(f"{name:<{width}}  {base * 1e6:>8.0f}us  {ours * 1e6:>8.0f}us  {ratio:.3f}x")
+
+
+if __name__ == "__main__":
+    main()

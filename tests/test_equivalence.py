@@ -1,0 +1,330 @@
+"""The composed step against the same loop written by hand (tests/reference.py).
+
+For every subset of {bf16, fp16 + GradScaler, accumulate 4, clip by norm, clip by value,
+guard} (bf16 and fp16 exclude each other), with SGD + momentum and AdamW, each in its foreach
+and fused variant, and an LR scheduler, a few updates of
+``compose(...)(make_step(loss_fn))`` must leave the parameters, the optimizer state, the
+scheduler state and the scaler state *bitwise* equal to those of the hand-written loop. The
+step runs the same PyTorch operations in the same order as the reference, so no tolerance
+is needed anywhere, autocast included: both sides run the same CPU kernels on the same
+inputs.
+
+Beyond clean runs, two scenarios exercise the skip paths: a NaN micro-batch under the guard
+(the reference throws that window away) and an fp16 loss scale so large that the first
+window overflows (the scaler skips it, fused optimizers included).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from reference import Trace, train
+
+from toolkit import (
+    TrainState,
+    accumulate,
+    amp_wrap,
+    clip,
+    compose,
+    guard_nonfinite,
+    make_step,
+)
+
+FEATURES = ("bf16", "fp16", "acc4", "clip_norm", "clip_value", "guard")
+SUBSETS = [
+    frozenset(c)
+    for r in range(len(FEATURES) + 1)
+    for c in itertools.combinations(FEATURES, r)
+    if not {"bf16", "fp16"} <= set(c)
+]
+# Small enough that clipping really happens (the pre-clip norms here are about 0.6 to 1.5,
+# single gradient elements up to about 0.5); each run asserts that it did.
+MAX_NORM = 0.7
+MAX_VALUE = 0.05
+K = 4  # micro-batches per window under accumulate
+WINDOWS = 4  # windows per run; one more when a window is expected to be skipped
+
+
+def _sgd(fused: bool) -> Callable[[Any], tuple[torch.optim.Optimizer, Any]]:
+    def build(params: Any) -> tuple[torch.optim.Optimizer, Any]:
+        opt = torch.optim.SGD(
+            params, lr=0.1, momentum=0.9, weight_decay=1e-2, foreach=not fused, fused=fused
+        )
+        return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    return build
+
+
+def _adamw(fused: bool) -> Callable[[Any], tuple[torch.optim.Optimizer, Any]]:
+    def build(params: Any) -> tuple[torch.optim.Optimizer, Any]:
+        opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=not fused, fused=fused)
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + s))
+
+    return build
+
+
+OPTIMIZERS = {
+    "sgd-foreach": _sgd(fused=False),
+    "sgd-fused": _sgd(fused=True),
+    "adamw-foreach": _adamw(fused=False),
+    "adamw-fused": _adamw(fused=True),
+}
+
+
+def _loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x).float(), y)
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+def _batches(n: int, nan_at: int | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    batches = [
+        (2 * torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)) for _ in range(n)
+    ]
+    if nan_at is not None:
+        batches[nan_at][0][1, 3] = float("nan")
+    return batches
+
+
+def _scaler(overflow: str | None) -> torch.amp.GradScaler:
+    if overflow == "first":
+        # 2**40 overflows fp16 gradients for sure; the steep backoff brings the scale down to
+        # the default 2**16 at once, where these gradients are finite, so the following
+        # windows are applied.
+        return torch.amp.GradScaler("cpu", init_scale=2.0**40, backoff_factor=2.0**-24)
+    if overflow == "late":
+        # Applied, then grown to 2**40: overflow, backed off to 2**12: applied, and so on.
+        return torch.amp.GradScaler(
+            "cpu",
+            init_scale=2.0**10,
+            growth_factor=2.0**30,
+            backoff_factor=2.0**-28,
+            growth_interval=1,
+        )
+    return torch.amp.GradScaler("cpu")
+
+
+class Run:
+    """Both sides of one comparison, after training."""
+
+    def __init__(self, features: frozenset[str], opt_name: str, *, nan: bool, overflow: str | None):
+        self.features = features
+        k = K if "acc4" in features else 1
+        windows = WINDOWS + nan + (overflow is not None)
+        nan_at = k + k // 2 if nan else None  # inside the second window
+        batches = _batches(k * windows, nan_at)
+        dtype = (
+            torch.bfloat16 if "bf16" in features else torch.float16 if "fp16" in features else None
+        )
+        max_norm = MAX_NORM if "clip_norm" in features else None
+        max_value = MAX_VALUE if "clip_value" in features else None
+
+        # The composed step.
+        model = _model()
+        optimizer, scheduler = OPTIMIZERS[opt_name](model.parameters())
+        decorators = []
+        if "bf16" in features:
+            decorators.append(amp_wrap(dtype="bf16"))
+        if "fp16" in features:
+            # Without overflow, let amp_wrap create its default scaler (the common path).
+            scaler = _scaler(overflow) if overflow else None
+            decorators.append(amp_wrap(dtype="fp16", scaler=scaler))
+        if "acc4" in features:
+            decorators.append(accumulate(micro_batches=K))
+        if max_norm is not None or max_value is not None:
+            decorators.append(clip(max_norm=max_norm, max_value=max_value))
+        if "guard" in features:
+            decorators.append(guard_nonfinite(max_retries=3))
+        step = compose(*decorators)(make_step(_loss_fn))
+        state = TrainState(model=model, optimizer=optimizer, scheduler=scheduler)
+        self.outs = []
+        self.steps_after = []
+        for batch in batches:
+            state, out = step(state, batch)
+            self.outs.append(out)
+            self.steps_after.append(state.step)
+        self.state = state
+
+        # The same loop by hand, from the same initial weights and batches.
+        self.ref_model = _model()
+        self.ref_optimizer, self.ref_scheduler = OPTIMIZERS[opt_name](self.ref_model.parameters())
+        self.ref_scaler = _scaler(overflow) if dtype == torch.float16 else None
+        self.trace: Trace = train(
+            self.ref_model,
+            self.ref_optimizer,
+            self.ref_scheduler,
+            _loss_fn,
+            batches,
+            dtype=dtype,
+            scaler=self.ref_scaler,
+            micro_batches=k,
+            max_norm=max_norm,
+            max_value=max_value,
+            guard="guard" in features,
+        )
+
+
+def _assert_bitwise(a: Any, b: Any, where: str) -> None:
+    """Recursively compare state dicts: tensors bitwise (dtype included), the rest with ==."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), where
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{where}: {a!r} vs {b!r}"
+        nan = torch.isnan(a) if a.is_floating_point() else torch.zeros_like(a, dtype=torch.bool)
+        assert torch.equal(nan, torch.isnan(b) if b.is_floating_point() else nan), where
+        assert torch.equal(a[~nan], b[~nan]), f"{where}: {a!r} vs {b!r}"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: {a!r} vs {b!r}"
+        for key in a:
+            _assert_bitwise(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), f"{where}: {a!r} vs {b!r}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_bitwise(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} vs {b!r}"
+
+
+def _assert_same_training(run: Run) -> None:
+    model, optimizer = run.state.model, run.state.optimizer
+    assert optimizer is not None
+    _assert_bitwise(model.state_dict(), run.ref_model.state_dict(), "model")
+    assert all(p.grad is None for p in model.parameters())
+    _assert_bitwise(optimizer.state_dict(), run.ref_optimizer.state_dict(), "optimizer")
+    _assert_bitwise(run.state.scheduler.state_dict(), run.ref_scheduler.state_dict(), "scheduler")
+    if run.ref_scaler is not None:
+        assert run.state.scaler is not None
+        _assert_bitwise(run.state.scaler.state_dict(), run.ref_scaler.state_dict(), "scaler")
+    else:
+        assert run.state.scaler is None
+
+
+def _assert_same_counts(run: Run) -> None:
+    trace = run.trace
+    assert [o.updated for o in run.outs] == trace.updated
+    assert run.steps_after == list(itertools.accumulate(int(u) for u in trace.updated))
+    assert run.state.step == trace.steps
+    closed = [o for o in run.outs if o.closed]
+    assert len(closed) == len(trace.lrs)
+    assert [o.lr for o in closed] == trace.lrs
+    assert sum(o.nonfinite for o in closed) == trace.rejected == run.state.guard.total_notfinite
+    assert sum(o.overflow for o in closed) == trace.overflows == run.state.guard.total_overflow
+    reports_norm = bool(run.features & {"clip_norm", "clip_value", "guard"})
+    for i, (out, ref_norm) in enumerate(zip(closed, trace.grad_norms)):
+        assert (out.grad_norm is not None) == reports_norm, i
+        if ref_norm is not None:
+            _assert_bitwise(out.grad_norm, ref_norm, f"grad_norm of window {i}")
+
+
+def _assert_exercised(run: Run, *, nan: bool, overflow: str | None) -> None:
+    """The run really went through the paths it is meant to test, so the test can fail."""
+    trace = run.trace
+    assert trace.steps >= WINDOWS - 1
+    assert trace.rejected == nan
+    if overflow:
+        assert trace.overflows >= 1
+    if "clip_norm" in run.features:
+        assert trace.clipped >= 1
+    if "clip_value" in run.features:
+        assert trace.value_clipped >= 1
+
+
+SCENARIOS = {
+    "": (False, None),
+    "-nan": (True, None),  # under the guard only
+    "-ovf": (False, "first"),  # fp16 only
+    "-ovflate": (False, "late"),  # fp16 only
+}
+
+
+def _cases() -> list[Any]:
+    cases = []
+    for features in SUBSETS:
+        name = "+".join(f for f in FEATURES if f in features) or "plain"
+        for opt_name in OPTIMIZERS:
+            for suffix, (nan, overflow) in SCENARIOS.items():
+                if (nan and "guard" not in features) or (overflow and "fp16" not in features):
+                    continue
+                if overflow == "first" and opt_name == "sgd-fused":
+                    # PyTorch's fused SGD, handed found_inf on its very first step, creates
+                    # its momentum buffers with torch.empty_like and skips filling them: the
+                    # next update reads uninitialised memory, in the hand-written loop and in
+                    # the step alike. Nothing deterministic to compare; see
+                    # test_fused_sgd_first_window_overflow_leaves_no_state. Overflows after
+                    # the first update are covered ("-ovflate").
+                    continue
+                cases.append(
+                    pytest.param(
+                        features, opt_name, nan, overflow, id=name + "-" + opt_name + suffix
+                    )
+                )
+    return cases
+
+
+CASES = _cases()
+
+
+@pytest.mark.parametrize(("features", "opt_name", "nan", "overflow"), CASES)
+def test_composed_step_matches_hand_written_loop(
+    features: frozenset[str], opt_name: str, nan: bool, overflow: str | None
+) -> None:
+    run = Run(features, opt_name, nan=nan, overflow=overflow)
+    _assert_exercised(run, nan=nan, overflow=overflow)
+    _assert_same_training(run)
+    _assert_same_counts(run)
+
+
+@pytest.mark.parametrize(
+    "features",
+    [
+        pytest.param(frozenset(), id="plain"),
+        pytest.param(frozenset({"bf16", "acc4", "clip_norm", "guard"}), id="bf16-acc4-guard"),
+        pytest.param(
+            frozenset({"fp16", "acc4", "clip_norm", "clip_value", "guard"}), id="fp16-all"
+        ),
+    ],
+)
+def test_updates_steps_and_lr_match_reference_counts(features: frozenset[str]) -> None:
+    # An overflowing first window and a NaN window in the same run (where the step allows
+    # them): out.updated per call, state.step after each call and out.lr per closed window
+    # follow the hand-written loop's own bookkeeping.
+    nan, overflow = "guard" in features, "first" if "fp16" in features else None
+    run = Run(features, "adamw-fused", nan=nan, overflow=overflow)
+    _assert_exercised(run, nan=nan, overflow=overflow)
+    _assert_same_counts(run)
+    _assert_same_training(run)
+    k = K if "acc4" in features else 1
+    assert [o.closed for o in run.outs] == [(i + 1) % k == 0 for i in range(len(run.outs))]
+    assert run.state.step == WINDOWS
+    # The LR changes after every applied update and only then.
+    lrs = [o.lr for o in run.outs if o.closed]
+    applied = [o.updated for o in run.outs if o.closed]
+    for i in range(1, len(lrs)):
+        assert (lrs[i] != lrs[i - 1]) == applied[i - 1], (lrs, applied)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="toolkit bug: _close_window calls scaler.step() on an overflowed window for fused "
+    "optimizers; fused SGD then creates momentum buffers with torch.empty_like that the "
+    "skipped kernel never fills, so training goes on from uninitialised memory. The step "
+    "already knows about the overflow (its one host sync) and can skip the call.",
+)
+def test_fused_sgd_first_window_overflow_leaves_no_state() -> None:
+    model = _model()
+    optimizer, scheduler = OPTIMIZERS["sgd-fused"](model.parameters())
+    step = amp_wrap(make_step(_loss_fn), dtype="fp16", scaler=_scaler("first"))
+    state = TrainState(model=model, optimizer=optimizer, scheduler=scheduler)
+    state, out = step(state, _batches(1, None)[0])
+    assert out.overflow and not out.updated
+    # A skipped update leaves the optimizer as it was, as with foreach SGD: no momentum
+    # buffer, so the first applied update initialises it from a real gradient.
+    assert dict(optimizer.state) == {}

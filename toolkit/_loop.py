@@ -1,0 +1,276 @@
+"""run(): thread a TrainState through a train step over data, calling plugins."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Literal
+
+from toolkit._state import TrainState
+from toolkit._step import StepOutput
+
+__all__ = ["Event", "LoopInfo", "Plugin", "run"]
+
+EventKind = Literal["start", "step", "epoch_end", "end"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopInfo:
+    """Facts about the run that plugins may need (for ETA, totals, cadence).
+
+    Attributes:
+        max_steps: the update budget given to :func:`run`, or ``None``.
+        epochs: the epoch budget given to :func:`run`, or ``None``.
+        batches_per_epoch: ``len(data)`` when the data has a length, else ``None``.
+        micro_batches: micro-batches per update of the step (1 without accumulation).
+        start_step: ``state.step`` when this run started (> 0 after a resume).
+        total_steps: the number of updates the run will reach, when it can be known.
+    """
+
+    max_steps: int | None
+    epochs: int | None
+    batches_per_epoch: int | None
+    micro_batches: int
+    start_step: int
+    total_steps: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """What :func:`run` passes to every plugin.
+
+    Attributes:
+        kind: ``"start"`` (before the first batch), ``"step"`` (after every call of the
+            train step, i.e. every micro-batch; ``out.updated`` tells an applied update),
+            ``"epoch_end"`` (after a full pass over the data, ``state.epoch`` already
+            advanced) or ``"end"`` (always last, also when training raised).
+        state: the current state.
+        loop: the run's :class:`LoopInfo`.
+        out: the step's output (``"step"`` events only).
+        data_time: seconds spent waiting for this batch (``"step"`` events only).
+        step_time: seconds the step call took on the host (``"step"`` events only; on an
+            accelerator this is launch time unless the step synchronised).
+        error: the exception that ended training (``"end"`` events only), else ``None``.
+    """
+
+    kind: EventKind
+    state: TrainState
+    loop: LoopInfo
+    out: StepOutput | None = None
+    data_time: float = 0.0
+    step_time: float = 0.0
+    error: BaseException | None = None
+
+
+Plugin = Callable[[Event], "TrainState | None"]
+
+
+def _micro_batches(step: Any) -> int:
+    accumulation = getattr(step, "accumulation", None)
+    return accumulation.micro_batches if accumulation is not None else 1
+
+
+def _set_epoch(data: Any, epoch: int) -> None:
+    # DataLoader(sampler=DistributedSampler) and friends reshuffle per epoch through this.
+    for owner in (data, getattr(data, "sampler", None), getattr(data, "batch_sampler", None)):
+        set_epoch = getattr(owner, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+            return
+    inner = getattr(getattr(data, "batch_sampler", None), "sampler", None)
+    if callable(getattr(inner, "set_epoch", None)):
+        inner.set_epoch(epoch)
+
+
+def _close(iterator: Iterator[Any] | None) -> None:
+    if iterator is None:
+        return
+    # Generators have close(); DataLoader iterators with workers have _shutdown_workers().
+    for name in ("close", "_shutdown_workers"):
+        close = getattr(iterator, name, None)
+        if callable(close):
+            close()
+            return
+
+
+def _total_steps(
+    state: TrainState, max_steps: int | None, epochs: int | None, batches: int | None, k: int
+) -> int | None:
+    by_epochs = None
+    if epochs is not None and batches is not None:
+        by_epochs = state.step + ((epochs - state.epoch) * batches - state.batches_seen) // k
+    if max_steps is not None and by_epochs is not None:
+        return min(max_steps, by_epochs)
+    return max_steps if max_steps is not None else by_epochs
+
+
+def _validate(data: Any, max_steps: int | None, epochs: int | None) -> None:
+    if max_steps is None and epochs is None:
+        raise ValueError(
+            "run: give max_steps (optimizer updates) and/or epochs (passes over the data); got "
+            "neither, so the run would never end. Example: run(step, state, loader, "
+            "max_steps=1000)."
+        )
+    for name, value in (("max_steps", max_steps), ("epochs", epochs)):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 0
+        ):
+            raise ValueError(f"run: {name} must be an int >= 0; got {value!r}.")
+    if not isinstance(data, Iterable):
+        raise TypeError(
+            f"run: data must be iterable (a DataLoader, a list of batches, a generator); got "
+            f"{type(data).__name__}."
+        )
+    if epochs is not None and isinstance(data, Iterator):
+        raise ValueError(
+            f"run: epochs={epochs} needs data that can be iterated again (a DataLoader, a "
+            f"list); got a one-shot iterator ({type(data).__name__}). Pass the DataLoader "
+            "itself, or use max_steps."
+        )
+
+
+def _call(plugins: Sequence[Plugin], event: Event) -> TrainState:
+    state = event.state
+    for plugin in plugins:
+        new = plugin(dataclasses.replace(event, state=state) if state is not event.state else event)
+        if new is not None:
+            if not isinstance(new, TrainState):
+                raise TypeError(
+                    f"plugin {getattr(plugin, '__name__', plugin)!r} returned "
+                    f"{type(new).__name__}; a plugin returns a TrainState or None."
+                )
+            state = new
+    return state
+
+
+def run(
+    step: Callable[[TrainState, Any], tuple[TrainState, StepOutput]],
+    state: TrainState,
+    data: Iterable[Any],
+    *,
+    max_steps: int | None = None,
+    epochs: int | None = None,
+    plugins: Sequence[Plugin] = (),
+) -> TrainState:
+    """Train: feed batches from ``data`` to ``step``, threading the state, calling plugins.
+
+    Stops at the first of: ``state.step == max_steps`` applied updates; ``state.epoch ==
+    epochs`` completed passes over ``data``; a plugin setting ``state.stop`` (a reason
+    string); a one-shot iterator running out. A finite re-iterable ``data`` (DataLoader,
+    list) is iterated again for each epoch, after calling ``set_epoch(epoch)`` on it or on
+    its sampler when they have one. A resumed state (``state.batches_seen > 0``) skips the
+    batches of the current epoch it has already seen, which reproduces the data only when
+    the per-epoch order is deterministic (a seeded sampler with ``set_epoch``).
+
+    Plugins are plain functions ``plugin(event) -> TrainState | None`` (see :class:`Event`),
+    called in list order at ``"start"``, after every step call (``"step"``), at
+    ``"epoch_end"`` and at ``"end"``. A returned state replaces the current one and the
+    next plugin sees it. Orders that matter: put ``ema`` before ``validate`` so that
+    validation sees the updated average, and ``validate`` before ``early_stop`` and
+    before ``log_metrics`` so that they see the new score in the same step. ``"end"``
+    reaches every plugin even when training raised (then ``event.error`` is set and the
+    exception propagates after all of them ran); the data iterator (and its worker pool)
+    is closed on every exit.
+
+    Args:
+        step: a train step, usually from :func:`make_step` and its decorators.
+        state: the starting :class:`TrainState` (``state.stop`` is cleared).
+        data: an iterable of batches.
+        max_steps: stop after this many applied updates in total (not per run).
+        epochs: stop after this many passes over ``data`` in total.
+        plugins: plugin functions, called in order.
+
+    Returns:
+        The final state.
+
+    Raises:
+        ValueError: neither ``max_steps`` nor ``epochs``, a negative budget, or ``epochs``
+            with a one-shot iterator.
+        TypeError: ``data`` not iterable, or a plugin returning something else than a
+            TrainState or None.
+
+    Example:
+        >>> import torch
+        >>> from toolkit import TrainState, make_step, run
+        >>> model = torch.nn.Linear(2, 1)
+        >>> state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> data = [torch.randn(4, 2) for _ in range(3)]
+        >>> state = run(make_step(lambda m, b: m(b).square().mean()), state, data, epochs=2)
+        >>> state.step, state.epoch
+        (6, 2)
+    """
+    _validate(data, max_steps, epochs)
+    k = _micro_batches(step)
+    batches = len(data) if hasattr(data, "__len__") else None  # type: ignore[arg-type]
+    state = state.replace(stop=None) if state.stop is not None else state
+    loop = LoopInfo(
+        max_steps,
+        epochs,
+        batches,
+        k,
+        state.step,
+        _total_steps(state, max_steps, epochs, batches, k),
+    )
+    one_shot = isinstance(data, Iterator)
+    iterator: Iterator[Any] | None = None
+    clock = time.perf_counter
+    error: BaseException | None = None
+    try:
+        state = _call(plugins, Event("start", state, loop))
+        while not _done(state, max_steps, epochs):
+            _set_epoch(data, state.epoch)
+            iterator = iter(data)
+            if state.batches_seen:
+                iterator = itertools.islice(iterator, state.batches_seen, None)
+            exhausted = True
+            t0 = clock()
+            for batch in iterator:
+                t1 = clock()
+                state, out = step(state, batch)
+                t2 = clock()
+                state = state.replace(batches_seen=state.batches_seen + 1)
+                state = _call(plugins, Event("step", state, loop, out, t1 - t0, t2 - t1))
+                if _done(state, max_steps, epochs):
+                    exhausted = False
+                    break
+                t0 = clock()
+            _close(iterator)
+            iterator = None
+            if not exhausted:
+                break
+            state = state.replace(epoch=state.epoch + 1, batches_seen=0)
+            state = _call(plugins, Event("epoch_end", state, loop))
+            if one_shot:
+                break
+    except BaseException as exc:
+        error = exc
+        raise
+    finally:
+        _close(iterator)
+        state = _end(plugins, Event("end", state, loop, error=error), error)
+    return state
+
+
+def _done(state: TrainState, max_steps: int | None, epochs: int | None) -> bool:
+    return (
+        state.stop is not None
+        or (max_steps is not None and state.step >= max_steps)
+        or (epochs is not None and state.epoch >= epochs)
+    )
+
+
+def _end(plugins: Sequence[Plugin], event: Event, error: BaseException | None) -> TrainState:
+    """Call every plugin's end, even if some raise; raise the first failure afterwards."""
+    state, first = event.state, None
+    for plugin in plugins:
+        try:
+            new = plugin(dataclasses.replace(event, state=state))
+            if isinstance(new, TrainState):
+                state = new
+        except Exception as exc:
+            first = first or exc
+    if first is not None and error is None:
+        raise first
+    return state

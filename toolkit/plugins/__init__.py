@@ -1,0 +1,24 @@
+"""Plugins for :func:`toolkit.run`: plain functions ``plugin(event) -> TrainState | None``."""
+
+from toolkit.plugins._ema import ema, ema_model
+from toolkit.plugins._memory import peak_memory
+from toolkit.plugins._metrics import log_metrics
+from toolkit.plugins._profiling import profile
+from toolkit.plugins._progress import progress
+from toolkit.plugins._sinks import Sink, jsonl, tensorboard, wandb
+from toolkit.plugins._validation import early_stop, validate
+
+__all__ = [
+    "Sink",
+    "early_stop",
+    "ema",
+    "ema_model",
+    "jsonl",
+    "log_metrics",
+    "peak_memory",
+    "profile",
+    "progress",
+    "tensorboard",
+    "validate",
+    "wandb",
+]

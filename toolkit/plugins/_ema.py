@@ -1,0 +1,252 @@
+"""ema: an exponential moving average of the weights, kept in ``state.extras``."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from toolkit import unwrap
+from toolkit._loop import Event, Plugin
+from toolkit._state import TrainState
+
+__all__ = ["ema", "ema_model"]
+
+
+def _check_args(decay: Any, warmup: Any, every: Any, buffers: Any, key: Any) -> None:
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 <= decay < 1:
+        raise ValueError(
+            f"ema: decay must be a number in [0, 1); got {decay!r}. Typical values are 0.999 "
+            "or 0.9999 (a larger decay averages over more updates)."
+        )
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(
+            f"ema: every must be an int >= 1 (update the average every that many applied "
+            f"optimizer updates); got {every!r}."
+        )
+    for name, value in (("warmup", warmup), ("buffers", buffers)):
+        if not isinstance(value, bool):
+            raise TypeError(f"ema: {name} must be True or False; got {value!r}.")
+    if not isinstance(key, str) or not key:
+        raise ValueError(
+            f"ema: key must be a non-empty string (the state.extras key); got {key!r}."
+        )
+
+
+def _snapshot(model: torch.nn.Module, buffers: bool) -> dict[str, Any]:
+    with torch.no_grad():
+        params = {name: p.detach().clone() for name, p in model.named_parameters()}
+        bufs = {name: b.detach().clone() for name, b in model.named_buffers()} if buffers else {}
+    return {"params": params, "buffers": bufs}
+
+
+def _check_names(kind: str, held: Mapping[str, Any], live: Mapping[str, Any], key: str) -> None:
+    if held.keys() == live.keys():
+        return
+    missing = sorted(live.keys() - held.keys())
+    extra = sorted(held.keys() - live.keys())
+    raise ValueError(
+        f"ema: state.extras[{key!r}][{kind!r}] does not match the model's {kind}: missing "
+        f"{missing[:5]}{'...' if len(missing) > 5 else ''}, unexpected "
+        f"{extra[:5]}{'...' if len(extra) > 5 else ''}. Resume with the same model and the "
+        f"same ema(buffers=...) option, or drop state.extras[{key!r}] to restart the average."
+    )
+
+
+def _adopt(entry: Mapping[str, Any], model: torch.nn.Module, buffers: bool, key: str) -> dict:
+    """Check a resumed entry against the model; move its tensors next to the weights."""
+    live_params = dict(model.named_parameters())
+    live_bufs = dict(model.named_buffers()) if buffers else {}
+    _check_names("params", entry["params"], live_params, key)
+    _check_names("buffers", entry["buffers"], live_bufs, key)
+
+    def place(held: Mapping[str, torch.Tensor], live: Mapping[str, torch.Tensor]) -> dict:
+        # A checkpoint loaded on the CPU lands here with CPU tensors; the average must live on
+        # the weights' device for the fused update.
+        return {n: t.to(device=live[n].device, dtype=live[n].dtype) for n, t in held.items()}
+
+    return {
+        **entry,
+        "params": place(entry["params"], live_params),
+        "buffers": place(entry["buffers"], live_bufs),
+    }
+
+
+def ema(
+    decay: float = 0.999,
+    *,
+    warmup: bool = True,
+    every: int = 1,
+    buffers: bool = False,
+    key: str = "ema",
+) -> Plugin:
+    """A plugin keeping an exponential moving average (EMA) of the model's weights.
+
+    After every ``every``-th *applied* optimizer update (``state.step % every == 0`` on a
+    ``"step"`` event whose ``out.updated`` is true; micro-batches that do not close an
+    accumulation window and windows rejected by the guard or skipped by the fp16 scaler do
+    not count), each averaged tensor moves towards the live one::
+
+        ema <- d_n * ema + (1 - d_n) * param
+
+    With ``warmup=True`` the decay ramps up as ``d_n = min(decay, (1 + n) / (10 + n))``,
+    where ``n`` is the number of EMA updates done before this one (the convention of
+    TensorFlow's ``ExponentialMovingAverage(num_updates=...)`` and timm's ``ModelEma``): the
+    early average follows the fast-moving weights instead of being dominated by the random
+    initialisation. With ``warmup=False``, ``d_n = decay`` always.
+
+    The average lives in ``state.extras[key]`` as ``{"step": state.step of the last EMA
+    update, "num_updates": n, "params": {name: tensor}, "buffers": {name: tensor}}``, so a
+    checkpoint of the state carries it. Names are those of the unwrapped model (no
+    ``torch.compile``/DDP prefixes); tensors have the weights' device and dtype and are
+    updated in place with fused ``torch._foreach_lerp_`` kernels, without a host sync. On
+    ``"start"`` the entry is created from the current weights when absent; an existing entry
+    (a resumed state) is kept and moved to the weights' device, so put the plugin that loads
+    a checkpoint before ``ema`` in the plugin list, and ``ema`` before ``validate`` when
+    validation should see the new average.
+
+    Args:
+        decay: the decay in ``[0, 1)``; the average spans roughly ``1 / (1 - decay)`` updates.
+        warmup: ramp the decay up as described above.
+        every: update the average every this many applied updates.
+        buffers: also average floating-point buffers (e.g. BatchNorm running statistics);
+            other buffers (e.g. ``num_batches_tracked``) are copied. With ``False`` only
+            parameters are averaged and :func:`ema_model` keeps the live model's buffers.
+        key: the ``state.extras`` key.
+
+    Returns:
+        The plugin, ``plugin(event) -> TrainState | None``.
+
+    Raises:
+        ValueError: ``decay`` outside ``[0, 1)``, ``every < 1``, an empty ``key``; at
+            ``"start"``, a resumed entry whose names do not match the model.
+        TypeError: ``warmup`` or ``buffers`` not a bool.
+
+    Example:
+        >>> import torch
+        >>> from toolkit import TrainState, make_step, run
+        >>> from toolkit.plugins import ema, ema_model
+        >>> model = torch.nn.Linear(2, 1)
+        >>> state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> data = [torch.ones(4, 2)] * 5
+        >>> step = make_step(lambda m, b: m(b).square().mean())
+        >>> state = run(step, state, data, max_steps=5, plugins=[ema(0.9)])
+        >>> state.extras["ema"]["num_updates"], sorted(state.extras["ema"]["params"])
+        (5, ['bias', 'weight'])
+        >>> ema_model(state).training
+        False
+    """
+    _check_args(decay, warmup, every, buffers, key)
+    decay = float(decay)
+    # The tensor lists of the fused update, rebuilt only when the model or the entry changes.
+    cache: dict[str, Any] = {}
+
+    def lists(model: torch.nn.Module, entry: Mapping[str, Any]) -> tuple[list, ...]:
+        if cache.get("model") is model and cache.get("entry") is entry["params"]:
+            return cache["lists"]
+        bare = unwrap(model)
+        params, held = entry["params"], entry["buffers"]
+        live_p = [p for _, p in bare.named_parameters()]
+        ema_p = [params[name] for name, _ in bare.named_parameters()]
+        live_b, ema_b, live_c, ema_c = [], [], [], []
+        if buffers:
+            for name, b in bare.named_buffers():
+                if b.is_floating_point() or b.is_complex():
+                    live_b.append(b)
+                    ema_b.append(held[name])
+                else:
+                    live_c.append(b)
+                    ema_c.append(held[name])
+        result = (ema_p + ema_b, live_p + live_b, ema_c, live_c)
+        cache.update(model=model, entry=entry["params"], lists=result)
+        return result
+
+    def plugin(event: Event) -> TrainState | None:
+        state = event.state
+        if event.kind == "start":
+            bare = unwrap(state.model)
+            entry = state.extras.get(key)
+            if entry is None:
+                entry = {"step": state.step, "num_updates": 0, **_snapshot(bare, buffers)}
+            else:
+                entry = _adopt(entry, bare, buffers, key)
+            return state.replace(extras={**state.extras, key: entry})
+        if event.kind != "step" or not event.out.updated or state.step % every:
+            return None
+        entry = state.extras.get(key)
+        if entry is None:  # called outside run(), or "start" was not delivered
+            entry = {
+                "step": state.step,
+                "num_updates": 0,
+                **_snapshot(unwrap(state.model), buffers),
+            }
+            return state.replace(extras={**state.extras, key: entry})
+        n = entry["num_updates"]
+        d = min(decay, (1 + n) / (10 + n)) if warmup else decay
+        averaged, live, copied, sources = lists(state.model, entry)
+        with torch.no_grad():
+            if averaged:
+                # lerp(ema, p, 1 - d) = d * ema + (1 - d) * p, one fused kernel per device/dtype.
+                torch._foreach_lerp_(averaged, live, 1.0 - d)
+            if copied:
+                torch._foreach_copy_(copied, sources)
+        new = {**entry, "step": state.step, "num_updates": n + 1}
+        return state.replace(extras={**state.extras, key: new})
+
+    return plugin
+
+
+def ema_model(state: TrainState, key: str = "ema") -> torch.nn.Module:
+    """A copy of the (unwrapped) model carrying the EMA weights, in eval mode.
+
+    The training model is not touched. Buffers that the average does not hold (all of them
+    with ``ema(buffers=False)``) keep the training model's current values.
+
+    Args:
+        state: a state that went through a run with the :func:`ema` plugin.
+        key: the ``state.extras`` key given to :func:`ema`.
+
+    Returns:
+        A deep copy of ``state.model`` without compile/DDP wrappers, with the averaged
+        parameters (and buffers) loaded, in ``eval()`` mode.
+
+    Raises:
+        KeyError: ``state.extras`` has no EMA under ``key``.
+        ValueError: the EMA's names do not match the model's.
+
+    Example:
+        >>> import torch
+        >>> from toolkit import TrainState
+        >>> from toolkit.plugins import ema, ema_model
+        >>> model = torch.nn.Linear(1, 1)
+        >>> extras = {"ema": {"step": 0, "num_updates": 0, "buffers": {},
+        ...           "params": {"weight": torch.full((1, 1), 2.0), "bias": torch.zeros(1)}}}
+        >>> state = TrainState(model=model, extras=extras)
+        >>> ema_model(state).weight.item(), ema_model(state) is model
+        (2.0, False)
+    """
+    entry = state.extras.get(key)
+    if entry is None:
+        raise KeyError(
+            f"ema_model: state.extras has no {key!r} entry (keys: {sorted(state.extras)}). Add "
+            f"ema(key={key!r}) to run()'s plugins, or pass the key that ema() used."
+        )
+    source = unwrap(state.model)
+    copy_ = copy.deepcopy(source)
+    params = dict(copy_.named_parameters())
+    bufs = dict(copy_.named_buffers())
+    _check_names("params", entry["params"], params, key)
+    unknown = sorted(entry["buffers"].keys() - bufs.keys())
+    if unknown:
+        raise ValueError(
+            f"ema_model: state.extras[{key!r}]['buffers'] has names the model lacks: "
+            f"{unknown[:5]}. The EMA was made for a different model."
+        )
+    with torch.no_grad():
+        for name, t in entry["params"].items():
+            params[name].copy_(t)
+        for name, t in entry["buffers"].items():
+            bufs[name].copy_(t)
+    return copy_.eval()

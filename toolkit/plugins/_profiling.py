@@ -1,0 +1,123 @@
+"""profile: torch.profiler over a window of updates, Chrome traces written to a folder."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity
+
+from toolkit._distributed import is_rank_zero
+from toolkit._loop import Event, Plugin
+from toolkit._state import TrainState
+
+__all__ = ["profile"]
+
+
+def _check_count(name: str, value: Any, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"profile: {name} must be an int >= {least}; got {value!r}.")
+
+
+def profile(
+    out_dir: str | os.PathLike[str],
+    *,
+    wait: int = 1,
+    warmup: int = 1,
+    active: int = 3,
+    repeat: int = 1,
+    record_shapes: bool = False,
+) -> Plugin:
+    """A plugin running ``torch.profiler`` over a window of updates and writing Chrome traces.
+
+    The profiler starts at ``"start"`` with ``torch.profiler.schedule(wait=wait,
+    warmup=warmup, active=active, repeat=repeat)`` and advances one schedule step after each
+    *applied* update (so a profiled step covers all micro-batches of its accumulation
+    window). Each cycle skips ``wait`` updates, runs ``warmup`` updates with the profiler on
+    but discarded, records ``active`` updates, then writes
+    ``out_dir/trace_step{N}.json`` (``N`` = ``state.step`` at the end of the recorded
+    window); ``repeat=0`` repeats cycles until the run ends. The profiler stops at ``"end"``
+    (also when training raised), which writes a partially recorded window too. Activities
+    are the CPU, plus CUDA when ``torch.cuda.is_available()``. Only rank 0 profiles. Open a
+    trace in https://ui.perfetto.dev or ``chrome://tracing``.
+
+    Args:
+        out_dir: folder for the traces (created when missing), e.g. the run folder.
+        wait: updates skipped at the start of each cycle (>= 0).
+        warmup: updates profiled but discarded, to skip profiler start-up cost (>= 0).
+        active: updates recorded per cycle (>= 1).
+        repeat: number of cycles; 0 for as many as the run allows (>= 0).
+        record_shapes: record operator input shapes (bigger traces).
+
+    Returns:
+        The plugin, ``plugin(event) -> TrainState | None``.
+
+    Raises:
+        ValueError: a negative count, ``active < 1``.
+        TypeError: ``record_shapes`` not a bool, ``out_dir`` not a path.
+
+    Example:
+        >>> import json, pathlib, tempfile, torch
+        >>> from toolkit import TrainState, make_step, run
+        >>> from toolkit.plugins import profile
+        >>> model = torch.nn.Linear(2, 1)
+        >>> state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> step = make_step(lambda m, b: m(b).square().mean())
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     plugin = profile(tmp, wait=1, warmup=1, active=2)
+        ...     state = run(step, state, [torch.ones(4, 2)] * 6, max_steps=6, plugins=[plugin])
+        ...     names = sorted(p.name for p in pathlib.Path(tmp).iterdir())
+        ...     trace = json.loads((pathlib.Path(tmp) / names[0]).read_text())
+        >>> names, "traceEvents" in trace
+        (['trace_step4.json'], True)
+    """
+    if not isinstance(out_dir, (str, os.PathLike)):
+        raise TypeError(
+            f"profile: out_dir must be a path (str or os.PathLike); got {type(out_dir).__name__}."
+        )
+    _check_count("wait", wait, 0)
+    _check_count("warmup", warmup, 0)
+    _check_count("active", active, 1)
+    _check_count("repeat", repeat, 0)
+    if not isinstance(record_shapes, bool):
+        raise TypeError(f"profile: record_shapes must be True or False; got {record_shapes!r}.")
+    folder = Path(out_dir)
+    # One run at a time: the live profiler and the step that names the next trace.
+    live: dict[str, Any] = {}
+
+    def export(prof: torch.profiler.profile) -> None:
+        prof.export_chrome_trace(str(folder / f"trace_step{live['step']}.json"))
+
+    def plugin(event: Event) -> TrainState | None:
+        if event.kind == "start":
+            if not is_rank_zero():
+                return None
+            folder.mkdir(parents=True, exist_ok=True)
+            activities = [ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(ProfilerActivity.CUDA)
+            prof = torch.profiler.profile(
+                activities=activities,
+                schedule=torch.profiler.schedule(
+                    wait=wait, warmup=warmup, active=active, repeat=repeat
+                ),
+                on_trace_ready=export,
+                record_shapes=record_shapes,
+            )
+            live.update(prof=prof, step=event.state.step)
+            prof.start()
+            return None
+        prof = live.get("prof")
+        if prof is None:
+            return None
+        if event.kind == "step" and event.out.updated:
+            live["step"] = event.state.step
+            prof.step()
+        elif event.kind == "end":
+            live.clear()
+            prof.stop()
+        return None
+
+    return plugin

@@ -1,0 +1,256 @@
+"""progress: a rich progress bar (or plain lines in logs) with loss, LR, throughput and ETA."""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import rich
+import rich.console
+import rich.progress
+import torch
+
+from toolkit._distributed import is_rank_zero
+from toolkit._loop import Event
+from toolkit._state import TrainState
+from toolkit.plugins._metrics import _to_host
+
+__all__ = ["progress"]
+
+
+def _rate(value: float) -> str:
+    return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
+
+
+def _check(every: Any, warmup: Any, console: Any, clock: Any) -> None:
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(
+            f"progress: every must be an int >= 1 (updates between refreshes); got {every!r}. "
+            "Example: progress(every=10)."
+        )
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(
+            f"progress: warmup must be an int >= 0 (updates left out of the ETA); got "
+            f"{warmup!r}. Example: progress(every=10, warmup=5)."
+        )
+    if console is not None and not isinstance(console, rich.console.Console):
+        raise TypeError(
+            f"progress: console must be a rich.console.Console or None; got "
+            f"{type(console).__name__}. Example: progress(console=Console(stderr=True))."
+        )
+    if not callable(clock):
+        raise TypeError(
+            f"progress: clock must be a function returning seconds; got {type(clock).__name__}."
+        )
+
+
+def progress(
+    every: int = 10,
+    *,
+    warmup: int = 5,
+    console: rich.console.Console | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> Callable[[Event], TrainState | None]:
+    """A plugin showing training progress: a rich bar in a terminal, plain lines otherwise.
+
+    Every ``every`` updates (when ``state.step`` is a multiple of ``every``) and at the
+    end, it shows: the step out of the run's total (when known), the count-weighted mean
+    loss of the micro-batches since the last refresh, the learning rate the last update
+    used, the mean gradient norm (when the step computes it, under :func:`toolkit.clip` or
+    :func:`toolkit.guard_nonfinite`), samples/s and, when the loss reports target counts
+    (:class:`toolkit.LossSum`), tokens/s, the metrics of ``state.extras["memory"]`` (peak
+    memory, from :func:`toolkit.plugins.peak_memory`) and the ETA.
+
+    The ETA is the time per update measured from the ``warmup``-th update of this run (so
+    compilation and cache warm-up are left out, and the measurement restarts after a
+    resume) times the updates left; it appears once an update has been timed.
+
+    When the console is a terminal, a live bar is drawn (refreshed only at those points: no
+    background thread); otherwise (CI logs, output redirected to a file) one plain line is
+    printed per refresh, e.g. ``step 20/100 | loss 0.4312 | lr 1.00e-03 | grad_norm 0.53 |
+    1234 samples/s | eta 0:00:12``. The live bar is stopped at ``"end"``, also when
+    training raised. Values are synced to the host only at a refresh, once (one
+    ``.tolist()``). Only rank 0 shows anything (and does any work); the loss is rank 0's.
+
+    Args:
+        every: updates between refreshes (>= 1).
+        warmup: updates of this run left out of the ETA measurement (>= 0).
+        console: the ``rich.console.Console`` to draw on; ``None`` uses rich's global
+            console (standard output).
+        clock: a function returning seconds (default ``time.perf_counter``), for the ETA
+            and throughput; tests pass a fake clock for deterministic output.
+
+    Returns:
+        The plugin, a function ``plugin(event) -> None``.
+
+    Raises:
+        ValueError: ``every`` is not an int >= 1 or ``warmup`` not an int >= 0.
+        TypeError: ``console`` is not a rich Console, or ``clock`` is not callable.
+
+    Example:
+        >>> import io, itertools, torch
+        >>> from rich.console import Console
+        >>> from toolkit import TrainState, make_step, run
+        >>> from toolkit.plugins import progress
+        >>> model = torch.nn.Linear(1, 1, bias=False)
+        >>> state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0))
+        >>> step = make_step(lambda m, b: m(b).sum() * 0 + b.mean())  # loss = batch mean
+        >>> data = [torch.full((4, 1), float(i)) for i in range(4)]
+        >>> console = Console(file=io.StringIO(), width=100)  # not a terminal: plain lines
+        >>> ticks = itertools.count()  # a fake clock: one second per call
+        >>> plugin = progress(every=2, warmup=1, console=console, clock=lambda: next(ticks))
+        >>> _ = run(step, state, data, max_steps=4, plugins=[plugin])
+        >>> print(console.file.getvalue(), end="")
+        step 2/4 | loss 0.5 | lr 0.00e+00 | 4 samples/s | eta 0:00:02
+        step 4/4 | loss 2.5 | lr 0.00e+00 | 8 samples/s | eta 0:00:00
+    """
+    _check(every, warmup, console, clock)
+
+    # Everything since the last refresh; loss entries are (loss, count, samples).
+    losses: list[tuple[torch.Tensor, Any, int | None]] = []
+    norms: list[torch.Tensor] = []
+    live: dict[str, Any] = {}
+    run: dict[str, Any] = {}
+
+    def start(event: Event) -> None:
+        losses.clear()
+        norms.clear()
+        shown = console if console is not None else rich.get_console()
+        now = clock()
+        run.update(
+            console=shown,
+            total=event.loop.total_steps,
+            updates=0,
+            lr=None,
+            warm_at=now if warmup == 0 else None,
+            last_time=now,
+            shown_step=event.state.step,
+        )
+        if shown.is_terminal:
+            bar = rich.progress.Progress(
+                rich.progress.TextColumn("{task.fields[head]}"),
+                rich.progress.BarColumn(),
+                rich.progress.TextColumn("{task.fields[info]}"),
+                console=shown,
+                auto_refresh=False,  # redrawn at refreshes only: no thread competing with training
+            )
+            live["bar"] = bar
+            live["task"] = bar.add_task(
+                "train",
+                total=run["total"],
+                completed=event.state.step,
+                head=_head(event.state.step, run["total"]),
+                info="",
+            )
+            bar.start()
+            bar.refresh()
+
+    def refresh(state: TrainState) -> None:
+        lr = run["lr"]
+        lr_tensor = [lr.reshape(())] if isinstance(lr, torch.Tensor) else []
+        tensors = [loss for loss, _, _ in losses]
+        tensors += [c.reshape(()) for _, c, _ in losses if isinstance(c, torch.Tensor)]
+        values = _to_host([*tensors, *norms, *lr_tensor])  # the one host sync of a refresh
+        loss_values = iter(values[: len(losses)])
+        count_values = iter(values[len(losses) : len(tensors)])
+        weighted = weights = samples = tokens = 0.0
+        has_samples = has_tokens = False
+        for _, count, n in losses:
+            if count is not None:
+                count = next(count_values) if isinstance(count, torch.Tensor) else float(count)
+                tokens += count
+                has_tokens = True
+            if n is not None:
+                samples += n
+                has_samples = True
+            weight = count if count is not None else n if n is not None else 1.0
+            weighted += next(loss_values) * weight
+            weights += weight
+        now = clock()
+        elapsed = now - run["last_time"]
+        run["last_time"] = now
+
+        parts = []
+        if weights:
+            parts.append(f"loss {weighted / weights:.4g}")
+        if lr is not None:
+            parts.append(f"lr {(values[-1] if lr_tensor else float(lr)):.2e}")
+        if norms:
+            grad_norm = sum(values[len(tensors) : len(tensors) + len(norms)]) / len(norms)
+            parts.append(f"grad_norm {grad_norm:.3g}")
+        if elapsed > 0 and has_samples:
+            parts.append(f"{_rate(samples / elapsed)} samples/s")
+        if elapsed > 0 and has_tokens:
+            parts.append(f"{_rate(tokens / elapsed)} tokens/s")
+        memory = state.extras.get("memory")
+        if isinstance(memory, Mapping) and isinstance(memory.get("metrics"), Mapping):
+            for name, value in memory["metrics"].items():
+                if isinstance(value, (int, float)):
+                    parts.append(f"{name} {value:.3g}")
+        eta = _eta(run, warmup, now, state.step)
+        if eta is not None:
+            parts.append(f"eta {eta}")
+        losses.clear()
+        norms.clear()
+        run["shown_step"] = state.step
+        show(state.step, " | ".join(parts))
+
+    def show(step: int, info: str) -> None:
+        head = _head(step, run["total"])
+        bar = live.get("bar")
+        if bar is None:
+            line = f"{head} | {info}" if info else head
+            run["console"].print(line, markup=False, highlight=False, soft_wrap=True)
+        else:
+            bar.update(live["task"], completed=step, head=head, info=info)
+            bar.refresh()
+
+    def plugin(event: Event) -> None:
+        kind = event.kind
+        if kind == "step":
+            if not run:
+                return None
+            out = event.out
+            assert out is not None
+            if out.loss is not None:
+                losses.append((out.loss, out.count, out.samples))
+            if out.updated:
+                run["updates"] += 1
+                run["lr"] = out.lr
+                if out.grad_norm is not None:
+                    norms.append(out.grad_norm)
+                if run["updates"] == warmup:
+                    run["warm_at"] = clock()
+                if event.state.step % every == 0:
+                    refresh(event.state)
+        elif kind == "start":
+            run.clear()
+            if is_rank_zero():
+                start(event)
+        elif kind == "end" and run:
+            try:
+                if event.error is None and event.state.step != run["shown_step"]:
+                    refresh(event.state)
+            finally:
+                bar = live.pop("bar", None)
+                if bar is not None:
+                    bar.stop()
+                run.clear()
+        return None
+
+    return plugin
+
+
+def _head(step: int, total: int | None) -> str:
+    return f"step {step}/{total}" if total is not None else f"step {step}"
+
+
+def _eta(run: Mapping[str, Any], warmup: int, now: float, step: int) -> str | None:
+    timed = run["updates"] - warmup  # updates since the clock started at the warmup-th
+    if run["warm_at"] is None or run["total"] is None or timed <= 0:
+        return None
+    per_update = (now - run["warm_at"]) / timed
+    seconds = per_update * max(run["total"] - step, 0)
+    return str(datetime.timedelta(seconds=round(seconds)))

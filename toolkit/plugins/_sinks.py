@@ -1,0 +1,212 @@
+"""Metric sinks for :func:`toolkit.plugins.log_metrics`: JSON lines, TensorBoard, W&B."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+__all__ = ["Sink", "jsonl", "tensorboard", "wandb"]
+
+
+class Sink(NamedTuple):
+    """Where :func:`toolkit.plugins.log_metrics` sends what it publishes: two functions.
+
+    Any pair of functions works as a sink; :func:`jsonl`, :func:`tensorboard` and
+    :func:`wandb` build the usual ones. The built-in sinks open their file or run lazily at
+    the first ``write``, so a sink that is never written (on ranks other than 0) creates
+    nothing, and they may be written again after ``close`` (they reopen).
+
+    Attributes:
+        write: ``write(step, metrics)`` records ``metrics`` (flat ``{"train/loss": 0.5}``,
+            python floats) at update ``step``.
+        close: ``close()`` flushes and releases the file or run; calling it twice is harmless.
+
+    Example:
+        >>> from toolkit.plugins import Sink
+        >>> seen = []
+        >>> sink = Sink(write=lambda step, m: seen.append((step, m)), close=lambda: None)
+        >>> sink.write(10, {"train/loss": 0.5})
+        >>> seen
+        [(10, {'train/loss': 0.5})]
+    """
+
+    write: Callable[[int, dict[str, float]], None]
+    close: Callable[[], None]
+
+
+def _check_path(fn: str, name: str, value: Any) -> pathlib.Path:
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(
+            f"{fn}: {name} must be a path (str or os.PathLike); got {type(value).__name__}. "
+            f'Example: {fn}("runs/exp1/{"metrics.jsonl" if fn == "jsonl" else "tb"}").'
+        )
+    return pathlib.Path(value)
+
+
+def jsonl(path: str | os.PathLike[str]) -> Sink:
+    """A sink appending one JSON object per publish to ``path``: ``{"step": s, **metrics}``.
+
+    Needs no extra package. Parent directories are created at the first write; every line
+    is flushed to the operating system as soon as it is written, so a crashed run loses no
+    published line. The file is opened in append mode, so a resumed run continues the same
+    file. Non-finite values are written as ``NaN`` / ``Infinity`` (what Python's ``json``
+    writes and reads back).
+
+    Args:
+        path: the file to append to, e.g. ``"runs/exp1/metrics.jsonl"``.
+
+    Returns:
+        A :class:`Sink`.
+
+    Raises:
+        TypeError: when ``path`` is not a str or path-like.
+        IsADirectoryError: when ``path`` is an existing directory.
+
+    Example:
+        >>> import json, pathlib, tempfile
+        >>> from toolkit.plugins import jsonl
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     sink = jsonl(pathlib.Path(tmp) / "run" / "metrics.jsonl")
+        ...     sink.write(1, {"train/loss": 0.5})
+        ...     sink.write(2, {"train/loss": 0.25})
+        ...     sink.close()
+        ...     lines = (pathlib.Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()
+        >>> [json.loads(line) for line in lines]
+        [{'step': 1, 'train/loss': 0.5}, {'step': 2, 'train/loss': 0.25}]
+    """
+    file_path = _check_path("jsonl", "path", path)
+    if file_path.is_dir():
+        raise IsADirectoryError(
+            f"jsonl: {str(file_path)!r} is a directory; give a file path inside it, e.g. "
+            f"jsonl({str(file_path / 'metrics.jsonl')!r})."
+        )
+    handle: Any = None
+
+    def write(step: int, metrics: dict[str, float]) -> None:
+        nonlocal handle
+        if handle is None:
+            file_path.parent.mkdir(parents=True, exist_ok=True)
+            handle = open(file_path, "a", encoding="utf-8")  # noqa: SIM115 (closed by close)
+        handle.write(json.dumps({"step": step, **metrics}) + "\n")
+        handle.flush()
+
+    def close() -> None:
+        nonlocal handle
+        if handle is not None:
+            handle.close()
+            handle = None
+
+    return Sink(write, close)
+
+
+def tensorboard(log_dir: str | os.PathLike[str]) -> Sink:
+    """A sink writing each metric as a TensorBoard scalar (``SummaryWriter.add_scalar``).
+
+    Needs the ``tensorboard`` package. The event file is created in ``log_dir`` at the first
+    write and flushed after every write; view it with ``tensorboard --logdir <log_dir>``.
+
+    Args:
+        log_dir: the directory for the event files, e.g. ``"runs/exp1/tb"``.
+
+    Returns:
+        A :class:`Sink`.
+
+    Raises:
+        TypeError: when ``log_dir`` is not a str or path-like.
+        ImportError: when tensorboard is not installed (the message says how to install it).
+
+    Example:
+        >>> import tempfile
+        >>> from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+        >>> from toolkit.plugins import tensorboard
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     sink = tensorboard(tmp)
+        ...     sink.write(3, {"train/loss": 0.5})
+        ...     sink.close()
+        ...     events = EventAccumulator(tmp)
+        ...     _ = events.Reload()
+        ...     [(e.step, e.value) for e in events.Scalars("train/loss")]
+        [(3, 0.5)]
+    """
+    directory = _check_path("tensorboard", "log_dir", log_dir)
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as exc:
+        raise ImportError(
+            "tensorboard(): the TensorBoard sink needs the tensorboard package, which is not "
+            "installed. Install it with `pip install tensorboard` (or `pip install "
+            '"toolkit[loggers]"`), or log with jsonl(path), which needs nothing.'
+        ) from exc
+    writer: Any = None
+
+    def write(step: int, metrics: dict[str, float]) -> None:
+        nonlocal writer
+        if writer is None:
+            writer = SummaryWriter(log_dir=str(directory))
+        for key, value in metrics.items():
+            writer.add_scalar(key, value, step)
+        writer.flush()
+
+    def close() -> None:
+        nonlocal writer
+        if writer is not None:
+            writer.close()
+            writer = None
+
+    return Sink(write, close)
+
+
+def wandb(**init_kwargs: Any) -> Sink:
+    """A sink logging to Weights & Biases: ``wandb.init(**init_kwargs)`` at the first write.
+
+    Needs the ``wandb`` package. Each publish is ``run.log(metrics, step=step)`` with the
+    update count as the W&B step, so steps keep increasing across a resume; to continue the
+    same W&B run after a restart, pass its id: ``wandb(project="p", id=run_id,
+    resume="allow")``. ``close`` calls ``run.finish()``; a write after that starts a new run
+    with the same arguments. Offline runs (``WANDB_MODE=offline`` or ``mode="offline"``)
+    need no account.
+
+    Args:
+        **init_kwargs: passed to ``wandb.init`` unchanged (``project``, ``name``, ``config``,
+            ``dir``, ``mode``, ``id``, ``resume``...).
+
+    Returns:
+        A :class:`Sink`.
+
+    Raises:
+        ImportError: when wandb is not installed (the message says how to install it).
+
+    Example:
+        >>> import pathlib, tempfile
+        >>> from toolkit.plugins import wandb
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     sink = wandb(project="demo", dir=tmp, mode="disabled")
+        ...     sink.write(1, {"train/loss": 0.5})
+        ...     sink.close()
+    """
+    try:
+        import wandb as wandb_module
+    except ImportError as exc:
+        raise ImportError(
+            "wandb(): the Weights & Biases sink needs the wandb package, which is not "
+            "installed. Install it with `pip install wandb` (or `pip install "
+            '"toolkit[loggers]"`), or log with jsonl(path), which needs nothing.'
+        ) from exc
+    run: Any = None
+
+    def write(step: int, metrics: dict[str, float]) -> None:
+        nonlocal run
+        if run is None:
+            run = wandb_module.init(**init_kwargs)
+        run.log(metrics, step=step)
+
+    def close() -> None:
+        nonlocal run
+        if run is not None:
+            run.finish()
+            run = None
+
+    return Sink(write, close)
