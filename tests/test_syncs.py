@@ -29,7 +29,7 @@ class CountSyncs(TorchDispatchMode):
         super().__init__()
         self.count = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default:
             self.count += 1
         return func(*args, **(kwargs or {}))
@@ -60,7 +60,7 @@ def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(6, 8), torch.randint(0, 4, (6,))) for _ in range(n)]
 
 
-def _per_call_syncs(step, state: TrainState, batches) -> list[int]:  # noqa: ANN001
+def _per_call_syncs(step, state: TrainState, batches) -> list[int]:
     counts = []
     for batch in batches:
         with CountSyncs() as counter:

@@ -22,7 +22,22 @@ _DTYPES = {
 
 
 class LossScaleError(RuntimeError):
-    """The fp16 loss scale fell below its floor: gradients overflow whatever the scale."""
+    """The fp16 loss scale fell below its floor: gradients overflow whatever the scale.
+
+    Example:
+        >>> import torch
+        >>> from toolkit import LossScaleError, TrainState, amp_wrap, make_step
+        >>> model = torch.nn.Linear(2, 1)
+        >>> state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+        >>> step = amp_wrap(make_step(lambda m, b: m(b).float().mean()), dtype="fp16",
+        ...                 scaler=scaler, min_scale=0.75)
+        >>> try:
+        ...     step(state, torch.full((1, 2), float("inf")))
+        ... except LossScaleError as error:
+        ...     print(str(error)[:44])
+        the fp16 loss scale fell to 0.5, below min_s
+    """
 
 
 @dataclasses.dataclass(frozen=True)

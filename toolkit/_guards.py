@@ -18,7 +18,20 @@ OnExhaust = Literal["raise", "skip", "accept"]
 
 
 class NonFiniteError(RuntimeError):
-    """Too many consecutive accumulation windows had a non-finite loss or gradient."""
+    """Too many consecutive accumulation windows had a non-finite loss or gradient.
+
+    Example:
+        >>> import torch
+        >>> from toolkit import NonFiniteError, TrainState, guard_nonfinite, make_step
+        >>> model = torch.nn.Linear(2, 1)
+        >>> state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> step = guard_nonfinite(make_step(lambda m, b: m(b).mean()), max_retries=0)
+        >>> try:
+        ...     step(state, torch.full((1, 2), float("nan")))
+        ... except NonFiniteError as error:
+        ...     print(str(error)[:60])
+        guard_nonfinite: 1 consecutive accumulation windows had a no
+    """
 
 
 @dataclasses.dataclass(frozen=True)

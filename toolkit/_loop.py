@@ -27,6 +27,18 @@ class LoopInfo:
         micro_batches: micro-batches per update of the step (1 without accumulation).
         start_step: ``state.step`` when this run started (> 0 after a resume).
         total_steps: the number of updates the run will reach, when it can be known.
+
+    Example:
+        >>> import torch
+        >>> from toolkit import TrainState, accumulate, make_step, run
+        >>> model = torch.nn.Linear(2, 1)
+        >>> state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> step = accumulate(make_step(lambda m, b: m(b).mean()), micro_batches=2)
+        >>> infos = []
+        >>> _ = run(step, state, [torch.ones(1, 2)] * 4, epochs=3,
+        ...         plugins=[lambda e: infos.append(e.loop) if e.kind == "start" else None])
+        >>> infos[0].batches_per_epoch, infos[0].micro_batches, infos[0].total_steps
+        (4, 2, 6)
     """
 
     max_steps: int | None
@@ -53,6 +65,17 @@ class Event:
         step_time: seconds the step call took on the host (``"step"`` events only; on an
             accelerator this is launch time unless the step synchronised).
         error: the exception that ended training (``"end"`` events only), else ``None``.
+
+    Example:
+        >>> import torch
+        >>> from toolkit import TrainState, make_step, run
+        >>> model = torch.nn.Linear(2, 1)
+        >>> state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> kinds = []
+        >>> _ = run(make_step(lambda m, b: m(b).mean()), state, [torch.ones(1, 2)] * 2, epochs=1,
+        ...         plugins=[lambda event: kinds.append(event.kind)])
+        >>> kinds
+        ['start', 'step', 'step', 'epoch_end', 'end']
     """
 
     kind: EventKind

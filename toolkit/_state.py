@@ -19,8 +19,18 @@ class WindowState(NamedTuple):
         micro_step: accepted micro-batches in the window so far (``0 <= micro_step < k``).
         count: summed target count of the window (float64 tensor), or ``None`` when the
             loss function reports no counts.
-        loss: summed detached loss of the window (a float32 tensor), or ``None`` when no
-            decorator needs it (the guard checks it for finiteness once per window).
+        loss: summed detached loss of the window, or ``None`` when no decorator needs it
+            (the guard checks it for finiteness once per window).
+
+    Example:
+        >>> import torch
+        >>> from toolkit import TrainState, accumulate, make_step
+        >>> model = torch.nn.Linear(2, 1)
+        >>> state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> step = accumulate(make_step(lambda m, b: m(b).mean()), micro_batches=3)
+        >>> state, _ = step(state, torch.ones(4, 2))
+        >>> state.window.micro_step
+        1
     """
 
     micro_step: int = 0
@@ -36,6 +46,16 @@ class GuardState(NamedTuple):
         total_notfinite: rejected windows over the whole run.
         total_overflow: windows the fp16 ``GradScaler`` skipped because of an overflow
             (these are not failures; the scaler lowers its scale and training goes on).
+
+    Example:
+        >>> import torch
+        >>> from toolkit import TrainState, guard_nonfinite, make_step
+        >>> model = torch.nn.Linear(2, 1)
+        >>> state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> step = guard_nonfinite(make_step(lambda m, b: m(b).mean()), on_exhaust="skip")
+        >>> state, _ = step(state, torch.full((1, 2), float("inf")))
+        >>> state.guard
+        GuardState(notfinite_count=1, total_notfinite=1, total_overflow=0)
     """
 
     notfinite_count: int = 0

@@ -71,6 +71,16 @@ class StepOutput(NamedTuple):
             :func:`clip` or :func:`guard_nonfinite`; else ``None``.
         lr: learning rate of the first parameter group that the update used (read before
             the scheduler steps), when a window closed; else ``None``.
+
+    Example:
+        >>> import torch
+        >>> from toolkit import TrainState, make_step
+        >>> model = torch.nn.Linear(2, 1)
+        >>> state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> step = make_step(lambda m, b: (m(b).square().mean(), {"mean_out": m(b).mean()}))
+        >>> state, out = step(state, torch.ones(4, 2))
+        >>> out.updated, out.samples, out.lr, sorted(out.records)
+        (True, 4, 0.1, ['mean_out'])
     """
 
     loss: torch.Tensor | None
@@ -176,6 +186,13 @@ class Step:
         accumulation: set by :func:`accumulate`.
         clipping: set by :func:`clip`.
         guard: set by :func:`guard_nonfinite`.
+
+    Example:
+        >>> import torch
+        >>> from toolkit import clip, make_step
+        >>> step = clip(make_step(lambda m, b: m(b).mean()), max_norm=1.0)
+        >>> step.clipping.max_norm, step.accumulation is None
+        (1.0, True)
     """
 
     loss_fn: Callable[[torch.nn.Module, Any], Any]

@@ -1,0 +1,244 @@
+"""Decorators commute, reject reuse and impossible combinations, and explain bad input."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from toolkit import (
+    LossSum,
+    Step,
+    TrainState,
+    accumulate,
+    amp_wrap,
+    clip,
+    compose,
+    guard_nonfinite,
+    make_step,
+)
+
+
+def _loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x).float(), y)
+
+
+_MODEL = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3))
+_BATCHES = [(torch.randn(5, 6) * (1 + i), torch.randint(0, 3, (5,))) for i in range(8)]
+
+# Every decorator, configured; the property draws orders and subsets of these.
+DECORATORS = {
+    "amp": lambda: amp_wrap(dtype="bf16"),
+    "accumulate": lambda: accumulate(micro_batches=2),
+    "clip": lambda: clip(max_norm=0.3, max_value=0.05),
+    "guard": lambda: guard_nonfinite(max_retries=1),
+}
+
+
+def _train(step: Step) -> tuple[list[torch.Tensor], dict, int]:
+    model = copy.deepcopy(_MODEL)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+    state = TrainState(model=model, optimizer=opt, scheduler=sched)
+    for batch in _BATCHES:
+        state, _ = step(state, batch)
+    return [p.detach().clone() for p in model.parameters()], sched.state_dict(), state.step
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.permutations(list(DECORATORS)), st.integers(1, len(DECORATORS)), st.booleans())
+def test_decorators_commute(order: list[str], size: int, as_factory: bool) -> None:
+    chosen = order[:size]
+    canonical = compose(*(DECORATORS[n]() for n in sorted(chosen)))(make_step(_loss))
+    step = make_step(_loss)
+    for name in chosen:  # this draw's order, nested calls or compose
+        step = DECORATORS[name]()(step)
+    if not as_factory:
+        step = compose(*(DECORATORS[n]() for n in chosen))(make_step(_loss))
+    assert step == canonical
+    params, sched, n = _train(step)
+    ref_params, ref_sched, ref_n = _train(canonical)
+    assert n == ref_n
+    assert sched == ref_sched
+    for p, q in zip(params, ref_params):
+        assert torch.equal(p, q)
+
+
+def test_direct_and_factory_forms_agree() -> None:
+    direct = clip(accumulate(make_step(_loss), micro_batches=3), max_norm=2.0)
+    factory = compose(clip(max_norm=2.0), accumulate(micro_batches=3))(make_step(_loss))
+    assert direct == factory
+
+
+@pytest.mark.parametrize("name", list(DECORATORS))
+def test_applying_a_decorator_twice_raises_at_decoration(name: str) -> None:
+    once = DECORATORS[name]()(make_step(_loss))
+    with pytest.raises(ValueError, match="applied twice to the same step"):
+        DECORATORS[name]()(once)
+    with pytest.raises(ValueError, match="applied twice"):
+        compose(DECORATORS[name](), DECORATORS[name]())(make_step(_loss))
+
+
+@pytest.mark.parametrize("order", [("amp", "guard"), ("guard", "amp")])
+def test_fp16_with_accepting_guard_is_impossible_in_either_order(order: tuple[str, str]) -> None:
+    parts = {"amp": amp_wrap(dtype="fp16"), "guard": guard_nonfinite(on_exhaust="accept")}
+    with pytest.raises(ValueError, match=r"on_exhaust='accept'.*fp16.*GradScaler always skips"):
+        compose(*(parts[o] for o in order))(make_step(_loss))
+
+
+def test_decorating_something_else_than_a_step() -> None:
+    with pytest.raises(TypeError, match=r"clip: expected a Step built by make_step\(loss_fn\)"):
+        clip(_loss, max_norm=1.0)
+    with pytest.raises(TypeError, match="compose: expected configured decorators"):
+        compose(clip)
+    with pytest.raises(TypeError, match="got a Step, expected a loss function"):
+        make_step(make_step(_loss))
+    with pytest.raises(TypeError, match="expected a callable loss_fn"):
+        make_step(3)
+
+
+# --- bad input: each error names what was expected, what was given, and the fix ---------
+
+
+@pytest.mark.parametrize(
+    ("build", "error", "message"),
+    [
+        (
+            lambda: accumulate(micro_batches=0),
+            ValueError,
+            "micro_batches must be >= 1; got 0. Use 1 (or leave accumulate out)",
+        ),
+        (
+            lambda: accumulate(micro_batches=2.0),
+            TypeError,
+            "micro_batches must be an int >= 1; got float 2.0",
+        ),
+        (
+            lambda: clip(max_norm=0.0),
+            ValueError,
+            "max_norm must be > 0; got 0.0. Leave it out (None)",
+        ),
+        (lambda: clip(max_norm=-1), ValueError, "max_norm must be > 0; got -1"),
+        (lambda: clip(max_value=0), ValueError, "max_value must be > 0; got 0"),
+        (lambda: clip(), ValueError, "give max_norm and/or max_value; got neither"),
+        (lambda: clip(max_norm="1"), TypeError, "max_norm must be a positive number; got str"),
+        (lambda: clip(max_norm=1.0, norm_type=0), ValueError, "norm_type must be > 0"),
+        (
+            lambda: amp_wrap(dtype="fp8"),
+            ValueError,
+            "unknown dtype string 'fp8'; expected 'bf16' or 'fp16'",
+        ),
+        (
+            lambda: amp_wrap(dtype=torch.float32),
+            ValueError,
+            "dtype must be 'bf16', 'fp16', torch.bfloat16 or torch.float16; got torch.float32. "
+            "For float32 training leave amp_wrap out.",
+        ),
+        (
+            lambda: amp_wrap(dtype="bf16", scaler=torch.amp.GradScaler("cpu")),
+            ValueError,
+            "a GradScaler was given with dtype=torch.bfloat16; only fp16 needs loss scaling",
+        ),
+        (
+            lambda: amp_wrap(dtype="fp16", scaler=torch.amp.GradScaler("cpu", enabled=False)),
+            ValueError,
+            "the GradScaler given is disabled",
+        ),
+        (lambda: amp_wrap(dtype="fp16", min_scale=0), ValueError, "min_scale must be > 0"),
+        (lambda: guard_nonfinite(max_retries=-1), ValueError, "max_retries must be >= 0; got -1"),
+        (
+            lambda: guard_nonfinite(max_retries=None),
+            TypeError,
+            "max_retries must be an int >= 0; got NoneType None. For unlimited retries use "
+            "on_exhaust='skip'",
+        ),
+        (
+            lambda: guard_nonfinite(on_exhaust="ignore"),
+            ValueError,
+            "on_exhaust must be 'raise', 'skip' or 'accept'; got 'ignore'",
+        ),
+    ],
+)
+def test_bad_decorator_arguments(build, error: type, message: str) -> None:
+    with pytest.raises(error, match=re.escape(message)):
+        build()
+
+
+def _state() -> TrainState:
+    model = torch.nn.Linear(3, 2)
+    return TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+_X = torch.randn(4, 3)
+
+
+@pytest.mark.parametrize(
+    ("loss_fn", "error", "message"),
+    [
+        (
+            lambda m, b: m(b),
+            ValueError,
+            "loss_fn must return a scalar loss (a 0-d tensor); got a tensor of shape (4, 2). "
+            "Reduce it first: loss.mean()",
+        ),
+        (
+            lambda m, b: (m(b).mean(), m(b).mean(), {}),
+            TypeError,
+            "loss_fn returned tuple: a tuple of length 3, not (loss, records)",
+        ),
+        (
+            lambda m, b: (m(b).mean(), None),
+            TypeError,
+            "its second element is a NoneType, not a mapping of records",
+        ),
+        (lambda m, b: 1.5, TypeError, "loss_fn returned float: not a loss. Expected a scalar"),
+        (lambda m, b: ("loss", {}), TypeError, "the loss is a str, not a tensor"),
+        (
+            lambda m, b: m(b).mean().detach(),
+            ValueError,
+            "loss_fn returned a loss that does not require grad",
+        ),
+    ],
+)
+def test_bad_loss_fn_returns(loss_fn, error: type, message: str) -> None:
+    with pytest.raises(error, match=re.escape(message)):
+        make_step(loss_fn)(_state(), _X)
+
+
+def test_state_without_optimizer() -> None:
+    state = TrainState(model=torch.nn.Linear(3, 2))
+    with pytest.raises(
+        TypeError,
+        match=re.escape(
+            "a train step needs TrainState.optimizer; got None. Build the state with one: "
+            "TrainState(model=model, optimizer=torch.optim.AdamW(model.parameters()))."
+        ),
+    ):
+        make_step(lambda m, b: m(b).mean())(state, _X)
+
+
+def test_state_with_wrong_types() -> None:
+    with pytest.raises(TypeError, match="TrainState.model: expected a torch.nn.Module, got dict"):
+        TrainState(model={})
+    with pytest.raises(TypeError, match="TrainState.optimizer: expected a torch.optim.Optimizer"):
+        TrainState(model=torch.nn.Linear(1, 1), optimizer="adam")
+    with pytest.raises(TypeError, match=r"unknown field\(s\) \['stpe'\]"):
+        _state().replace(stpe=1)
+
+
+def test_mixing_counted_and_plain_losses_in_a_window() -> None:
+    calls = iter([True, False])
+
+    def loss_fn(model: torch.nn.Module, batch: torch.Tensor):
+        out = model(batch).square()
+        return LossSum(out.sum(), out.numel()) if next(calls) else out.mean()
+
+    step = accumulate(make_step(loss_fn), micro_batches=2)
+    state, _ = step(_state(), _X)
+    with pytest.raises(ValueError, match="reported a target count for some micro-batches"):
+        step(state, _X)

@@ -1,0 +1,248 @@
+"""run(): stopping rules, epochs and set_epoch, timings, plugin order, cleanup on errors."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from toolkit import Event, TrainState, accumulate, make_step, run
+
+
+def _state() -> TrainState:
+    model = torch.nn.Linear(2, 1)
+    return TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01))
+
+
+def _step(k: int = 1):
+    step = make_step(lambda m, b: m(b).square().mean())
+    return accumulate(step, micro_batches=k) if k > 1 else step
+
+
+def _data(n: int = 5) -> list[torch.Tensor]:
+    return [torch.randn(3, 2) for _ in range(n)]
+
+
+def _recorder(log: list):
+    def plugin(event: Event) -> None:
+        log.append((event.kind, event.state.step, event.state.epoch))
+
+    return plugin
+
+
+def test_stops_at_max_steps_applied_updates_not_batches() -> None:
+    state = run(_step(k=3), _state(), _data(5), max_steps=4)
+    assert state.step == 4
+    # 12 micro-batches: two full epochs of 5 and two batches into the third.
+    assert (state.epoch, state.batches_seen) == (2, 2)
+
+
+def test_max_steps_is_a_total_so_a_resumed_run_continues() -> None:
+    state = run(_step(), _state(), _data(5), max_steps=3)
+    state = run(_step(), state, _data(5), max_steps=7)
+    assert state.step == 7
+    assert run(_step(), state, _data(5), max_steps=7).step == 7  # already done: no batch drawn
+
+
+def test_epochs_iterate_a_re_iterable_source_and_set_epoch_on_its_sampler() -> None:
+    dataset = TensorDataset(torch.randn(8, 2))
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=3)
+    seen_epochs = []
+    original = sampler.set_epoch
+    sampler.set_epoch = lambda e: (seen_epochs.append(e), original(e))[1]  # type: ignore[method-assign]
+    loader = DataLoader(dataset, batch_size=2, sampler=sampler)
+    log: list = []
+    state = run(
+        make_step(lambda m, b: m(b[0]).mean()), _state(), loader, epochs=3, plugins=[_recorder(log)]
+    )
+    assert (state.epoch, state.step, state.batches_seen) == (3, 12, 0)
+    assert seen_epochs == [0, 1, 2]
+    assert [e for e in log if e[0] == "epoch_end"] == [
+        ("epoch_end", 4, 1),
+        ("epoch_end", 8, 2),
+        ("epoch_end", 12, 3),
+    ]
+
+
+def test_first_of_max_steps_and_epochs_wins() -> None:
+    assert run(_step(), _state(), _data(5), max_steps=100, epochs=2).step == 10
+    assert run(_step(), _state(), _data(5), max_steps=3, epochs=2).step == 3
+
+
+def test_one_shot_iterator_ends_the_run_when_exhausted() -> None:
+    state = run(_step(), _state(), iter(_data(4)), max_steps=100)
+    assert (state.step, state.epoch) == (4, 1)
+
+
+def test_resume_mid_epoch_skips_the_batches_already_seen() -> None:
+    data = _data(6)
+    seen: list[torch.Tensor] = []
+    step = make_step(lambda m, b: (seen.append(b), m(b).mean())[1])
+    state = run(step, _state(), data, max_steps=4)
+    assert state.batches_seen == 4
+    seen.clear()
+    run(step, state, data, max_steps=6)
+    assert [id(b) for b in seen] == [id(b) for b in data[4:6]]
+
+
+def test_plugin_can_stop_the_loop_with_a_reason_and_see_it() -> None:
+    def stopper(event: Event) -> TrainState | None:
+        if event.kind == "step" and event.state.step == 3:
+            return event.state.replace(stop="enough: step 3")
+        return None
+
+    log: list = []
+    state = run(_step(), _state(), _data(5), max_steps=100, plugins=[stopper, _recorder(log)])
+    assert state.step == 3
+    assert state.stop == "enough: step 3"
+    assert log[-1] == ("end", 3, 0)
+    # A new run clears the old request.
+    assert run(_step(), state, _data(5), max_steps=5).step == 5
+
+
+def test_plugins_run_in_list_order_and_see_each_others_states() -> None:
+    order: list[str] = []
+
+    def first(event: Event) -> TrainState | None:
+        order.append(f"first:{event.kind}")
+        if event.kind == "step":
+            return event.state.replace(extras={**event.state.extras, "n": event.state.step})
+        return None
+
+    def second(event: Event) -> None:
+        order.append(f"second:{event.kind}")
+        if event.kind == "step":
+            assert event.state.extras["n"] == event.state.step
+
+    state = run(_step(), _state(), _data(2), epochs=1, plugins=[first, second])
+    assert state.extras["n"] == 2
+    assert order == [
+        "first:start",
+        "second:start",
+        "first:step",
+        "second:step",
+        "first:step",
+        "second:step",
+        "first:epoch_end",
+        "second:epoch_end",
+        "first:end",
+        "second:end",
+    ]
+
+
+def test_step_events_carry_output_timings_and_loop_info() -> None:
+    events: list[Event] = []
+    run(_step(k=2), _state(), _data(4), epochs=2, plugins=[events.append])
+    steps = [e for e in events if e.kind == "step"]
+    assert len(steps) == 8
+    assert [e.out.updated for e in steps] == [False, True] * 4
+    assert all(e.data_time >= 0 and e.step_time > 0 for e in steps)
+    loop = events[0].loop
+    assert (loop.micro_batches, loop.batches_per_epoch, loop.total_steps) == (2, 4, 4)
+
+
+def test_every_plugins_end_runs_when_training_raises_and_the_error_propagates() -> None:
+    ends: list = []
+
+    def boom(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("bad batch")
+
+    def failing_end(event: Event) -> None:
+        if event.kind == "end":
+            ends.append(("failing", type(event.error).__name__))
+            raise OSError("disk full while closing")
+
+    def recorder(event: Event) -> None:
+        if event.kind == "end":
+            ends.append(("recorder", str(event.error)))
+
+    with pytest.raises(RuntimeError, match="bad batch"):
+        run(make_step(boom), _state(), _data(3), max_steps=2, plugins=[failing_end, recorder])
+    assert ends == [("failing", "RuntimeError"), ("recorder", "bad batch")]
+
+
+def test_a_failing_end_is_raised_after_all_ends_ran() -> None:
+    ran = []
+
+    def failing_end(event: Event) -> None:
+        if event.kind == "end":
+            raise OSError("could not flush")
+
+    with pytest.raises(OSError, match="could not flush"):
+        run(
+            _step(),
+            _state(),
+            _data(2),
+            max_steps=1,
+            plugins=[failing_end, lambda e: ran.append(e.kind)],
+        )
+    assert ran[-1] == "end"
+
+
+def test_the_data_iterator_is_closed_on_every_exit() -> None:
+    closed = []
+
+    class Source:
+        def __iter__(self):
+            def gen():
+                try:
+                    while True:
+                        yield torch.randn(2, 2)
+                finally:
+                    closed.append(True)
+
+            return gen()
+
+    run(_step(), _state(), Source(), max_steps=3)
+    assert closed == [True]
+
+    def boom(event: Event) -> None:
+        if event.kind == "step":
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run(_step(), _state(), Source(), max_steps=3, plugins=[boom])
+    assert closed == [True, True]
+
+
+def test_worker_pool_is_shut_down_on_exit() -> None:
+    loader = DataLoader(TensorDataset(torch.randn(64, 2)), batch_size=2, num_workers=1)
+    iterators = []
+    real_iter = DataLoader.__iter__
+
+    def spy(self):
+        it = real_iter(self)
+        iterators.append(it)
+        return it
+
+    DataLoader.__iter__ = spy  # type: ignore[method-assign]
+    try:
+        run(make_step(lambda m, b: m(b[0]).mean()), _state(), loader, max_steps=2)
+    finally:
+        DataLoader.__iter__ = real_iter  # type: ignore[method-assign]
+    assert iterators and iterators[-1]._shutdown
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "data", "error", "message"),
+    [
+        ({}, [1], ValueError, "give max_steps (optimizer updates) and/or epochs"),
+        ({"max_steps": -1}, [1], ValueError, "max_steps must be an int >= 0; got -1"),
+        ({"epochs": 1.5}, [1], ValueError, "epochs must be an int >= 0; got 1.5"),
+        ({"epochs": 1}, iter([1]), ValueError, "needs data that can be iterated again"),
+        ({"max_steps": 1}, 3, TypeError, "data must be iterable"),
+    ],
+)
+def test_bad_arguments(kwargs: dict, data: object, error: type, message: str) -> None:
+    with pytest.raises(error, match=re.escape(message)):
+        run(_step(), _state(), data, **kwargs)  # type: ignore[arg-type]
+
+
+def test_plugin_returning_something_else_is_an_error() -> None:
+    def plugin(event: Event) -> int:
+        return 3
+
+    with pytest.raises(TypeError, match="returned int; a plugin returns a TrainState or None"):
+        run(_step(), _state(), _data(2), max_steps=1, plugins=[plugin])  # type: ignore[list-item]
