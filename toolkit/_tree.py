@@ -41,6 +41,7 @@ def map_nested_tensor(fn: Callable[[torch.Tensor], Any], tree: T) -> T:
 
     Example:
         >>> import torch
+        >>> from toolkit import map_nested_tensor
         >>> from typing import NamedTuple
         >>> class Batch(NamedTuple):
         ...     x: torch.Tensor
@@ -135,6 +136,7 @@ def key_average(
 
     Example:
         >>> import torch
+        >>> from toolkit import key_average
         >>> records = [
         ...     {"loss": torch.tensor(2.0), "acc": {"top1": 0.5}},
         ...     {"loss": torch.tensor(4.0), "acc": {"top1": 1.0, "top5": 1.0}},

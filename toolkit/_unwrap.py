@@ -39,6 +39,7 @@ def unwrap(model: nn.Module, *, keep_compile: bool = False) -> nn.Module:
 
     Example:
         >>> import torch
+        >>> from toolkit import unwrap
         >>> net = torch.nn.Linear(2, 2)
         >>> compiled = torch.compile(net, backend="eager")  # compiles on the first call only
         >>> wrapped = torch.nn.DataParallel(compiled)

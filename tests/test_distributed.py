@@ -1,0 +1,148 @@
+"""DDP over gloo on 2 CPU ranks: accumulation, counts and the guard across ranks.
+
+One mp.spawn runs every scenario (spawning costs seconds); each rank writes its findings to a
+file and the test asserts on them. Reference: one process training on the concatenation of
+both ranks' micro-batches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+from toolkit import LossSum, TrainState, accumulate, clip, compose, guard_nonfinite, make_step
+
+pytestmark = pytest.mark.slow
+
+WORLD = 2
+K = 3  # micro-batches per update
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)
+    ).double()
+
+
+def _micro_batches(rank: int, update: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    # Unequal sizes across micro-batches and ranks: the count normalisation must be global.
+    g = torch.Generator().manual_seed(100 * update + rank)
+    sizes = [2 + rank + i for i in range(K)]
+    return [
+        (
+            torch.randn(n, 4, generator=g, dtype=torch.float64),
+            torch.randint(0, 3, (n,), generator=g),
+        )
+        for n in sizes
+    ]
+
+
+def _counted(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> LossSum:
+    x, y = batch
+    total = torch.nn.functional.cross_entropy(model(x), y, reduction="sum")
+    return LossSum(total, torch.tensor(y.shape[0]))
+
+
+def _worker(rank: int, store_path: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, WORLD)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
+    try:
+        report: dict = {}
+        model = torch.nn.parallel.DistributedDataParallel(_model())
+        allreduce_calls: list[int] = []
+
+        def counting_hook(state, bucket):
+            allreduce_calls.append(1)
+            return allreduce_hook(state, bucket)
+
+        model.register_comm_hook(dist.group.WORLD, counting_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        step = compose(accumulate(micro_batches=K), clip(max_norm=10.0), guard_nonfinite())(
+            make_step(_counted)
+        )
+        state = TrainState(model=model, optimizer=opt)
+        calls_per_micro = []
+        for update in range(3):
+            for batch in _micro_batches(rank, update):
+                before = len(allreduce_calls)
+                state, out = step(state, batch)
+                calls_per_micro.append(len(allreduce_calls) - before)
+        report["params"] = [p.detach().tolist() for p in model.module.parameters()]
+        report["allreduce_calls"] = calls_per_micro
+        report["step"] = state.step
+
+        # A NaN on rank 1 only: both ranks must reject the window and stay in lockstep.
+        params_before = [p.detach().clone() for p in model.parameters()]
+        for i, (x, y) in enumerate(_micro_batches(rank, 9)):
+            if rank == 1 and i == 0:
+                x = x.clone()
+                x[0, 0] = float("nan")
+            state, out = step(state, (x, y))
+        report["nan_window"] = {
+            "updated": out.updated,
+            "nonfinite": out.nonfinite,
+            "notfinite_count": state.guard.notfinite_count,
+            "unchanged": all(torch.equal(a, b) for a, b in zip(params_before, model.parameters())),
+        }
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
+        dist.barrier()  # see feasibility notes: avoids a gloo teardown abort
+    finally:
+        dist.destroy_process_group()
+
+
+def _reference() -> list[list]:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for update in range(3):
+        batches = [b for r in range(WORLD) for b in _micro_batches(r, update)]
+        x = torch.cat([b[0] for b in batches])
+        y = torch.cat([b[1] for b in batches])
+        loss = torch.nn.functional.cross_entropy(model(x), y)  # mean over all targets
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return [p.detach().tolist() for p in model.parameters()]
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not built")
+@pytest.mark.skipif(sys.platform != "linux", reason="gloo over FileStore tested on Linux")
+def test_ddp_accumulation_with_counts_guard_and_lockstep(tmp_path: Path) -> None:
+    mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD, join=True)
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    ref = _reference()
+    for report in reports:
+        # Gradient all-reduce only on the micro-batch that closes the window (no_sync before).
+        assert all(c == 0 for c in report["allreduce_calls"][0::K]), report["allreduce_calls"]
+        assert all(c == 0 for c in report["allreduce_calls"][1::K]), report["allreduce_calls"]
+        assert all(c > 0 for c in report["allreduce_calls"][2::K]), report["allreduce_calls"]
+        assert report["step"] == 3
+        for got, want in zip(report["params"], ref):
+            torch.testing.assert_close(
+                torch.tensor(got, dtype=torch.float64),
+                torch.tensor(want, dtype=torch.float64),
+                rtol=1e-12,
+                atol=1e-12,
+            )
+        assert report["nan_window"] == {
+            "updated": False,
+            "nonfinite": True,
+            "notfinite_count": 1,
+            "unchanged": True,
+        }
+    assert reports[0]["params"] == reports[1]["params"]
+
+
+if __name__ == "__main__":  # pragma: no cover - manual run
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    pytest.main([__file__, "-q"])
