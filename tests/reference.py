@@ -30,8 +30,8 @@ class Trace:
         steps: optimizer updates applied.
         overflows: windows the GradScaler skipped (gradient overflow, finite loss).
         rejected: windows thrown away because the loss or the gradients were not finite.
-        clipped: windows whose pre-clip norm exceeded ``max_norm``.
-        value_clipped: applied windows with a gradient element beyond ``max_value``.
+        clipped: applied updates whose pre-clip norm exceeded ``max_norm``.
+        value_clipped: applied updates with a gradient element beyond ``max_value``.
     """
 
     updated: list[bool] = dataclasses.field(default_factory=list)
@@ -76,15 +76,11 @@ def train(
     """
     k = micro_batches
     assert len(batches) % k == 0, "the reference trains on whole windows only"
+    ctx = torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
     trace = Trace()
     for start in range(0, len(batches), k):
         window_loss = torch.zeros(())
         for batch in batches[start : start + k]:
-            ctx = (
-                torch.autocast("cpu", dtype=dtype)
-                if dtype is not None
-                else contextlib.nullcontext()
-            )
             with ctx:
                 loss = loss_fn(model, batch)
             window_loss += loss.detach().float()
@@ -101,9 +97,10 @@ def train(
             scaler.unscale_(optimizer)
         params = [p for p in model.parameters() if p.grad is not None]
         norm = None
+        norm_clipped = value_clipped = False
         if max_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-            trace.clipped += bool(norm > max_norm)
+            norm_clipped = bool(norm > max_norm)
         elif guard:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         trace.grad_norms.append(None if norm is None else norm.detach().clone())
@@ -119,7 +116,7 @@ def train(
         stepped = finite
         if finite:
             if max_value is not None:
-                trace.value_clipped += any(bool((p.grad.abs() > max_value).any()) for p in params)
+                value_clipped = any(bool((p.grad.abs() > max_value).any()) for p in params)
                 torch.nn.utils.clip_grad_value_(params, max_value)
             if scaler is not None:
                 scaler.step(optimizer)
@@ -137,5 +134,7 @@ def train(
         if stepped:
             scheduler.step()
             trace.steps += 1
+            trace.clipped += norm_clipped
+            trace.value_clipped += value_clipped
             trace.updated[-1] = True
     return trace

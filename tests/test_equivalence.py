@@ -9,13 +9,17 @@ step runs the same PyTorch operations in the same order as the reference, so no 
 is needed anywhere, autocast included: both sides run the same CPU kernels on the same
 inputs.
 
-Beyond clean runs, two scenarios exercise the skip paths: a NaN micro-batch under the guard
-(the reference throws that window away) and an fp16 loss scale so large that the first
-window overflows (the scaler skips it, fused optimizers included).
+Beyond clean runs, three scenarios exercise the skip paths: a NaN micro-batch under the
+guard (the reference throws that window away), an fp16 loss scale so large that the first
+window overflows (the scaler skips it; fused optimizers get found_inf and create their
+state), and a scale that grows into an overflow after an applied update. Each run asserts
+that the path it is about really happened (clipping clipped, a window was skipped), so a
+step that left a phase out would fail.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +29,7 @@ import torch
 from reference import Trace, train
 
 from toolkit import (
+    StepOutput,
     TrainState,
     accumulate,
     amp_wrap,
@@ -41,8 +46,8 @@ SUBSETS = [
     for c in itertools.combinations(FEATURES, r)
     if not {"bf16", "fp16"} <= set(c)
 ]
-# Small enough that clipping really happens (the pre-clip norms here are about 0.6 to 1.5,
-# single gradient elements up to about 0.5); each run asserts that it did.
+# Small enough that clipping really happens (pre-clip norms here are about 0.8 to 2.4, the
+# largest gradient element of a window 0.2 to 0.7); each run asserts that it did.
 MAX_NORM = 0.7
 MAX_VALUE = 0.05
 K = 4  # micro-batches per window under accumulate
@@ -113,64 +118,91 @@ def _scaler(overflow: str | None) -> torch.amp.GradScaler:
     return torch.amp.GradScaler("cpu")
 
 
+@dataclasses.dataclass(frozen=True)
 class Run:
-    """Both sides of one comparison, after training."""
+    """Both sides of one comparison, after training.
 
-    def __init__(self, features: frozenset[str], opt_name: str, *, nan: bool, overflow: str | None):
-        self.features = features
-        k = K if "acc4" in features else 1
-        windows = WINDOWS + nan + (overflow is not None)
-        nan_at = k + k // 2 if nan else None  # inside the second window
-        batches = _batches(k * windows, nan_at)
-        dtype = (
-            torch.bfloat16 if "bf16" in features else torch.float16 if "fp16" in features else None
-        )
-        max_norm = MAX_NORM if "clip_norm" in features else None
-        max_value = MAX_VALUE if "clip_value" in features else None
+    Attributes:
+        features: the subset of FEATURES in use.
+        state: the step's final TrainState.
+        outs: the step's StepOutput per call.
+        steps_after: ``state.step`` after each call.
+        ref_model, ref_optimizer, ref_scheduler, ref_scaler: the hand-written loop's objects.
+        trace: what the hand-written loop observed.
+    """
 
-        # The composed step.
-        model = _model()
-        optimizer, scheduler = OPTIMIZERS[opt_name](model.parameters())
-        decorators = []
-        if "bf16" in features:
-            decorators.append(amp_wrap(dtype="bf16"))
-        if "fp16" in features:
-            # Without overflow, let amp_wrap create its default scaler (the common path).
-            scaler = _scaler(overflow) if overflow else None
-            decorators.append(amp_wrap(dtype="fp16", scaler=scaler))
-        if "acc4" in features:
-            decorators.append(accumulate(micro_batches=K))
-        if max_norm is not None or max_value is not None:
-            decorators.append(clip(max_norm=max_norm, max_value=max_value))
-        if "guard" in features:
-            decorators.append(guard_nonfinite(max_retries=3))
-        step = compose(*decorators)(make_step(_loss_fn))
-        state = TrainState(model=model, optimizer=optimizer, scheduler=scheduler)
-        self.outs = []
-        self.steps_after = []
-        for batch in batches:
-            state, out = step(state, batch)
-            self.outs.append(out)
-            self.steps_after.append(state.step)
-        self.state = state
+    features: frozenset[str]
+    state: TrainState
+    outs: list[StepOutput]
+    steps_after: list[int]
+    ref_model: torch.nn.Module
+    ref_optimizer: torch.optim.Optimizer
+    ref_scheduler: Any
+    ref_scaler: torch.amp.GradScaler | None
+    trace: Trace
 
-        # The same loop by hand, from the same initial weights and batches.
-        self.ref_model = _model()
-        self.ref_optimizer, self.ref_scheduler = OPTIMIZERS[opt_name](self.ref_model.parameters())
-        self.ref_scaler = _scaler(overflow) if dtype == torch.float16 else None
-        self.trace: Trace = train(
-            self.ref_model,
-            self.ref_optimizer,
-            self.ref_scheduler,
-            _loss_fn,
-            batches,
-            dtype=dtype,
-            scaler=self.ref_scaler,
-            micro_batches=k,
-            max_norm=max_norm,
-            max_value=max_value,
-            guard="guard" in features,
-        )
+
+def _run(features: frozenset[str], opt_name: str, *, nan: bool, overflow: str | None) -> Run:
+    """Train with the composed step and with the hand-written loop on the same batches."""
+    k = K if "acc4" in features else 1
+    windows = WINDOWS + nan + (overflow is not None)
+    nan_at = k + k // 2 if nan else None  # inside the second window
+    batches = _batches(k * windows, nan_at)
+    dtype = torch.bfloat16 if "bf16" in features else torch.float16 if "fp16" in features else None
+    max_norm = MAX_NORM if "clip_norm" in features else None
+    max_value = MAX_VALUE if "clip_value" in features else None
+
+    # The composed step.
+    model = _model()
+    optimizer, scheduler = OPTIMIZERS[opt_name](model.parameters())
+    decorators = []
+    if "bf16" in features:
+        decorators.append(amp_wrap(dtype="bf16"))
+    if "fp16" in features:
+        # Without overflow, let amp_wrap create its default scaler (the common path).
+        decorators.append(amp_wrap(dtype="fp16", scaler=_scaler(overflow) if overflow else None))
+    if "acc4" in features:
+        decorators.append(accumulate(micro_batches=K))
+    if max_norm is not None or max_value is not None:
+        decorators.append(clip(max_norm=max_norm, max_value=max_value))
+    if "guard" in features:
+        decorators.append(guard_nonfinite(max_retries=3))
+    step = compose(*decorators)(make_step(_loss_fn))
+    state = TrainState(model=model, optimizer=optimizer, scheduler=scheduler)
+    outs, steps_after = [], []
+    for batch in batches:
+        state, out = step(state, batch)
+        outs.append(out)
+        steps_after.append(state.step)
+
+    # The same loop by hand, from the same initial weights (same seed) and batches.
+    ref_model = _model()
+    ref_optimizer, ref_scheduler = OPTIMIZERS[opt_name](ref_model.parameters())
+    ref_scaler = _scaler(overflow) if dtype == torch.float16 else None
+    trace = train(
+        ref_model,
+        ref_optimizer,
+        ref_scheduler,
+        _loss_fn,
+        batches,
+        dtype=dtype,
+        scaler=ref_scaler,
+        micro_batches=k,
+        max_norm=max_norm,
+        max_value=max_value,
+        guard="guard" in features,
+    )
+    return Run(
+        features,
+        state,
+        outs,
+        steps_after,
+        ref_model,
+        ref_optimizer,
+        ref_scheduler,
+        ref_scaler,
+        trace,
+    )
 
 
 def _assert_bitwise(a: Any, b: Any, where: str) -> None:
@@ -254,10 +286,11 @@ def _cases() -> list[Any]:
                 if (nan and "guard" not in features) or (overflow and "fp16" not in features):
                     continue
                 if overflow == "first" and opt_name == "sgd-fused":
-                    # PyTorch's fused SGD, handed found_inf on its very first step, creates
-                    # its momentum buffers with torch.empty_like and skips filling them: the
-                    # next update reads uninitialised memory, in the hand-written loop and in
-                    # the step alike. Nothing deterministic to compare; see
+                    # PyTorch's fused SGD, handed found_inf on its very first step through
+                    # scaler.step, creates its momentum buffers with torch.empty_like and
+                    # skips filling them: the hand-written reference then reads uninitialised
+                    # memory, so there is nothing deterministic to compare with. The step does
+                    # not call the optimizer on an overflow; see
                     # test_fused_sgd_first_window_overflow_leaves_no_state. Overflows after
                     # the first update are covered ("-ovflate").
                     continue
@@ -276,7 +309,7 @@ CASES = _cases()
 def test_composed_step_matches_hand_written_loop(
     features: frozenset[str], opt_name: str, nan: bool, overflow: str | None
 ) -> None:
-    run = Run(features, opt_name, nan=nan, overflow=overflow)
+    run = _run(features, opt_name, nan=nan, overflow=overflow)
     _assert_exercised(run, nan=nan, overflow=overflow)
     _assert_same_training(run)
     _assert_same_counts(run)
@@ -297,7 +330,7 @@ def test_updates_steps_and_lr_match_reference_counts(features: frozenset[str]) -
     # them): out.updated per call, state.step after each call and out.lr per closed window
     # follow the hand-written loop's own bookkeeping.
     nan, overflow = "guard" in features, "first" if "fp16" in features else None
-    run = Run(features, "adamw-fused", nan=nan, overflow=overflow)
+    run = _run(features, "adamw-fused", nan=nan, overflow=overflow)
     _assert_exercised(run, nan=nan, overflow=overflow)
     _assert_same_counts(run)
     _assert_same_training(run)
@@ -311,14 +344,9 @@ def test_updates_steps_and_lr_match_reference_counts(features: frozenset[str]) -
         assert (lrs[i] != lrs[i - 1]) == applied[i - 1], (lrs, applied)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="toolkit bug: _close_window calls scaler.step() on an overflowed window for fused "
-    "optimizers; fused SGD then creates momentum buffers with torch.empty_like that the "
-    "skipped kernel never fills, so training goes on from uninitialised memory. The step "
-    "already knows about the overflow (its one host sync) and can skip the call.",
-)
 def test_fused_sgd_first_window_overflow_leaves_no_state() -> None:
+    # Regression: the step once called scaler.step() on an overflowed window; fused SGD then
+    # created momentum buffers with torch.empty_like that the skipped kernel never filled.
     model = _model()
     optimizer, scheduler = OPTIMIZERS["sgd-fused"](model.parameters())
     step = amp_wrap(make_step(_loss_fn), dtype="fp16", scaler=_scaler("first"))

@@ -331,10 +331,9 @@ class Step:
                 # Unfused under a scaler: we already know there was no overflow, which is all
                 # scaler.step would find out (with one more .item()) before calling step().
                 optimizer.step()
-        elif scaler is not None and fused and not nonfinite:
-            # An overflow: scaler.step hands found_inf to the fused kernel, which skips. Done
-            # here too so that optimizer state is created exactly as in a hand-written loop.
-            scaler.step(optimizer)
+        # On an overflow the optimizer is not called at all, not even a fused one through
+        # scaler.step (whose kernel would skip on found_inf): fused SGD would create momentum
+        # buffers with empty_like and leave them unfilled, poisoning the next update.
         if scaler is not None:
             scaler.update()
             if collapsed and self.amp is not None:
