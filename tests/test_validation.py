@@ -102,6 +102,8 @@ def test_explicit_counts_and_mixed_numbers():
     # Python-number counts work too.
     metrics = _evaluate(lambda m, b: ({"x": b}, int(b)), _model(), [1.0, 3.0])
     assert metrics["x"] == pytest.approx((1 * 1 + 3 * 3) / 4)
+    # Weights summing to zero (batches without targets): no mean, NaN rather than a crash.
+    assert math.isnan(_evaluate(lambda m, b: ({"x": 1.0}, 0), _model(), [1, 2])["x"])
 
 
 def test_batch_without_tensor_weighs_one_and_partial_metrics():
@@ -414,8 +416,7 @@ def test_early_stop_at_the_right_step_with_reason():
     # Improvements at evaluations 1, 2; then 3 without: stop at the 5th evaluation, step 20.
     assert state.step == 20 and len(calls) == 5
     assert state.stop == (
-        "early_stop: val/loss did not improve by more than 0 for 3 evaluations "
-        "(best 4 at step 8)"
+        "early_stop: val/loss did not improve by more than 0 for 3 evaluations (best 4 at step 8)"
     )
     assert state.extras["early_stop"]["bad"] == 3
 
@@ -443,8 +444,7 @@ def test_early_stop_mode_max():
     # Higher is better: -1 is the best, -2 and -3 are worse: stop at evaluation 3.
     assert state.step == 3
     assert state.stop == (
-        "early_stop: val/acc did not improve by more than 0 for 2 evaluations "
-        "(best -1 at step 1)"
+        "early_stop: val/acc did not improve by more than 0 for 2 evaluations (best -1 at step 1)"
     )
     # The same values under mode="min" improve twice and stop later.
     state, _ = _stop_run(values, metric="val/acc", patience=2, mode="min")

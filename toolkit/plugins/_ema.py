@@ -173,7 +173,7 @@ def ema(
             else:
                 entry = _adopt(entry, bare, buffers, key)
             return state.replace(extras={**state.extras, key: entry})
-        if event.kind != "step" or not event.out.updated or state.step % every:
+        if event.out is None or not event.out.updated or state.step % every:
             return None
         entry = state.extras.get(key)
         if entry is None:  # called outside run(), or "start" was not delivered

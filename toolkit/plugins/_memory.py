@@ -83,7 +83,7 @@ def peak_memory(every: int = 10, *, key: str = "memory") -> Plugin:
             if device is not None:
                 torch.cuda.reset_peak_memory_stats(device)
             return None
-        if event.kind != "step" or not event.out.updated or state.step % every:
+        if event.out is None or not event.out.updated or state.step % every:
             return None
         device = _cuda_device(state.model)
         if device is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,8 @@ from toolkit._loop import Event, Plugin
 from toolkit._state import TrainState
 
 __all__ = ["profile"]
+
+_PER_CYCLE = ".*Profiler clears events at the end of each cycle"
 
 
 def _check_count(name: str, value: Any, least: int) -> None:
@@ -109,15 +112,26 @@ def profile(
             live.update(prof=prof, step=event.state.step)
             prof.start()
             return None
-        prof = live.get("prof")
-        if prof is None:
+        running = live.get("prof")
+        if running is None:
             return None
-        if event.kind == "step" and event.out.updated:
+        if event.out is not None and event.out.updated:
             live["step"] = event.state.step
-            prof.step()
+            try:
+                with warnings.catch_warnings():
+                    # Each cycle is exported on its own, which is what this warning is about.
+                    warnings.filterwarnings("ignore", message=_PER_CYCLE, category=UserWarning)
+                    running.step()
+            except BaseException:
+                # A profiler that failed mid-transition crashes the process in stop() (torch
+                # 2.13); dropping it is the only safe way out.
+                live.clear()
+                raise
         elif event.kind == "end":
-            live.clear()
-            prof.stop()
+            try:
+                running.stop()  # writes the window being recorded, if any
+            finally:
+                live.clear()
         return None
 
     return plugin

@@ -129,7 +129,12 @@ def _evaluate(
     values = packed.tolist()  # the one host sync of the evaluation
     k = len(sums)
     by_name = dict(zip(sums, zip(values[:k], values[k:])))
-    return {name: by_name[name][0] / by_name[name][1] for name in names}
+    # A metric whose weights sum to 0 (e.g. batches without tokens) has no mean: NaN.
+    return {name: _ratio(*by_name[name]) for name in names}
+
+
+def _ratio(total: float, weight: float) -> float:
+    return total / weight if weight else math.nan
 
 
 def validate(
@@ -151,7 +156,8 @@ def validate(
     metric name -> number or 0-d tensor, or ``(mapping, count)`` where ``count`` weights the
     batch; by default the weight is the leading dimension of the batch's first tensor (1
     when it has none). Each metric is the count-weighted mean over the batches that reported
-    it, so unequal batch sizes give the exact mean over samples. Sums stay tensors until the
+    it, so unequal batch sizes give the exact mean over samples (NaN when its weights sum to
+    0). Sums stay tensors until the
     end of the evaluation (one host sync); with ``torch.distributed`` initialised, the sums
     and weights are all-reduced over ranks first, so each rank should evaluate its own shard
     and every rank must return the same metric names.
@@ -253,7 +259,8 @@ def validate(
     def plugin(event: Event) -> TrainState | None:
         state = event.state
         if event.kind == "step":
-            due = every is not None and event.out.updated and state.step % every == 0
+            out = event.out
+            due = every is not None and out is not None and out.updated and state.step % every == 0
         else:
             due = per_epoch and event.kind == "epoch_end"
         if not due:
@@ -284,7 +291,8 @@ def early_stop(
     state with ``stop`` set to the reason, e.g. ``"early_stop: val/loss did not improve by
     more than 0 for 5 evaluations (best 0.1234 at step 400)"``. Its counters live in
     ``state.extras["early_stop"]`` (``{"metric", "seen_step", "best", "best_step",
-    "bad"}``), so a resumed run keeps them. Put it after ``validate`` in the plugin list.
+    "bad"}``), so a resumed run keeps them; use one ``early_stop`` per run. Put it after
+    ``validate`` in the plugin list.
 
     When a run that did not raise ends and ``state.extras`` never got a ``NAME`` entry, the
     plugin raises a ``KeyError`` at ``"end"`` naming the keys that exist: a misspelt
@@ -359,8 +367,7 @@ def early_stop(
             return None
         counters = state.extras.get("early_stop")
         if counters is None or counters.get("metric") != metric:
-            counters = {"metric": metric, "seen_step": None, "best": None, "best_step": None,
-                        "bad": 0}  # fmt: skip
+            counters = dict(metric=metric, seen_step=None, best=None, best_step=None, bad=0)
         if entry["step"] == counters["seen_step"]:
             return None
         metrics = entry["metrics"]

@@ -1,0 +1,118 @@
+"""peak_memory: process peak RSS on the CPU, CUDA peak allocated (via fakes; no GPU here)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from toolkit import TrainState, accumulate, make_step, run
+from toolkit._loop import Event
+from toolkit.plugins import _memory
+from toolkit.plugins._memory import peak_memory
+
+
+def _state() -> TrainState:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    return TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+_STEP = make_step(lambda m, b: m(b).square().mean())
+_DATA = [torch.ones(2, 3)] * 12
+
+
+def _records():
+    seen: list[tuple[int, float]] = []
+
+    def spy(event: Event) -> None:
+        entry = event.state.extras.get("memory")
+        if entry is not None and (not seen or seen[-1][0] != entry["step"]):
+            seen.append((entry["step"], entry["metrics"]["peak_gib"]))
+
+    return seen, spy
+
+
+def _vm_hwm_gib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20  # kB
+    raise AssertionError("no VmHWM in /proc/self/status")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_cpu_value_is_the_process_high_water_mark():
+    before = _vm_hwm_gib()
+    seen, spy = _records()
+    run(_STEP, _state(), _DATA, max_steps=4, plugins=[peak_memory(every=2), spy])
+    after = _vm_hwm_gib()
+    assert [s for s, _ in seen] == [2, 4]
+    for _, peak in seen:
+        # The kernel's high-water mark before and after brackets the recorded value.
+        assert before * 0.99 <= peak <= after * 1.01
+        assert 0.01 < peak < 1024  # a Python process with torch: tens of MiB to some GiB
+    # A high-water mark never decreases.
+    assert seen[0][1] <= seen[1][1]
+
+
+def test_cadence_counts_applied_updates_only():
+    seen, spy = _records()
+    step = accumulate(_STEP, micro_batches=2)
+    state = run(step, _state(), _DATA, max_steps=6, plugins=[peak_memory(every=3), spy])
+    assert [s for s, _ in seen] == [3, 6]
+    assert state.extras["memory"]["step"] == 6
+    assert set(state.extras["memory"]["metrics"]) == {"peak_gib"}
+    seen, spy = _records()
+    run(_STEP, _state(), _DATA, max_steps=5, plugins=[peak_memory(every=1, key="mem"), spy])
+    assert seen == []  # recorded under "mem", not "memory"
+
+
+def test_custom_key():
+    state = run(_STEP, _state(), _DATA, max_steps=2, plugins=[peak_memory(every=1, key="mem")])
+    assert state.extras["mem"]["step"] == 2 and "memory" not in state.extras
+
+
+def test_cuda_branch_with_fakes(monkeypatch):
+    # No GPU on this machine: the CUDA calls are replaced by fakes that script the allocator's
+    # peak. This checks the plugin's logic (device choice, units, reset after each record),
+    # not a real CUDA device.
+    device = torch.device("cuda", 0)
+    calls: list[tuple[str, torch.device]] = []
+    peaks = iter([3 * 2**30, 2**29])
+
+    def max_memory_allocated(dev):
+        calls.append(("max", dev))
+        return next(peaks)
+
+    def reset_peak_memory_stats(dev):
+        calls.append(("reset", dev))
+
+    monkeypatch.setattr(_memory, "_cuda_device", lambda model: device)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", max_memory_allocated)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset_peak_memory_stats)
+    seen, spy = _records()
+    run(_STEP, _state(), _DATA, max_steps=4, plugins=[peak_memory(every=2), spy])
+    assert seen == [(2, 3.0), (4, 0.5)]
+    # Reset at start, then read-and-reset at each record.
+    assert calls == [("reset", device)] + [("max", device), ("reset", device)] * 2
+
+
+def test_cuda_device_detection():
+    assert _memory._cuda_device(torch.nn.Linear(1, 1)) is None
+    assert _memory._cuda_device(torch.nn.Linear(1, 1, device="meta")) is None
+    assert _memory._cuda_device(torch.nn.ReLU()) is None  # no parameters
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"every": 0}, r"every must be an int >= 1"),
+        ({"every": True}, r"every must be an int >= 1"),
+        ({"key": ""}, r"key must be a non-empty string"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        peak_memory(**kwargs)
