@@ -158,9 +158,14 @@ def test_every_plugins_end_runs_when_training_raises_and_the_error_propagates() 
         if event.kind == "end":
             ends.append(("recorder", str(event.error)))
 
-    with pytest.raises(RuntimeError, match="bad batch"):
+    with pytest.raises(RuntimeError, match="bad batch") as caught:
         run(make_step(boom), _state(), _data(3), max_steps=2, plugins=[failing_end, recorder])
     assert ends == [("failing", "RuntimeError"), ("recorder", "bad batch")]
+    # The plugin's own failure is not lost: it is attached to the training error.
+    assert any(
+        "failing_end failed at 'end'" in note and "disk full" in note
+        for note in caught.value.__notes__
+    )
 
 
 def test_a_failing_end_is_raised_after_all_ends_ran() -> None:

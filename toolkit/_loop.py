@@ -285,7 +285,11 @@ def _done(state: TrainState, max_steps: int | None, epochs: int | None) -> bool:
 
 
 def _end(plugins: Sequence[Plugin], event: Event, error: BaseException | None) -> TrainState:
-    """Call every plugin's end, even if some raise; raise the first failure afterwards."""
+    """Call every plugin's end, even if some raise; raise the first failure afterwards.
+
+    When training itself raised, that error propagates and a plugin's failure at the end is
+    attached to it as a note rather than hiding it.
+    """
     state, first = event.state, None
     for plugin in plugins:
         try:
@@ -293,6 +297,9 @@ def _end(plugins: Sequence[Plugin], event: Event, error: BaseException | None) -
             if isinstance(new, TrainState):
                 state = new
         except Exception as exc:
+            if error is not None:
+                name = getattr(plugin, "__qualname__", repr(plugin))
+                error.add_note(f"and then plugin {name} failed at 'end': {exc!r}")
             first = first or exc
     if first is not None and error is None:
         raise first
