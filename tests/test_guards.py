@@ -436,3 +436,17 @@ def test_fp16_nonfinite_loss_is_counted_by_the_guard(mode):
 def test_fp16_with_on_exhaust_accept_is_refused_at_decoration():
     with pytest.raises(ValueError, match="cannot be combined with amp_wrap\\(dtype='fp16'\\)"):
         compose(amp_wrap(dtype="fp16"), guard_nonfinite(on_exhaust="accept"))(make_step(_loss_fn))
+
+
+def test_fp16_nan_loss_near_the_scale_floor_is_the_guards_failure() -> None:
+    # The scaler also backs off for a NaN loss; the guard's diagnosis must win over the
+    # loss-scale floor, which would otherwise blame the scale.
+    model = torch.nn.Linear(4, 2)
+    state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    step = compose(
+        amp_wrap(dtype="fp16", scaler=torch.amp.GradScaler("cpu", init_scale=1.0), min_scale=0.9),
+        guard_nonfinite(max_retries=1),
+    )(make_step(lambda m, b: m(b).float().mean() * b.sum()))
+    state, out = step(state, torch.full((1, 4), float("nan")))  # scale 1 -> 0.5 < min_scale
+    assert out.nonfinite and not out.overflow
+    assert state.guard == GuardState(notfinite_count=1, total_notfinite=1, total_overflow=0)

@@ -103,7 +103,7 @@ def guard_nonfinite(
     unchanged; the next window is the retry.
 
     Counters live in ``state.guard`` (:class:`GuardState`): ``notfinite_count`` (rejected
-    windows in a row, reset by an applied update) and ``total_notfinite``. When a window
+    windows in a row, reset by a finite window) and ``total_notfinite``. When a window
     fails with ``notfinite_count`` already at ``max_retries`` (``max_retries=0``: the first
     failure), ``on_exhaust`` decides: ``"raise"`` a :class:`NonFiniteError` (default),
     ``"skip"`` it and keep skipping, or ``"accept"`` it and apply the update anyway (optax

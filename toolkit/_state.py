@@ -42,7 +42,7 @@ class GuardState(NamedTuple):
     """Counters of :func:`toolkit.guard_nonfinite` and of the fp16 loss scaler.
 
     Attributes:
-        notfinite_count: consecutive rejected windows (reset by an applied update).
+        notfinite_count: consecutive non-finite windows (reset by a finite window).
         total_notfinite: rejected windows over the whole run.
         total_overflow: windows the fp16 ``GradScaler`` skipped because of an overflow
             (these are not failures; the scaler lowers its scale and training goes on).

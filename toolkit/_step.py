@@ -65,7 +65,8 @@ class StepOutput(NamedTuple):
         updated: the optimizer applied an update in this call.
         closed: an accumulation window closed in this call (applied, rejected or overflowed).
         skipped: the loss function returned ``None``; nothing else happened.
-        nonfinite: :func:`guard_nonfinite` rejected the window.
+        nonfinite: the window's loss or gradients were not finite under
+            :func:`guard_nonfinite` (rejected, unless ``on_exhaust="accept"`` applied it).
         overflow: the fp16 ``GradScaler`` skipped the update (gradient overflow).
         grad_norm: total gradient norm before clipping, when a window closed under
             :func:`clip` or :func:`guard_nonfinite`; else ``None``.
@@ -336,7 +337,9 @@ class Step:
         # buffers with empty_like and leave them unfilled, poisoning the next update.
         if scaler is not None:
             scaler.update()
-            if collapsed and self.amp is not None:
+            # A non-finite loss is the guard's failure to report, even though the scaler
+            # also backed off for it.
+            if collapsed and not nonfinite and self.amp is not None:
                 self.amp.raise_collapsed(scaler)
         optimizer.zero_grad(set_to_none=True)
         if apply and state.scheduler is not None:
