@@ -31,6 +31,7 @@ class ClipConfig:
     def apply(self, params: list[torch.Tensor], total_norm: torch.Tensor | None) -> None:
         """Clip ``params``' gradients in place; ``total_norm`` is their pre-clip norm."""
         if self.max_norm is not None:
+            assert total_norm is not None  # the step computes it whenever clip is on
             # Same arithmetic as torch.nn.utils.clip_grad_norm_, reusing the norm the step
             # already computed for reporting and the finite check (no host sync).
             torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, total_norm)

@@ -103,8 +103,9 @@ def _set_epoch(data: Any, epoch: int) -> None:
             set_epoch(epoch)
             return
     inner = getattr(getattr(data, "batch_sampler", None), "sampler", None)
-    if callable(getattr(inner, "set_epoch", None)):
-        inner.set_epoch(epoch)
+    set_epoch = getattr(inner, "set_epoch", None)
+    if callable(set_epoch):
+        set_epoch(epoch)
 
 
 def _close(iterator: Iterator[Any] | None) -> None:

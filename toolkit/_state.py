@@ -34,7 +34,7 @@ class WindowState(NamedTuple):
     """
 
     micro_step: int = 0
-    count: torch.Tensor | None = None
+    count: torch.Tensor | None = None  # type: ignore[assignment]  # shadows tuple.count on purpose
     loss: torch.Tensor | None = None
 
 
@@ -63,7 +63,7 @@ class GuardState(NamedTuple):
     total_overflow: int = 0
 
 
-@optree.dataclasses.dataclass(frozen=True, namespace="toolkit")
+@optree.dataclasses.dataclass(frozen=True, namespace="toolkit")  # type: ignore[call-overload]
 class TrainState:
     """The explicit state a train step threads through: handles plus immutable bookkeeping.
 

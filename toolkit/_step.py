@@ -49,7 +49,7 @@ class LossSum(NamedTuple):
     """
 
     total: torch.Tensor
-    count: torch.Tensor | int
+    count: torch.Tensor | int  # type: ignore[assignment]  # shadows tuple.count on purpose
     records: Mapping[str, Any] = {}
 
 
@@ -86,7 +86,7 @@ class StepOutput(NamedTuple):
 
     loss: torch.Tensor | None
     records: Mapping[str, Any]
-    count: torch.Tensor | int | None
+    count: torch.Tensor | int | None  # type: ignore[assignment]  # shadows tuple.count on purpose
     samples: int | None
     updated: bool
     closed: bool
@@ -127,6 +127,7 @@ def _bad_return(result: Any, why: str) -> TypeError:
 
 
 def _parse(result: Any) -> tuple[torch.Tensor, torch.Tensor | int | None, Mapping[str, Any]]:
+    records: Mapping[str, Any]
     if isinstance(result, torch.Tensor):
         loss, count, records = result, None, {}
     elif isinstance(result, LossSum):
@@ -281,7 +282,7 @@ class Step:
             # The optimizer's parameters, not model.parameters(): the tensors the update
             # touches, and no module-tree walk on the hot path.
             params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-            grads = [p.grad for p in params]
+            grads = [p.grad for p in params]  # type: ignore[misc]  # filtered above
 
         if scaler is not None:
             scaler.unscale_(optimizer)
@@ -412,6 +413,7 @@ def _decide(
     # tensors on device (no .item()) keeps the whole decision to the single sync below.
     found_per_device = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
     scale = scaler._get_scale_async()
+    assert scale is not None  # unscale_ has run, so the scale exists
     found = sum(f.to(scale.device) for f in found_per_device.values()) > 0
     collapsed = found & (scale * scaler.get_backoff_factor() < min_scale)
     if guard is not None and window_loss is not None:
@@ -419,6 +421,7 @@ def _decide(
         bad = ~torch.isfinite(window_loss).to(scale.device)
     else:
         bad = torch.zeros((), dtype=torch.bool, device=scale.device)
+    assert isinstance(found, torch.Tensor) and isinstance(collapsed, torch.Tensor)
     flags = torch.stack([bad, found, collapsed]).to(torch.float32)
     if is_distributed():
         flags = all_reduce_(flags, torch.distributed.ReduceOp.MAX)
