@@ -8,8 +8,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from toolkit._distributed import is_rank_zero
+from toolkit._distributed import is_distributed, is_rank_zero
 from toolkit._loop import Event
 from toolkit._state import TrainState
 from toolkit.plugins._sinks import Sink
@@ -29,26 +30,29 @@ _RESERVED = frozenset(
 def _to_host(tensors: Sequence[torch.Tensor]) -> list[float]:
     """Python values of 0-d tensors, with one device-to-host transfer per device (usually one).
 
-    Tensors of one device and dtype are stacked as they are (exact); mixed dtypes on one
-    device are cast to float64 and concatenated, so a device still costs a single
-    ``.tolist()``. CPU tensors cost no synchronisation at all.
+    Tensors of one dtype are stacked as they are; mixed dtypes (integer counts beside float
+    losses) are stacked per dtype, cast to float64 (exact below 2**53) and concatenated, so a
+    device still costs a single ``.tolist()``. CPU tensors cost no synchronisation at all.
     """
     if not tensors:
         return []
-    first = tensors[0]
-    if all(t.device == first.device and t.dtype == first.dtype for t in tensors):
-        return torch.stack(list(tensors)).tolist()
-    groups: dict[torch.device, dict[torch.dtype, list[int]]] = {}
+    dtype = tensors[0].dtype
+    if all(t.dtype is dtype for t in tensors):
+        try:
+            return torch.stack(list(tensors)).tolist()
+        except RuntimeError:
+            pass  # tensors on several devices (a count made on the CPU, model parallelism)
+    by_device: dict[torch.device, list[int]] = {}
     for i, t in enumerate(tensors):
-        groups.setdefault(t.device, {}).setdefault(t.dtype, []).append(i)
+        by_device.setdefault(t.device, []).append(i)
     values: list[float] = [0.0] * len(tensors)
-    for by_dtype in groups.values():
-        order = [i for indices in by_dtype.values() for i in indices]
-        parts = [
-            torch.stack([tensors[i] for i in indices]).to(torch.float64)
-            for indices in by_dtype.values()
-        ]
-        for i, v in zip(order, torch.cat(parts).tolist()):
+    for indices in by_device.values():
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i in indices:
+            by_dtype.setdefault(tensors[i].dtype, []).append(i)
+        parts = [torch.stack([tensors[i] for i in ix]).double() for ix in by_dtype.values()]
+        flat = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist()
+        for i, v in zip((i for ix in by_dtype.values() for i in ix), flat):
             values[i] = v
     return values
 
@@ -148,6 +152,9 @@ def log_metrics(
     the published loss is the mean over all ranks' targets; every rank must then report the
     same record keys. Only rank 0 writes to the sinks; every rank does the same work.
 
+    Intervals longer than 4096 micro-batches are folded into python sums every 4096
+    micro-batches (one more sync each), so memory stays bounded.
+
     A publish happens after the update that makes ``state.step`` a multiple of ``every``,
     and at ``"end"`` for a partial interval; the step given to the sinks is ``state.step``,
     so steps keep increasing after a resume. Published keys:
@@ -237,11 +244,15 @@ def log_metrics(
         Returns the values of ``also``.
         """
         nonlocal window_start
-        tensors: list[torch.Tensor] = []
-        rows = []
-        for loss, count, samples, records in entries[:upto]:
-            flat: dict[str, Any] = {}
+        chunk = entries[:upto]
+        tensors = [entry[0] for entry in chunk]  # the losses first, then the rarer tensors
+        flats: list[dict[str, Any] | None] = []
+        for _, count, _, records in chunk:
+            if isinstance(count, torch.Tensor):
+                tensors.append(count.reshape(()) if count.ndim else count)
+            flat: dict[str, Any] | None = None
             if records:
+                flat = {}
                 _flatten(records, "", "log_metrics: record", flat)
                 clash = _RESERVED.intersection(flat)
                 if clash:
@@ -249,30 +260,37 @@ def log_metrics(
                         f"log_metrics: record(s) {sorted(clash)} would overwrite the "
                         f"published train/{sorted(clash)[0]}; rename them in loss_fn's records."
                     )
-            rows.append((count, samples, flat))
-            tensors.append(loss)
-            if isinstance(count, torch.Tensor):
-                tensors.append(count.reshape(()) if count.ndim else count)
-            tensors.extend(v for v in flat.values() if isinstance(v, torch.Tensor))
+                tensors.extend([v for v in flat.values() if isinstance(v, torch.Tensor)])
+            flats.append(flat)
         n = len(tensors)
         tensors.extend(also)
         synced = _to_host(tensors)
-        values = iter(synced[:n])
-        for count, samples, flat in rows:
-            loss_value = next(values)
+        rest = iter(synced[len(chunk) : n])
+        loss_sum = weight_sum = samples_sum = tokens_sum = 0.0
+        for (_, count, samples, _), loss, flat in zip(chunk, synced, flats):
             if count is not None:
-                count = next(values) if isinstance(count, torch.Tensor) else float(count)
-                totals["tokens"] += count
+                weight = next(rest) if isinstance(count, torch.Tensor) else float(count)
+                tokens_sum += weight
                 has["tokens"] = True
+            else:
+                weight = 1.0 if samples is None else samples
             if samples is not None:
-                totals["samples"] += samples
+                samples_sum += samples
                 has["samples"] = True
-            weight = count if count is not None else samples if samples is not None else 1.0
-            for key, value in (("loss", loss_value), *flat.items()):
-                v = next(values) if isinstance(value, torch.Tensor) else value
-                acc = folded.setdefault(key, [0.0, 0.0])
-                acc[0] += v * weight
-                acc[1] += weight
+            loss_sum += loss * weight
+            weight_sum += weight
+            if flat is not None:
+                for key, value in flat.items():
+                    v = next(rest) if isinstance(value, torch.Tensor) else value
+                    acc = folded.setdefault(key, [0.0, 0.0])
+                    acc[0] += v * weight
+                    acc[1] += weight
+        if chunk:
+            acc = folded.setdefault("loss", [0.0, 0.0])
+            acc[0] += loss_sum
+            acc[1] += weight_sum
+        totals["samples"] += samples_sum
+        totals["tokens"] += tokens_sum
         del entries[:upto]
         window_start -= upto
         return synced[n:]
@@ -286,7 +304,7 @@ def log_metrics(
         started[0] = now
         keys = sorted(folded)
         if collective:
-            _all_reduce(keys, folded, totals, state)
+            _all_reduce(keys, folded, totals)
         metrics: dict[str, float] = {}
         for key in keys:
             total, weight = folded[key]
@@ -381,19 +399,15 @@ def log_metrics(
     return plugin
 
 
-def _all_reduce(
-    keys: list[str], folded: dict[str, list[float]], totals: dict[str, float], state: TrainState
-) -> None:
+def _all_reduce(keys: list[str], folded: dict[str, list[float]], totals: dict[str, float]) -> None:
     """Sum the interval's python sums over data-parallel ranks (one collective)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not is_distributed():
         return
     world = dist.get_world_size()
     layout = float(zlib.crc32("\0".join(keys).encode()))
     flat = [v for key in keys for v in folded[key]]
     flat += [totals["samples"], totals["tokens"], totals["data"], totals["step"], layout]
-    device = _collective_device(state)
+    device = _collective_device()
     reduced = torch.tensor(flat, dtype=torch.float64, device=device)
     dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
     values = reduced.tolist()
@@ -411,9 +425,7 @@ def _all_reduce(
     totals["data"], totals["step"] = values[base + 2] / world, values[base + 3] / world
 
 
-def _collective_device(state: TrainState) -> torch.device:
-    import torch.distributed as dist
-
+def _collective_device() -> torch.device:
     if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

@@ -68,11 +68,14 @@ def progress(
     resume) times the updates left; it appears once an update has been timed.
 
     When the console is a terminal, a live bar is drawn (refreshed only at those points: no
-    background thread); otherwise (CI logs, output redirected to a file) one plain line is
-    printed per refresh, e.g. ``step 20/100 | loss 0.4312 | lr 1.00e-03 | grad_norm 0.53 |
-    1234 samples/s | eta 0:00:12``. The live bar is stopped at ``"end"``, also when
-    training raised. Values are synced to the host only at a refresh, once (one
-    ``.tolist()``). Only rank 0 shows anything (and does any work); the loss is rank 0's.
+    background thread). Otherwise (CI logs, output redirected to a file) one plain line is
+    written to the console's file and flushed per refresh, for example::
+
+        step 20/100 | loss 0.4312 | lr 1.00e-03 | grad_norm 0.53 | 1234 samples/s | eta 0:00:12
+
+    The live bar is stopped at ``"end"``, also when training raised. Values are synced to
+    the host only at a refresh, once (one ``.tolist()``). Only rank 0 shows anything (and
+    does any work); the loss shown is rank 0's.
 
     Args:
         every: updates between refreshes (>= 1).
@@ -145,7 +148,6 @@ def progress(
                 info="",
             )
             bar.start()
-            bar.refresh()
 
     def refresh(state: TrainState) -> None:
         lr = run["lr"]
@@ -201,8 +203,11 @@ def progress(
         head = _head(step, run["total"])
         bar = live.get("bar")
         if bar is None:
-            line = f"{head} | {info}" if info else head
-            run["console"].print(line, markup=False, highlight=False, soft_wrap=True)
+            # A plain line straight to the console's file: rendering it through rich would
+            # cost ~100x more, for nothing to style in a log.
+            file = run["console"].file
+            file.write(f"{head} | {info}\n" if info else f"{head}\n")
+            file.flush()
         else:
             bar.update(live["task"], completed=step, head=head, info=info)
             bar.refresh()

@@ -1,0 +1,301 @@
+"""progress: live bar or plain lines, ETA without warm-up, throughput, rank 0 only."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import pytest
+import rich.console
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from toolkit import Event, LossSum, TrainState, clip, make_step, run
+from toolkit.plugins import _progress
+from toolkit.plugins._progress import progress
+
+
+class CountSyncs(TorchDispatchMode):
+    """Counts aten._local_scalar_dense calls: .item(), float(tensor), bool(tensor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def recorded(terminal: bool) -> rich.console.Console:
+    return rich.console.Console(record=True, force_terminal=terminal, width=120, file=io.StringIO())
+
+
+class FakeTime:
+    """A clock the loss function advances: update i takes ``seconds(i)`` (1-based)."""
+
+    def __init__(self, seconds: Callable[[int], float]) -> None:
+        self.now = 0.0
+        self.calls = 0
+        self.seconds = seconds
+
+    def __call__(self) -> float:
+        return self.now
+
+    def tick(self) -> None:
+        self.calls += 1
+        self.now += self.seconds(self.calls)
+
+
+def frozen_state(lr: float = 1e-3) -> TrainState:
+    model = torch.nn.Linear(1, 1, bias=False)
+    return TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr))
+
+
+def train(
+    plugin: Callable[[Event], Any],
+    clock: FakeTime,
+    *,
+    max_steps: int,
+    state: TrainState | None = None,
+    counts: bool = False,
+    plugins_before: Sequence[Callable[[Event], Any]] = (),
+    step_wrapper: Callable[[Any], Any] = lambda s: s,
+) -> TrainState:
+    """Batches of 4 samples whose value is the batch index; the loss is their mean."""
+
+    def loss_fn(model: torch.nn.Module, batch: torch.Tensor) -> Any:
+        clock.tick()
+        base = model.weight.sum() * 0
+        if counts:  # 10 tokens per batch
+            return LossSum(base + batch.mean() * 10, torch.tensor(10))
+        return base + batch.mean()
+
+    data = [torch.full((4, 1), float(i)) for i in range(max_steps)]
+    step = step_wrapper(make_step(loss_fn))
+    state = state or frozen_state()
+    return run(step, state, data, max_steps=max_steps, plugins=[*plugins_before, plugin])
+
+
+def text(console: rich.console.Console) -> str:
+    """What a reader sees: the live bar's renders, or the plain lines written to the file."""
+    return console.export_text() if console.is_terminal else console.file.getvalue()
+
+
+def lines(console: rich.console.Console) -> list[str]:
+    return text(console).splitlines()
+
+
+# ---------------------------------------------------------------- plain lines
+
+
+def test_plain_lines_when_not_a_terminal() -> None:
+    console, clock = recorded(terminal=False), FakeTime(lambda i: 1.0)
+    train(progress(every=2, warmup=2, console=console, clock=clock), clock, max_steps=6)
+    assert lines(console) == [
+        "step 2/6 | loss 0.5 | lr 1.00e-03 | 4 samples/s",  # ETA not known yet: none timed
+        "step 4/6 | loss 2.5 | lr 1.00e-03 | 4 samples/s | eta 0:00:02",
+        "step 6/6 | loss 4.5 | lr 1.00e-03 | 4 samples/s | eta 0:00:00",
+    ]
+
+
+def test_a_last_line_at_end_when_the_run_stops_between_refreshes() -> None:
+    console, clock = recorded(terminal=False), FakeTime(lambda i: 1.0)
+    train(progress(every=2, warmup=0, console=console, clock=clock), clock, max_steps=5)
+    assert [line.split(" | ")[:2] for line in lines(console)] == [
+        ["step 2/5", "loss 0.5"],
+        ["step 4/5", "loss 2.5"],
+        ["step 5/5", "loss 4"],
+    ]
+
+
+def test_default_console_is_standard_output(capsys: pytest.CaptureFixture[str]) -> None:
+    clock = FakeTime(lambda i: 1.0)
+    train(progress(every=1, warmup=0, clock=clock), clock, max_steps=2)
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(" | ")[0] for line in out] == ["step 1/2", "step 2/2"]
+
+
+# ---------------------------------------------------------------- live bar
+
+
+def test_live_bar_in_a_terminal_is_refreshed_and_stopped() -> None:
+    console, clock = recorded(terminal=True), FakeTime(lambda i: 1.0)
+    train(progress(every=2, warmup=2, console=console, clock=clock), clock, max_steps=4)
+    text = console.export_text()
+    assert "━" in text  # a bar was drawn
+    assert "step 2/4" in text and "loss 0.5 | lr 1.00e-03 | 4 samples/s" in text
+    assert "step 4/4" in text and "loss 2.5 | lr 1.00e-03 | 4 samples/s | eta 0:00:00" in text
+    raw = console.file.getvalue()
+    assert raw.startswith("\x1b[?25l") and raw.endswith("\x1b[?25h")  # cursor hidden, restored
+    # Stopped: a new live display may start on the same console.
+    with rich.progress.Progress(console=console, auto_refresh=False):
+        pass
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_display_stops_cleanly_when_training_raises(terminal: bool) -> None:
+    console, clock = recorded(terminal), FakeTime(lambda i: 1.0)
+
+    def boom(event: Event) -> None:
+        if event.kind == "step" and event.state.step == 3:
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        train(
+            progress(every=2, console=console, clock=clock),
+            clock,
+            max_steps=6,
+            plugins_before=[boom],
+        )
+    steps = [s for s in ("step 2/6", "step 3/6") if s in text(console)]
+    assert steps == ["step 2/6"]  # no sync and no line after the error
+    if terminal:
+        assert console.file.getvalue().endswith("\x1b[?25h")
+        with rich.progress.Progress(console=console, auto_refresh=False):
+            pass
+
+
+# ---------------------------------------------------------------- ETA
+
+
+def test_eta_leaves_the_warm_up_updates_out() -> None:
+    # Five slow updates (compilation, caches), then one second each.
+    console, clock = recorded(False), FakeTime(lambda i: 100.0 if i <= 5 else 1.0)
+    train(progress(every=10, warmup=5, console=console, clock=clock), clock, max_steps=20)
+    assert [line.split(" | ")[-1] for line in lines(console)] == ["eta 0:00:10", "eta 0:00:00"]
+
+
+def test_eta_without_warm_up_includes_everything() -> None:
+    console, clock = recorded(False), FakeTime(lambda i: 100.0 if i <= 5 else 1.0)
+    train(progress(every=10, warmup=0, console=console, clock=clock), clock, max_steps=20)
+    assert lines(console)[0].endswith("eta 0:08:25")  # 505 s / 10 updates x 10 left
+
+
+@pytest.mark.parametrize("same_plugin", [False, True])
+def test_eta_restarts_after_a_resume(same_plugin: bool) -> None:
+    console = recorded(False)
+    clock = FakeTime(lambda i: 1.0)
+    plugin = progress(every=10, warmup=5, console=console, clock=clock)
+    state = train(plugin, clock, max_steps=10)
+    # The resumed run warms up again (slow), then takes 2 s per update.
+    clock.seconds = lambda i: 100.0 if i <= 15 else 2.0
+    if not same_plugin:  # a restarted process builds its plugins anew
+        plugin = progress(every=10, warmup=5, console=console, clock=clock)
+    train(plugin, clock, max_steps=30, state=state)
+    tail = [(line.split(" | ")[0], line.split(" | ")[-1]) for line in lines(console)]
+    assert tail == [
+        ("step 10/10", "eta 0:00:00"),
+        ("step 20/30", "eta 0:00:20"),  # 2 s x 10 left: the slow warm-up is left out again
+        ("step 30/30", "eta 0:00:00"),
+    ]
+
+
+def test_no_total_no_eta() -> None:
+    class Batches:  # re-iterable without a length: the total is unknown
+        def __iter__(self) -> Iterator[torch.Tensor]:
+            return iter([torch.ones(4, 1)] * 3)
+
+    console, clock = recorded(False), FakeTime(lambda i: 1.0)
+
+    def loss_fn(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        clock.tick()
+        return model.weight.sum() * 0 + batch.mean()
+
+    plugin = progress(every=1, warmup=0, console=console, clock=clock)
+    run(make_step(loss_fn), frozen_state(), Batches(), epochs=1, plugins=[plugin])
+    assert lines(console) == [f"step {i} | loss 1 | lr 1.00e-03 | 4 samples/s" for i in (1, 2, 3)]
+
+
+# ---------------------------------------------------------------- what a line shows
+
+
+def test_tokens_per_second_only_when_counts_are_reported() -> None:
+    console, clock = recorded(False), FakeTime(lambda i: 0.5)
+    train(progress(every=2, console=console, clock=clock), clock, max_steps=2, counts=True)
+    (line,) = lines(console)
+    assert "| 8 samples/s | 20 tokens/s" in line  # 8 samples, 20 tokens in 1 s
+    console, clock = recorded(False), FakeTime(lambda i: 0.5)
+    train(progress(every=2, console=console, clock=clock), clock, max_steps=2)
+    assert "tokens/s" not in lines(console)[0]
+
+
+def test_grad_norm_shown_when_the_step_computes_it() -> None:
+    console, clock = recorded(False), FakeTime(lambda i: 1.0)
+    train(
+        progress(every=1, console=console, clock=clock),
+        clock,
+        max_steps=1,
+        step_wrapper=lambda s: clip(s, max_norm=1.0),
+    )
+    assert "| grad_norm 0 |" in lines(console)[0]  # the loss does not depend on the weights
+    console, clock = recorded(False), FakeTime(lambda i: 1.0)
+    train(progress(every=1, console=console, clock=clock), clock, max_steps=1)
+    assert "grad_norm" not in lines(console)[0]
+
+
+def test_peak_memory_from_the_memory_plugin_entry() -> None:
+    def memory(event: Event) -> TrainState | None:
+        if event.kind == "step":
+            entry = {"step": event.state.step, "metrics": {"peak_gib": 1.5}}
+            return event.state.replace(extras={**event.state.extras, "memory": entry})
+        return None
+
+    console, clock = recorded(False), FakeTime(lambda i: 1.0)
+    train(
+        progress(every=1, console=console, clock=clock),
+        clock,
+        max_steps=1,
+        plugins_before=[memory],
+    )
+    assert lines(console)[0].endswith("| 4 samples/s | peak_gib 1.5")
+
+
+def test_one_host_sync_per_refresh(monkeypatch: pytest.MonkeyPatch) -> None:
+    tolists: list[int] = []
+    original = torch.Tensor.tolist
+
+    def counting_tolist(self: torch.Tensor) -> Any:
+        tolists.append(self.numel())
+        return original(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
+    console, clock = recorded(False), FakeTime(lambda i: 1.0)
+    with CountSyncs() as syncs:
+        train(
+            progress(every=3, console=console, clock=clock),
+            clock,
+            max_steps=6,
+            counts=True,
+            step_wrapper=lambda s: clip(s, max_norm=1.0),
+        )
+    assert syncs.count == 0
+    assert tolists == [3 * 3, 3 * 3]  # per refresh: 3 x (loss, count, grad norm), at once
+
+
+# ---------------------------------------------------------------- ranks and bad input
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_silent_on_other_ranks(monkeypatch: pytest.MonkeyPatch, terminal: bool) -> None:
+    monkeypatch.setattr(_progress, "is_rank_zero", lambda: False)
+    console, clock = recorded(terminal), FakeTime(lambda i: 1.0)
+    train(progress(every=1, console=console, clock=clock), clock, max_steps=3)
+    assert console.file.getvalue() == ""
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"every": 0}, ValueError, r"progress: every must be an int >= 1 .*got 0"),
+        ({"every": 2.0}, ValueError, r"progress: every must be an int >= 1"),
+        ({"warmup": -1}, ValueError, r"progress: warmup must be an int >= 0 .*got -1"),
+        ({"console": io.StringIO()}, TypeError, r"console must be a rich.console.Console"),
+        ({"clock": 3.0}, TypeError, r"clock must be a function returning seconds; got float"),
+    ],
+)
+def test_bad_arguments(kwargs: dict, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        progress(**kwargs)
