@@ -63,10 +63,10 @@ def _fsdp2_no_sync(model: torch.nn.Module) -> Iterator[None]:
         model.set_requires_gradient_sync(True)  # type: ignore[operator]
 
 
-def suppress_grad_sync(model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
+def suppress_grad_sync(model: torch.nn.Module) -> contextlib.AbstractContextManager[None] | None:
     """Context in which backward accumulates locally: DDP ``no_sync``, FSDP2 sync off.
 
-    For any other model it is a null context, so single-process code pays nothing.
+    ``None`` for any other model, so that single-process code does not even enter a context.
     """
     kind = _SYNC_KIND.get(type(model))
     if kind is None:
@@ -77,9 +77,8 @@ def suppress_grad_sync(model: torch.nn.Module) -> contextlib.AbstractContextMana
         return model.no_sync()  # type: ignore[operator]
     if kind == "fsdp2":
         return _fsdp2_no_sync(model)
-    return _NULL
+    return None
 
 
-_NULL = contextlib.nullcontext()
 # Per model class, since fully_shard gives every sharded module a class of its own.
 _SYNC_KIND: dict[type, str] = {}

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import types
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -97,11 +97,14 @@ class StepOutput(NamedTuple):
     lr: Any = None
 
 
-_SKIPPED = StepOutput(None, {}, None, None, updated=False, closed=False, skipped=True)
+_NO_RECORDS: Mapping[str, Any] = types.MappingProxyType({})
+_SKIPPED = StepOutput(None, _NO_RECORDS, None, None, updated=False, closed=False, skipped=True)
 
 
 def _leading_dim(batch: Any) -> int | None:
     # Cheap, no tree flattening: the first tensor found depth-first in common containers.
+    if type(batch) is tuple and batch and type(batch[0]) is torch.Tensor and batch[0].ndim:
+        return batch[0].shape[0]  # the common (inputs, targets) batch
     while True:
         if isinstance(batch, torch.Tensor):
             return int(batch.shape[0]) if batch.ndim else None
@@ -129,7 +132,7 @@ def _bad_return(result: Any, why: str) -> TypeError:
 def _parse(result: Any) -> tuple[torch.Tensor, torch.Tensor | int | None, Mapping[str, Any]]:
     records: Mapping[str, Any]
     if isinstance(result, torch.Tensor):
-        loss, count, records = result, None, {}
+        loss, count, records = result, None, _NO_RECORDS
     elif isinstance(result, LossSum):
         loss, count, records = result.total, result.count, result.records
     elif isinstance(result, tuple) and len(result) == 2:
@@ -212,14 +215,19 @@ class Step:
         k = self.accumulation.micro_batches if self.accumulation is not None else 1
         window = state.window
         closes = window.micro_step + 1 == k
-        scaler = state.scaler
-        if amp is not None and amp.fp16 and scaler is None:
-            scaler = amp.make_scaler(model)
-            state = state.replace(scaler=scaler)
-        elif amp is None or not amp.fp16:
-            scaler = None  # a scaler left in the state by someone else is not ours to use
+        scaler = None  # a scaler left in the state by someone else is not ours to use
+        if amp is not None and amp.fp16:
+            scaler = state.scaler
+            if scaler is None:
+                scaler = amp.make_scaler(model)
+                state = state.replace(scaler=scaler)
 
-        with suppress_grad_sync(model) if not closes else _NULL:
+        # Once per micro-batch: every Python line here shows in the overhead on small models,
+        # hence one frame, a zero-cost try instead of a with, and the plain-loss fast path.
+        no_sync = None if closes else suppress_grad_sync(model)
+        if no_sync is not None:
+            no_sync.__enter__()
+        try:
             if amp is not None:
                 with amp.autocast(model):
                     result = self.loss_fn(model, batch)
@@ -227,7 +235,10 @@ class Step:
                 result = self.loss_fn(model, batch)
             if result is None:
                 return state, _SKIPPED
-            loss, count, records = _parse(result)
+            if type(result) is torch.Tensor and result.ndim == 0 and result.requires_grad:
+                loss, count, records = result, None, _NO_RECORDS
+            else:
+                loss, count, records = _parse(result)
             if count is None:
                 if window.count is not None:
                     raise _mixed_counts("this one reported none")
@@ -239,6 +250,9 @@ class Step:
             if scaler is not None:
                 objective = scaler.scale(objective)
             objective.backward()
+        finally:
+            if no_sync is not None:
+                no_sync.__exit__(None, None, None)
 
         detached = loss.detach()
         window_loss = window.loss
@@ -311,7 +325,7 @@ class Step:
         guard_state = state.guard
         if overflow and not nonfinite:
             guard_state = guard_state._replace(total_overflow=guard_state.total_overflow + 1)
-        if guard is not None:
+        if guard is not None and (nonfinite or guard_state.notfinite_count):
             guard_state, apply = guard.judge(
                 guard_state,
                 nonfinite,
@@ -346,10 +360,12 @@ class Step:
         if apply and state.scheduler is not None:
             state.scheduler.step()
 
-        state = state.replace(
-            step=state.step + 1 if apply else state.step,
-            window=_EMPTY_WINDOW,
-            guard=guard_state,
+        state = state._evolve(
+            {
+                "step": state.step + 1 if apply else state.step,
+                "window": _EMPTY_WINDOW,
+                "guard": guard_state,
+            }
         )
         out = StepOutput(
             loss,
@@ -367,7 +383,6 @@ class Step:
         return state, out
 
 
-_NULL = contextlib.nullcontext()
 _EMPTY_WINDOW = WindowState()
 
 
