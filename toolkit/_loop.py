@@ -6,7 +6,7 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from toolkit._state import TrainState
 from toolkit._step import StepOutput
@@ -49,8 +49,7 @@ class LoopInfo:
     total_steps: int | None
 
 
-@dataclasses.dataclass(frozen=True)
-class Event:
+class Event(NamedTuple):
     """What :func:`run` passes to every plugin.
 
     Attributes:
@@ -158,7 +157,7 @@ def _validate(data: Any, max_steps: int | None, epochs: int | None) -> None:
 def _call(plugins: Sequence[Plugin], event: Event) -> TrainState:
     state = event.state
     for plugin in plugins:
-        new = plugin(dataclasses.replace(event, state=state) if state is not event.state else event)
+        new = plugin(event if state is event.state else event._replace(state=state))
         if new is not None:
             if not isinstance(new, TrainState):
                 raise TypeError(
@@ -254,7 +253,7 @@ def run(
                 t1 = clock()
                 state, out = step(state, batch)
                 t2 = clock()
-                state = state.replace(batches_seen=state.batches_seen + 1)
+                state = state._evolve({"batches_seen": state.batches_seen + 1})
                 state = _call(plugins, Event("step", state, loop, out, t1 - t0, t2 - t1))
                 if _done(state, max_steps, epochs):
                     exhausted = False
@@ -294,7 +293,7 @@ def _end(plugins: Sequence[Plugin], event: Event, error: BaseException | None) -
     state, first = event.state, None
     for plugin in plugins:
         try:
-            new = plugin(dataclasses.replace(event, state=state))
+            new = plugin(event._replace(state=state))
             if isinstance(new, TrainState):
                 state = new
         except Exception as exc:
