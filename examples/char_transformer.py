@@ -177,9 +177,7 @@ def main() -> None:
         optimizer, max_lr=3e-3, total_steps=max_steps, pct_start=0.1
     )
     state = TrainState(model=model, optimizer=optimizer, scheduler=scheduler)
-    # jsonl appends (so a resumed run continues its file); a fresh run starts a fresh one.
     metrics_path = args.out / "metrics.jsonl"
-    metrics_path.unlink(missing_ok=True)
 
     step = compose(
         amp_wrap(dtype="bf16"),  # bf16 needs no loss scaler
@@ -189,9 +187,10 @@ def main() -> None:
     )(make_step(loss_fn))
 
     plugins = [
-        validate(eval_fn, val_loader, every=every),
-        progress(every=every // 2),
-        log_metrics(every=10, sinks=[jsonl(metrics_path)]),
+        validate(eval_fn, val_loader, every=every, at_end=True),
+        progress(every=every // 2, counts="tokens"),
+        # mode="w": a new run replaces the file (the default appends, for resumed runs).
+        log_metrics(every=10, sinks=[jsonl(metrics_path, mode="w")]),
     ]
     print(
         f"{sum(p.numel() for p in model.parameters())} parameters, vocabulary {len(itos)}, "
@@ -202,7 +201,7 @@ def main() -> None:
     state = run(step, state, train_loader, max_steps=max_steps, plugins=plugins)
     seconds = time.perf_counter() - started
 
-    val = state.extras["val"]  # the last evaluation: at the last update, as every divides it
+    val = state.extras["val"]  # at_end=True: the evaluation of the final weights
     loss = val["metrics"]["loss"]
     print(
         f"final validation loss: {loss:.4f} nats/char (perplexity {math.exp(loss):.2f}) at "

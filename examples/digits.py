@@ -118,9 +118,7 @@ def main() -> None:
         optimizer, max_lr=3e-3, total_steps=total_updates, pct_start=0.1
     )
     state = TrainState(model=model, optimizer=optimizer, scheduler=scheduler)
-    # jsonl appends (so a resumed run continues its file); a fresh run starts a fresh one.
     metrics_path = args.out / "metrics.jsonl"
-    metrics_path.unlink(missing_ok=True)
 
     # Decorator order does not matter: the step runs its phases in one fixed order.
     step = compose(
@@ -133,14 +131,23 @@ def main() -> None:
     plugins = [
         # ema before validate: the EMA evaluation sees the average after this update.
         ema(decay=0.995),
-        validate(eval_fn, val_loader, every=every, per_epoch=True),
-        validate(eval_fn, val_loader, every=every, per_epoch=True, key="val_ema", model=ema_model),
+        validate(eval_fn, val_loader, every=every, per_epoch=True, at_end=True),
+        validate(
+            eval_fn,
+            val_loader,
+            every=every,
+            per_epoch=True,
+            at_end=True,
+            key="val_ema",
+            model=ema_model,
+        ),
         # patience counts evaluations (every `every` updates and at each epoch end).
         early_stop("val/loss", patience=10),
         peak_memory(every=every),
         # progress and log_metrics last, so they show what the plugins above produced.
-        progress(every=every),
-        log_metrics(every=10, sinks=[jsonl(metrics_path)]),
+        progress(every=every, show=("val", "val_ema", "memory")),
+        # mode="w": a new run replaces the file (the default appends, for resumed runs).
+        log_metrics(every=10, sinks=[jsonl(metrics_path, mode="w")]),
     ]
     started = time.perf_counter()
     state = run(step, state, train_loader, epochs=epochs, plugins=plugins)
@@ -148,8 +155,7 @@ def main() -> None:
 
     if state.stop is not None:
         print(f"stopped early: {state.stop}")
-    # Both validations run at every epoch end and just before an early stop, so these
-    # entries describe the final weights.
+    # at_end=True: both entries describe the final weights.
     val, val_ema = state.extras["val"], state.extras["val_ema"]
     print(
         f"final validation accuracy: {val['metrics']['accuracy']:.4f} "

@@ -222,6 +222,52 @@ def test_tokens_per_second_only_when_counts_are_reported() -> None:
     assert "tokens/s" not in lines(console)[0]
 
 
+def test_count_rate_label_is_configurable() -> None:
+    console, clock = recorded(False), FakeTime(lambda i: 0.5)
+    train(
+        progress(every=2, console=console, clock=clock, counts="targets"),
+        clock,
+        max_steps=2,
+        counts=True,
+    )
+    (line,) = lines(console)
+    assert "| 20 targets/s" in line and "tokens/s" not in line
+
+
+def _publishes(name: str, metrics: dict[str, float]):
+    def plugin(event: Event) -> TrainState | None:
+        if event.kind == "step" and event.out is not None and event.out.updated:
+            entry = {"step": event.state.step, "metrics": metrics}
+            return event.state.replace(extras={**event.state.extras, name: entry})
+        return None
+
+    return plugin
+
+
+def test_validation_metrics_are_shown_by_default_and_show_selects_entries() -> None:
+    val = _publishes("val", {"loss": 0.25, "accuracy": 0.9375})
+    other = _publishes("other", {"score": 3.0})
+    console, clock = recorded(False), FakeTime(lambda i: 1.0)
+    train(
+        progress(every=1, console=console, clock=clock),
+        clock,
+        max_steps=1,
+        plugins_before=[val, other],
+    )
+    (line,) = lines(console)
+    assert line.endswith("| val/loss 0.25 | val/accuracy 0.9375")
+    assert "other/" not in line
+    console, clock = recorded(False), FakeTime(lambda i: 1.0)
+    train(
+        progress(every=1, console=console, clock=clock, show=("other",)),
+        clock,
+        max_steps=1,
+        plugins_before=[val, other],
+    )
+    (line,) = lines(console)
+    assert line.endswith("| other/score 3") and "val/" not in line
+
+
 def test_grad_norm_shown_when_the_step_computes_it() -> None:
     console, clock = recorded(False), FakeTime(lambda i: 1.0)
     train(
@@ -294,6 +340,8 @@ def test_silent_on_other_ranks(monkeypatch: pytest.MonkeyPatch, terminal: bool) 
         ({"warmup": -1}, ValueError, r"progress: warmup must be an int >= 0 .*got -1"),
         ({"console": io.StringIO()}, TypeError, r"console must be a rich.console.Console"),
         ({"clock": 3.0}, TypeError, r"clock must be a function returning seconds; got float"),
+        ({"show": "val"}, TypeError, r"show must be a sequence of state.extras entry names"),
+        ({"counts": ""}, TypeError, r"counts must be a non-empty str such as 'tokens'"),
     ],
 )
 def test_bad_arguments(kwargs: dict, error: type, match: str) -> None:

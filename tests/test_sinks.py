@@ -48,6 +48,20 @@ def test_jsonl_appends_after_close_and_across_sinks(tmp_path: Path) -> None:
     assert [r["step"] for r in _read_jsonl(path)] == [1, 2, 3]
 
 
+def test_jsonl_mode_w_replaces_the_old_file_once(tmp_path: Path) -> None:
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 10, "old": 1}\n')
+    sink = jsonl(path, mode="w")
+    assert path.read_text() == '{"step": 10, "old": 1}\n'  # nothing happens before a write
+    sink.write(1, {"a": 1.0})
+    sink.close()
+    sink.write(2, {"a": 2.0})  # reopened: appends to its own lines
+    sink.close()
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
+    with pytest.raises(ValueError, match="mode must be 'a' .append. or 'w' .replace.; got 'x'"):
+        jsonl(path, mode="x")
+
+
 def test_jsonl_non_finite_values_round_trip(tmp_path: Path) -> None:
     path = tmp_path / "m.jsonl"
     sink = jsonl(path)

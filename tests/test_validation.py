@@ -213,6 +213,56 @@ def test_every_n_applied_updates_with_accumulation():
     assert steps == [3, 6, 9]
 
 
+def test_at_end_evaluates_the_final_weights_once():
+    eval_fn, calls = _scripted([0.5, 0.4, 0.3])
+    # 5 updates with every=2: evaluations at 2 and 4, then the final weights at 5.
+    state = run(
+        _STEP,
+        _state(),
+        _train(5),
+        max_steps=5,
+        plugins=[validate(eval_fn, [torch.ones(1, 2)], every=2, at_end=True)],
+    )
+    assert len(calls) == 3
+    assert state.extras["val"]["step"] == 5
+    assert state.extras["val"]["metrics"]["loss"] == 0.3
+    # Final weights already evaluated (4 is a multiple of 2): no second evaluation.
+    eval_fn, calls = _scripted([0.5, 0.4, 0.3])
+    run(
+        _STEP,
+        _state(),
+        _train(4),
+        max_steps=4,
+        plugins=[validate(eval_fn, [torch.ones(1, 2)], every=2, at_end=True)],
+    )
+    assert len(calls) == 2
+    # at_end alone, and not after a training error.
+    eval_fn, calls = _scripted([0.5])
+    state = run(
+        _STEP,
+        _state(),
+        _train(3),
+        max_steps=3,
+        plugins=[validate(eval_fn, [torch.ones(1, 2)], at_end=True)],
+    )
+    assert (len(calls), state.extras["val"]["step"]) == (1, 3)
+
+    def boom(event: Event) -> None:
+        if event.kind == "step":
+            raise RuntimeError("training failed")
+
+    eval_fn, calls = _scripted([0.5])
+    with pytest.raises(RuntimeError, match="training failed"):
+        run(
+            _STEP,
+            _state(),
+            _train(3),
+            max_steps=3,
+            plugins=[boom, validate(eval_fn, [torch.ones(1, 2)], at_end=True)],
+        )
+    assert calls == []
+
+
 def test_per_epoch_and_dedup_with_every():
     epochs: list[tuple[int, int]] = []
 
@@ -328,7 +378,7 @@ def test_model_option_evaluates_the_ema():
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({}, ValueError, r"give every=N .* and/or per_epoch=True"),
+        ({}, ValueError, r"give every=N .*, per_epoch=True .* and/or at_end=True"),
         ({"every": 0}, ValueError, r"every must be an int >= 1 or None; got 0"),
         ({"every": 2, "mode": "best"}, ValueError, r"mode must be 'min' .* or 'max'.*'best'"),
         ({"every": 2, "model": "ema"}, TypeError, r"model must be a function state -> module"),

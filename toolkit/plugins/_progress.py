@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import rich
@@ -24,7 +24,16 @@ def _rate(value: float) -> str:
     return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
 
 
-def _check(every: Any, warmup: Any, console: Any, clock: Any) -> None:
+def _check(every: Any, warmup: Any, console: Any, clock: Any, show: Any, counts: Any) -> None:
+    if isinstance(show, str) or not all(isinstance(name, str) for name in show):
+        raise TypeError(
+            f"progress: show must be a sequence of state.extras entry names; got {show!r}. "
+            'Example: progress(show=("val", "memory")).'
+        )
+    if not isinstance(counts, str) or not counts:
+        raise TypeError(
+            f"progress: counts must be a non-empty str such as 'tokens'; got {counts!r}."
+        )
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(
             f"progress: every must be an int >= 1 (updates between refreshes); got {every!r}. "
@@ -52,6 +61,8 @@ def progress(
     warmup: int = 5,
     console: rich.console.Console | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    show: Sequence[str] = ("val", "memory"),
+    counts: str = "tokens",
 ) -> Callable[[Event], TrainState | None]:
     """A plugin showing training progress: a rich bar in a terminal, plain lines otherwise.
 
@@ -60,8 +71,10 @@ def progress(
     loss of the micro-batches since the last refresh, the learning rate the last update
     used, the mean gradient norm (when the step computes it, under :func:`toolkit.clip` or
     :func:`toolkit.guard_nonfinite`), samples/s and, when the loss reports target counts
-    (:class:`toolkit.LossSum`), tokens/s, the metrics of ``state.extras["memory"]`` (peak
-    memory, from :func:`toolkit.plugins.peak_memory`) and the ETA.
+    (:class:`toolkit.LossSum`), their rate (``counts``/s, tokens/s by default), the latest
+    metrics of each ``state.extras`` entry named in ``show`` (by default the validation
+    results of :func:`toolkit.plugins.validate` as ``val/<metric>``, and the peak memory of
+    :func:`toolkit.plugins.peak_memory`), and the ETA.
 
     The ETA is the time per update measured from the ``warmup``-th update of this run (so
     compilation and cache warm-up are left out, and the measurement restarts after a
@@ -84,13 +97,19 @@ def progress(
             console (standard output).
         clock: a function returning seconds (default ``time.perf_counter``), for the ETA
             and throughput; tests pass a fake clock for deterministic output.
+        show: names of ``state.extras`` entries (of the ``{"step", "metrics"}`` form plugins
+            publish) whose metrics are shown as ``name/metric``; ``memory`` is shown
+            without the prefix.
+        counts: what the loss's target counts are, for the rate label (``"tokens"``,
+            ``"targets"``, ``"pixels"``...).
 
     Returns:
         The plugin, a function ``plugin(event) -> None``.
 
     Raises:
         ValueError: ``every`` is not an int >= 1 or ``warmup`` not an int >= 0.
-        TypeError: ``console`` is not a rich Console, or ``clock`` is not callable.
+        TypeError: ``console`` is not a rich Console, ``clock`` is not callable, ``show`` is
+            not a sequence of names, or ``counts`` not a non-empty string.
 
     Example:
         >>> import io, itertools, torch
@@ -109,7 +128,8 @@ def progress(
         step 2/4 | loss 0.5 | lr 0.00e+00 | 4 samples/s | eta 0:00:02
         step 4/4 | loss 2.5 | lr 0.00e+00 | 8 samples/s | eta 0:00:00
     """
-    _check(every, warmup, console, clock)
+    _check(every, warmup, console, clock, show, counts)
+    shown_entries = tuple(show)
 
     # Everything since the last refresh; loss entries are (loss, count, samples).
     losses: list[tuple[torch.Tensor, Any, int | None]] = []
@@ -185,12 +205,14 @@ def progress(
         if elapsed > 0 and has_samples:
             parts.append(f"{_rate(samples / elapsed)} samples/s")
         if elapsed > 0 and has_tokens:
-            parts.append(f"{_rate(tokens / elapsed)} tokens/s")
-        memory = state.extras.get("memory")
-        if isinstance(memory, Mapping) and isinstance(memory.get("metrics"), Mapping):
-            for name, value in memory["metrics"].items():
-                if isinstance(value, (int, float)):
-                    parts.append(f"{name} {value:.3g}")
+            parts.append(f"{_rate(tokens / elapsed)} {counts}/s")
+        for entry_name in shown_entries:
+            entry = state.extras.get(entry_name)
+            if isinstance(entry, Mapping) and isinstance(entry.get("metrics"), Mapping):
+                prefix = "" if entry_name == "memory" else f"{entry_name}/"
+                for name, value in entry["metrics"].items():
+                    if isinstance(value, (int, float)):
+                        parts.append(f"{prefix}{name} {value:.4g}")
         eta = _eta(run, warmup, now, state.step)
         if eta is not None:
             parts.append(f"eta {eta}")

@@ -46,23 +46,27 @@ def _check_path(fn: str, name: str, value: Any) -> pathlib.Path:
     return pathlib.Path(value)
 
 
-def jsonl(path: str | os.PathLike[str]) -> Sink:
+def jsonl(path: str | os.PathLike[str], *, mode: str = "a") -> Sink:
     """A sink appending one JSON object per publish to ``path``: ``{"step": s, **metrics}``.
 
     Needs no extra package. Parent directories are created at the first write; every line
     is flushed to the operating system as soon as it is written, so a crashed run loses no
-    published line. The file is opened in append mode, so a resumed run continues the same
-    file. Non-finite values are written as ``NaN`` / ``Infinity`` (what Python's ``json``
+    published line. By default the file is opened in append mode, so a resumed run continues
+    the same file; ``mode="w"`` starts it afresh at this sink's first write (later writes
+    append, also after a close and reopen), for a new run in a reused folder. Non-finite
+    values are written as ``NaN`` / ``Infinity`` (what Python's ``json``
     writes and reads back).
 
     Args:
         path: the file to append to, e.g. ``"runs/exp1/metrics.jsonl"``.
+        mode: ``"a"`` to append to an existing file, ``"w"`` to replace it.
 
     Returns:
         A :class:`Sink`.
 
     Raises:
         TypeError: when ``path`` is not a str or path-like.
+        ValueError: when ``mode`` is not ``"a"`` or ``"w"``.
         IsADirectoryError: when ``path`` is an existing directory.
 
     Example:
@@ -83,13 +87,17 @@ def jsonl(path: str | os.PathLike[str]) -> Sink:
             f"jsonl: {str(file_path)!r} is a directory; give a file path inside it, e.g. "
             f"jsonl({str(file_path / 'metrics.jsonl')!r})."
         )
+    if mode not in ("a", "w"):
+        raise ValueError(f"jsonl: mode must be 'a' (append) or 'w' (replace); got {mode!r}.")
     handle: Any = None
+    open_mode = mode
 
     def write(step: int, metrics: dict[str, float]) -> None:
-        nonlocal handle
+        nonlocal handle, open_mode
         if handle is None:
             file_path.parent.mkdir(parents=True, exist_ok=True)
-            handle = open(file_path, "a", encoding="utf-8")  # noqa: SIM115 (closed by close)
+            handle = open(file_path, open_mode, encoding="utf-8")  # noqa: SIM115 (closed by close)
+            open_mode = "a"  # replaced once; this sink's own lines are kept from then on
         handle.write(json.dumps({"step": step, **metrics}) + "\n")
         handle.flush()
 

@@ -143,12 +143,13 @@ def validate(
     *,
     every: int | None = None,
     per_epoch: bool = False,
+    at_end: bool = False,
     key: str = "val",
     monitor: str = "loss",
     mode: str = "min",
     model: Callable[[TrainState], torch.nn.Module] | None = None,
 ) -> Plugin:
-    """A plugin that evaluates the model every ``every`` updates and/or after every epoch.
+    """A plugin that evaluates the model every ``every`` updates, after every epoch, at the end.
 
     Each evaluation calls ``eval_fn(model, batch)`` for every batch of ``data`` with the model
     in ``eval()`` mode under ``torch.no_grad()``; afterwards every submodule gets back its
@@ -175,6 +176,8 @@ def validate(
         data: a re-iterable source of validation batches (a DataLoader, a list).
         every: evaluate after every this many applied updates (``state.step % every == 0``).
         per_epoch: evaluate at every ``"epoch_end"``.
+        at_end: evaluate once more at ``"end"`` (when training did not raise) unless the
+            final weights were already evaluated, so the last result is always current.
         key: the ``state.extras`` key of the result.
         monitor: the metric whose best value is tracked.
         mode: ``"min"`` or ``"max"``: which direction is better for ``monitor``.
@@ -186,8 +189,9 @@ def validate(
         The plugin, ``plugin(event) -> TrainState | None``.
 
     Raises:
-        ValueError: neither ``every`` nor ``per_epoch``, ``every < 1``, a bad ``mode``, a
-            one-shot iterator as ``data``; during the run, validation data without batches.
+        ValueError: none of ``every``, ``per_epoch`` and ``at_end``, ``every < 1``, a bad
+            ``mode``, a one-shot iterator as ``data``; during the run, validation data
+            without batches.
         TypeError: ``eval_fn`` not callable; during the run, an ``eval_fn`` result that is
             not a mapping of scalars.
         KeyError: during the run, ``eval_fn`` never returned ``monitor`` (the message lists
@@ -216,10 +220,11 @@ def validate(
         )
     if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
         raise ValueError(f"validate: every must be an int >= 1 or None; got {every!r}.")
-    if every is None and not per_epoch:
+    if every is None and not per_epoch and not at_end:
         raise ValueError(
-            "validate: give every=N (evaluate every N applied updates) and/or per_epoch=True "
-            "(evaluate after each epoch); with neither it would never run."
+            "validate: give every=N (evaluate every N applied updates), per_epoch=True "
+            "(after each epoch) and/or at_end=True (once at the end); with none it would "
+            "never run."
         )
     _check_mode("validate", mode)
     if isinstance(data, Iterator):
@@ -261,6 +266,8 @@ def validate(
         if event.kind == "step":
             out = event.out
             due = every is not None and out is not None and out.updated and state.step % every == 0
+        elif event.kind == "end":
+            due = at_end and event.error is None
         else:
             due = per_epoch and event.kind == "epoch_end"
         if not due:
