@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from spawning import spawn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from toolkit import LossSum, TrainState, accumulate, clip, compose, guard_nonfinite, make_step
@@ -118,8 +118,14 @@ def _reference() -> list[list]:
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not built")
 @pytest.mark.skipif(sys.platform != "linux", reason="gloo over FileStore tested on Linux")
 def test_ddp_accumulation_with_counts_guard_and_lockstep(tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD, join=True)
-    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    def attempt_args(attempt: int) -> tuple[str, str]:
+        out = tmp_path / f"attempt{attempt}"
+        out.mkdir()
+        return str(out / "store"), str(out)
+
+    spawn(_worker, attempt_args, nprocs=WORLD)
+    out = max(tmp_path.glob("attempt*"))  # the attempt that completed
+    reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
     ref = _reference()
     for report in reports:
         # Gradient all-reduce only on the micro-batch that closes the window (no_sync before).

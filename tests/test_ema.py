@@ -122,17 +122,14 @@ def test_updates_only_on_applied_updates_with_accumulation():
 
     def spy(event: Event) -> None:
         if event.kind == "step":
-            calls.append((event.state.window.micro_step, event.state.extras["ema"]["num_updates"]))
+            calls.append((len(event.outs), event.state.extras["ema"]["num_updates"]))
 
     step = accumulate(make_step(_loss), micro_batches=3)
     plugins = [_recorder(trajectory), ema(0.6, warmup=False), spy]
     state = run(step, _state(model), _data(12), max_steps=4, plugins=plugins)
     assert state.extras["ema"]["num_updates"] == 4
-    # Open windows (micro_step 1, 2) leave the average alone; each closing call adds one.
-    expected = []
-    for update in range(4):
-        expected += [(1, update), (2, update), (0, update + 1)]
-    assert calls == expected
+    # One event per window of 3 micro-batches, each adding one EMA update.
+    assert calls == [(3, 1), (3, 2), (3, 3), (3, 4)]
     _assert_close(state.extras["ema"]["params"], _closed_form(trajectory, 0.6, [1, 2, 3, 4]))
 
 

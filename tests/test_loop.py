@@ -132,15 +132,52 @@ def test_plugins_run_in_list_order_and_see_each_others_states() -> None:
     ]
 
 
-def test_step_events_carry_output_timings_and_loop_info() -> None:
+def test_step_events_come_once_per_update_with_the_windows_outputs() -> None:
     events: list[Event] = []
     run(_step(k=2), _state(), _data(4), epochs=2, plugins=[events.append])
     steps = [e for e in events if e.kind == "step"]
-    assert len(steps) == 8
-    assert [e.out.updated for e in steps] == [False, True] * 4
+    assert len(steps) == 4
+    assert all(len(e.outs) == 2 and e.out is e.outs[-1] for e in steps)
+    assert [[o.updated for o in e.outs] for e in steps] == [[False, True]] * 4
+    assert [e.state.step for e in steps] == [1, 2, 3, 4]
+    assert [e.state.batches_seen for e in steps] == [2, 4, 2, 4]  # the data position
     assert all(e.data_time >= 0 and e.step_time > 0 for e in steps)
     loop = events[0].loop
     assert (loop.micro_batches, loop.batches_per_epoch, loop.total_steps) == (2, 4, 4)
+
+
+def test_a_window_spanning_an_epoch_and_skipped_micro_batches() -> None:
+    events: list[Event] = []
+    calls = iter(range(100))
+
+    def loss_fn(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor | None:
+        return None if next(calls) == 1 else model(batch).square().mean()  # skip the 2nd
+
+    step = accumulate(make_step(loss_fn), micro_batches=2)
+    state = run(step, _state(), _data(4), epochs=2, plugins=[events.append])
+    kinds = [(e.kind, len(e.outs)) for e in events]
+    # Epoch 1: b1, b2 (skipped), b3 close a window; b4 opens one that b5 closes in epoch 2;
+    # b6, b7 close one; b8 is left open at the end.
+    assert kinds == [
+        ("start", 0),
+        ("step", 3),
+        ("epoch_end", 0),
+        ("step", 2),
+        ("step", 2),
+        ("epoch_end", 0),
+        ("end", 1),
+    ]
+    assert [o.skipped for o in events[1].outs] == [False, True, False]
+    assert events[3].state.batches_seen == 1  # b5 is the first batch of epoch 2
+    assert state.step == 3
+
+
+def test_end_event_carries_an_open_window() -> None:
+    events: list[Event] = []
+    state = run(_step(k=3), _state(), iter(_data(4)), max_steps=5, plugins=[events.append])
+    assert state.step == 1
+    assert (events[-1].kind, len(events[-1].outs)) == ("end", 1)
+    assert events[-1].state.batches_seen == 0  # the one-shot epoch ended: position reset
 
 
 def test_every_plugins_end_runs_when_training_raises_and_the_error_propagates() -> None:

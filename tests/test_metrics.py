@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -13,9 +13,9 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from spawning import spawn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from toolkit import (
@@ -98,21 +98,27 @@ def out(
 
 def drive(
     plugin: Callable[[Event], Any],
-    outs: Sequence[StepOutput | tuple[StepOutput, float, float]],
+    outs: Iterable[StepOutput | tuple[StepOutput, float, float]],
     state: TrainState | None = None,
     *,
     end: bool = True,
 ) -> TrainState:
-    """Feed synthetic step events (advancing state.step on updates) to a plugin."""
+    """Feed synthetic events to a plugin as run() does: one "step" per closed window."""
     state = state or frozen_state()
     plugin(Event("start", state, LOOP))
+    window: list[StepOutput] = []
+    data_time = step_time = 0.0
     for item in outs:
-        o, data_time, step_time = (item, 0.0, 0.0) if isinstance(item, StepOutput) else item
-        if o.updated:
-            state = state.replace(step=state.step + 1)
-        plugin(Event("step", state, LOOP, o, data_time, step_time))
+        o, dt, st = (item, 0.0, 0.0) if isinstance(item, StepOutput) else item
+        window.append(o)
+        data_time, step_time = data_time + dt, step_time + st
+        if o.closed:
+            if o.updated:
+                state = state.replace(step=state.step + 1)
+            plugin(Event("step", state, LOOP, o, data_time, step_time, None, tuple(window)))
+            window, data_time, step_time = [], 0.0, 0.0
     if end:
-        plugin(Event("end", state, LOOP))
+        plugin(Event("end", state, LOOP, outs=tuple(window)))
     return state
 
 
@@ -297,25 +303,16 @@ def test_times_throughput_and_counters_per_interval() -> None:
         now[0] += seconds
         return o, 0.25 * seconds, 0.75 * seconds
 
-    state = frozen_state()
-    plugin(Event("start", state, LOOP))
     # 2 updates of 2 micro-batches of 8 samples with 100 and 60 tokens; a rejected window
     # and an overflowed one in between (their time counts, a rejected loss does not).
     events = [
-        (out(1.0, count=100, samples=8, updated=False), 1.0, False),
-        (out(3.0, count=60, samples=8, lr=0.5, grad_norm=2.0), 1.0, True),
-        (
-            out(float("nan"), count=10, samples=8, updated=False, closed=True, nonfinite=True),
-            1.0,
-            False,
-        ),
-        (out(2.0, count=50, samples=8, updated=False, closed=True, overflow=True), 1.0, False),
-        (out(2.0, count=100, samples=8, lr=0.25, grad_norm=4.0), 1.0, True),
+        out(1.0, count=100, samples=8, updated=False),
+        out(3.0, count=60, samples=8, lr=0.5, grad_norm=2.0),
+        out(float("nan"), count=10, samples=8, updated=False, closed=True, nonfinite=True),
+        out(2.0, count=50, samples=8, updated=False, closed=True, overflow=True),
+        out(2.0, count=100, samples=8, lr=0.25, grad_norm=4.0),
     ]
-    for o, seconds, advances in events:
-        if advances:
-            state = state.replace(step=state.step + 1)
-        plugin(Event("step", state, LOOP, *timed(o, seconds)))
+    drive(plugin, (timed(o, 1.0) for o in events), end=False)  # lazily: the clock moves
     ((step, m),) = rows
     assert step == 2
     assert m["train/loss"] == pytest.approx((100 * 1 + 60 * 3 + 50 * 2 + 100 * 2) / 310)
@@ -570,15 +567,20 @@ def _distributed_worker(rank: int, store: str, path: str) -> None:
             assert "different record keys" in str(exc)
         else:
             raise AssertionError("mismatched record keys were not detected")
+        dist.barrier()  # gloo can abort at exit without it (shared/research/feasibility.md)
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.slow
 def test_data_parallel_ranks_publish_the_global_weighted_mean(tmp_path: Path) -> None:
-    path = tmp_path / "metrics.jsonl"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_distributed_worker, args=(str(tmp_path / "store"), str(path)), nprocs=2)
+
+    def attempt_args(attempt: int) -> tuple[str, str]:
+        return str(tmp_path / f"store{attempt}"), str(tmp_path / f"metrics{attempt}.jsonl")
+
+    spawn(_distributed_worker, attempt_args, nprocs=2)
+    path = max(tmp_path.glob("metrics*.jsonl.rank0")).with_suffix("")  # the completed attempt
     (row,) = [json.loads(line) for line in Path(f"{path}.rank0").read_text().splitlines()]
     assert not Path(f"{path}.rank1").exists()  # other ranks write nothing
     assert row["step"] == 2

@@ -433,6 +433,7 @@ def _dist_worker(rank: int, world: int, init_file: str, queue) -> None:
         data = [torch.full((3, 1), 1.0)] if rank == 0 else [torch.full((1, 1), 5.0)]
         metrics = _evaluate(lambda m, b: {"v": b.mean()}, torch.nn.Linear(1, 1), data)
         queue.put((rank, metrics["v"]))
+        dist.barrier()  # gloo can abort at exit without it (shared/research/feasibility.md)
     finally:
         dist.destroy_process_group()
 

@@ -53,28 +53,33 @@ class Event(NamedTuple):
     """What :func:`run` passes to every plugin.
 
     Attributes:
-        kind: ``"start"`` (before the first batch), ``"step"`` (after every call of the
-            train step, i.e. every micro-batch; ``out.updated`` tells an applied update),
+        kind: ``"start"`` (before the first batch), ``"step"`` (once per optimizer update:
+            after the micro-batch that closes an accumulation window, whether the update
+            was applied, rejected by the guard or skipped by the fp16 scaler),
             ``"epoch_end"`` (after a full pass over the data, ``state.epoch`` already
             advanced) or ``"end"`` (always last, also when training raised).
         state: the current state.
         loop: the run's :class:`LoopInfo`.
-        out: the step's output (``"step"`` events only).
-        data_time: seconds spent waiting for this batch (``"step"`` events only).
-        step_time: seconds the step call took on the host (``"step"`` events only; on an
-            accelerator this is launch time unless the step synchronised).
+        out: the output of the closing micro-batch, which carries ``updated``, ``lr``,
+            ``grad_norm`` (``"step"`` events only; ``outs[-1]``).
+        data_time: seconds spent waiting for the window's batches (``"step"`` events only).
+        step_time: seconds the window's step calls took on the host (``"step"`` events only;
+            on an accelerator this is launch time unless the step synchronised).
         error: the exception that ended training (``"end"`` events only), else ``None``.
+        outs: the outputs of every micro-batch of the window, in order, skipped ones
+            included (``"step"`` events); at ``"end"``, those of a window left open.
 
     Example:
         >>> import torch
-        >>> from toolkit import TrainState, make_step, run
+        >>> from toolkit import TrainState, accumulate, make_step, run
         >>> model = torch.nn.Linear(2, 1)
         >>> state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
-        >>> kinds = []
-        >>> _ = run(make_step(lambda m, b: m(b).mean()), state, [torch.ones(1, 2)] * 2, epochs=1,
-        ...         plugins=[lambda event: kinds.append(event.kind)])
-        >>> kinds
-        ['start', 'step', 'step', 'epoch_end', 'end']
+        >>> step = accumulate(make_step(lambda m, b: m(b).mean()), micro_batches=2)
+        >>> seen = []
+        >>> _ = run(step, state, [torch.ones(1, 2)] * 4, epochs=1,
+        ...         plugins=[lambda event: seen.append((event.kind, len(event.outs)))])
+        >>> seen
+        [('start', 0), ('step', 2), ('step', 2), ('epoch_end', 0), ('end', 0)]
     """
 
     kind: EventKind
@@ -84,6 +89,7 @@ class Event(NamedTuple):
     data_time: float = 0.0
     step_time: float = 0.0
     error: BaseException | None = None
+    outs: tuple[StepOutput, ...] = ()
 
 
 Plugin = Callable[[Event], "TrainState | None"]
@@ -188,8 +194,11 @@ def run(
     the per-epoch order is deterministic (a seeded sampler with ``set_epoch``).
 
     Plugins are plain functions ``plugin(event) -> TrainState | None`` (see :class:`Event`),
-    called in list order at ``"start"``, after every step call (``"step"``), at
-    ``"epoch_end"`` and at ``"end"``. A returned state replaces the current one and the
+    called in list order at ``"start"``, once per optimizer update (``"step"``, with the
+    outputs of the window's micro-batches in ``event.outs``), at ``"epoch_end"`` and at
+    ``"end"``. The state is the same between updates (only the accumulation window moves),
+    so a plugin sees every change of ``state.step``, and a stop request takes effect at the
+    next update. A returned state replaces the current one and the
     next plugin sees it. Orders that matter: put ``ema`` before ``validate`` so that
     validation sees the updated average, and ``validate`` before ``early_stop`` and
     before ``log_metrics`` so that they see the new score in the same step. ``"end"``
@@ -240,6 +249,9 @@ def run(
     iterator: Iterator[Any] | None = None
     clock = time.perf_counter
     error: BaseException | None = None
+    window: list[StepOutput] = []  # outputs of the open accumulation window
+    pending = 0  # batches drawn since state.batches_seen was last written
+    data_time = step_time = 0.0
     try:
         state = _call(plugins, Event("start", state, loop))
         while not _done(state, max_steps, epochs):
@@ -253,17 +265,31 @@ def run(
                 t1 = clock()
                 state, out = step(state, batch)
                 t2 = clock()
-                state = state._evolve({"batches_seen": state.batches_seen + 1})
-                state = _call(plugins, Event("step", state, loop, out, t1 - t0, t2 - t1))
-                if _done(state, max_steps, epochs):
-                    exhausted = False
-                    break
+                data_time += t1 - t0
+                step_time += t2 - t1
+                pending += 1
+                window.append(out)
+                # Plugins see updates, not micro-batches: nothing they read (state.step,
+                # the LR, a stop request) changes in between, and calling them per
+                # micro-batch would cost more than the loop itself.
+                if out.closed:
+                    state = state._evolve({"batches_seen": state.batches_seen + pending})
+                    event = Event(
+                        "step", state, loop, out, data_time, step_time, None, tuple(window)
+                    )
+                    window, pending, data_time, step_time = [], 0, 0.0, 0.0
+                    state = _call(plugins, event)
+                    if _done(state, max_steps, epochs):
+                        exhausted = False
+                        break
                 t0 = clock()
             _close(iterator)
             iterator = None
             if not exhausted:
                 break
-            state = state.replace(epoch=state.epoch + 1, batches_seen=0)
+            # A window may span the epoch boundary: its outputs stay in `window`.
+            pending = 0
+            state = state._evolve({"epoch": state.epoch + 1, "batches_seen": 0})
             state = _call(plugins, Event("epoch_end", state, loop))
             if one_shot:
                 break
@@ -272,7 +298,10 @@ def run(
         raise
     finally:
         _close(iterator)
-        state = _end(plugins, Event("end", state, loop, error=error), error)
+        if pending:
+            state = state._evolve({"batches_seen": state.batches_seen + pending})
+        end = Event("end", state, loop, error=error, outs=tuple(window))
+        state = _end(plugins, end, error)
     return state
 
 

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from toolkit._distributed import is_distributed, is_rank_zero
 from toolkit._loop import Event
 from toolkit._state import TrainState
+from toolkit._step import StepOutput
 from toolkit.plugins._sinks import Sink
 
 __all__ = ["log_metrics"]
@@ -214,7 +215,6 @@ def log_metrics(
 
     # The open interval. entries: (loss, count, samples, records) per accepted micro-batch.
     entries: list[tuple[torch.Tensor, Any, int | None, Mapping[str, Any]]] = []
-    window_start = 0  # index in entries where the open accumulation window begins
     folded: dict[str, list[float]] = {}  # key -> [weighted sum, weight] from folds
     totals = {"samples": 0.0, "tokens": 0.0, "data": 0.0, "step": 0.0}
     has = {"samples": False, "tokens": False}
@@ -226,9 +226,7 @@ def log_metrics(
     last_extras: list[Any] = [None]
 
     def reset() -> None:
-        nonlocal window_start
         entries.clear()
-        window_start = 0
         folded.clear()
         norms.clear()
         for key in totals:
@@ -243,7 +241,6 @@ def log_metrics(
 
         Returns the values of ``also``.
         """
-        nonlocal window_start
         chunk = entries[:upto]
         tensors = [entry[0] for entry in chunk]  # the losses first, then the rarer tensors
         flats: list[dict[str, Any] | None] = []
@@ -292,7 +289,6 @@ def log_metrics(
         totals["samples"] += samples_sum
         totals["tokens"] += tokens_sum
         del entries[:upto]
-        window_start -= upto
         return synced[n:]
 
     def publish(state: TrainState, extra: dict[str, float], collective: bool) -> None:
@@ -342,23 +338,23 @@ def log_metrics(
             _new_extras(state.extras, seen, extra)
         return extra
 
+    def collect(outs: Sequence[StepOutput]) -> None:
+        for o in outs:
+            if o.loss is not None:  # None: a skipped micro-batch
+                entries.append((o.loss, o.count, o.samples, o.records))
+
     def plugin(event: Event) -> None:
-        nonlocal window_start
         kind, state = event.kind, event.state
         if kind == "step":
             out = event.out
             assert out is not None
             totals["data"] += event.data_time
             totals["step"] += event.step_time
-            if not out.skipped and out.loss is not None:
-                entries.append((out.loss, out.count, out.samples, out.records))
-            if not out.closed:
-                if len(entries) >= _FOLD and window_start > 0:
-                    fold(window_start)
-                return
+            window_start = len(entries)
+            collect(event.outs)
             if out.nonfinite:
                 counters["nonfinite"] += 1
-                del entries[window_start:]
+                del entries[window_start:]  # a rejected window's losses are not training's
             if out.overflow:
                 counters["overflow"] += 1
             if out.updated:
@@ -366,7 +362,6 @@ def log_metrics(
                 lr[0] = out.lr
                 if out.grad_norm is not None:
                     norms.append(out.grad_norm)
-            window_start = len(entries)
             extra = scan(state)
             if out.updated and state.step % every == 0:
                 publish(state, extra, collective=True)
@@ -387,6 +382,7 @@ def log_metrics(
             write(state.step, scan(state))
         elif kind == "end":
             try:
+                collect(event.outs)  # micro-batches of a window the run left open
                 extra = scan(state)
                 if entries or counters["updates"] or folded:
                     publish(state, extra, collective=event.error is None)

@@ -241,8 +241,7 @@ def progress(
                 return None
             out = event.out
             assert out is not None
-            if out.loss is not None:
-                losses.append((out.loss, out.count, out.samples))
+            losses.extend((o.loss, o.count, o.samples) for o in event.outs if o.loss is not None)
             if out.updated:
                 run["updates"] += 1
                 run["lr"] = out.lr
@@ -257,6 +256,7 @@ def progress(
             if is_rank_zero():
                 start(event)
         elif kind == "end" and run:
+            losses.extend((o.loss, o.count, o.samples) for o in event.outs if o.loss is not None)
             try:
                 if event.error is None and event.state.step != run["shown_step"]:
                     refresh(event.state)

@@ -1,0 +1,29 @@
+"""mp.spawn for multi-rank gloo tests, retried once if a rank dies by a signal at teardown.
+
+gloo can abort (SIGABRT) while the interpreter shuts down even after a clean
+barrier + destroy_process_group (shared/research/feasibility.md, item 1c: 5 of 55 runs
+without a barrier). A Python exception in a rank is a real failure and is never retried.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def spawn(
+    fn: Callable[..., None], make_args: Callable[[int], tuple[Any, ...]], nprocs: int
+) -> None:
+    """``mp.spawn(fn, make_args(attempt), nprocs)``, once more if a rank died by a signal.
+
+    ``make_args`` gets the attempt number (0, then 1) so that a retry can use a fresh
+    rendezvous file and output paths: the first attempt's may be half-written.
+    """
+    try:
+        mp.spawn(fn, args=make_args(0), nprocs=nprocs, join=True)
+    except mp.ProcessExitedException as exc:
+        if exc.signal_name is None:
+            raise
+        mp.spawn(fn, args=make_args(1), nprocs=nprocs, join=True)
