@@ -1,4 +1,5 @@
 # Every target builds its own virtual environment on first use.
+# make bench BENCH_ARGS="--repeat 5" measures five times and prints the range.
 # torch is installed first, pinned, so that pip never pulls a CUDA build; override with
 #   make test TORCH=torch==2.5.1
 PYTHON ?= python3.11
@@ -39,7 +40,7 @@ example-transformer: install
 	$(BIN)/python examples/char_transformer.py
 
 bench: install
-	$(BIN)/python benchmarks/overhead.py
+	$(BIN)/python benchmarks/overhead.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .hypothesis

@@ -59,9 +59,12 @@ def setup(sizes: list[int], batch: int, seed: int = 0):
     return model, opt, sched, data
 
 
-def hand_written(sizes: list[int], batch: int) -> Callable[[int], None]:
+Setup = tuple  # (model, optimizer, scheduler, micro-batches), from setup()
+
+
+def hand_written(objects: Setup) -> Callable[[int], None]:
     """The nanoGPT-order loop a careful user writes: accumulate, clip, guard, step."""
-    model, opt, sched, data = setup(sizes, batch)
+    model, opt, sched, data = objects
 
     def updates(n: int) -> None:
         for _ in range(n):
@@ -81,8 +84,9 @@ def hand_written(sizes: list[int], batch: int) -> Callable[[int], None]:
     return updates
 
 
-def composed(sizes: list[int], batch: int) -> Callable[[int], None]:
-    model, opt, sched, data = setup(sizes, batch)
+def composed(objects: Setup) -> Callable[[int], None]:
+    """The toolkit step over the same objects, driven by a plain for loop."""
+    model, opt, sched, data = objects
     step = compose(accumulate(micro_batches=K), clip(max_norm=MAX_NORM), guard_nonfinite())(
         make_step(loss_fn)
     )
@@ -98,9 +102,7 @@ def composed(sizes: list[int], batch: int) -> Callable[[int], None]:
     return updates
 
 
-def with_run(
-    sizes: list[int], batch: int, sink_path: str | None, every: int = 10
-) -> Callable[[int], None]:
+def with_run(objects: Setup, sink_path: str | None, every: int = 10) -> Callable[[int], None]:
     """run() over the same step with progress and log_metrics(every) writing JSONL.
 
     Without ``sink_path``, run() with no plugins at all. Plugins and sink are built once, as
@@ -110,7 +112,7 @@ def with_run(
 
     from toolkit.plugins import jsonl, log_metrics, progress
 
-    model, opt, sched, data = setup(sizes, batch)
+    model, opt, sched, data = objects
     step = compose(accumulate(micro_batches=K), clip(max_norm=MAX_NORM), guard_nonfinite())(
         make_step(loss_fn)
     )
@@ -133,15 +135,19 @@ def with_run(
     return updates
 
 
-def bare_loop(sizes: list[int], batch: int) -> Callable[[int], None]:
+def bare_loop(objects: Setup) -> Callable[[int], None]:
     """The composed step driven by a plain for loop: the baseline for run()'s overhead."""
-    return composed(sizes, batch)
+    return composed(objects)
 
 
 def measure(
     base: Callable[[int], None], ours: Callable[[int], None], rounds: int, updates: int
 ) -> tuple[float, float, float]:
     """Median time per update of each, and the median of the per-round ratios.
+
+    Both sides should train the same model, optimizer and batches (they take turns), so
+    that memory placement, which moves small-model timings by several percent from one
+    allocation to the next, is the same for both and only the code differs.
 
     Rounds alternate which side runs first, and each round is short, so a burst of load
     from elsewhere on the machine hits both sides of a ratio alike. Time is this process's
@@ -162,29 +168,16 @@ def measure(
     return statistics.median(t_base), statistics.median(t_ours), statistics.median(ratios)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=60)
-    parser.add_argument("--updates", type=int, default=10)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    print(
-        f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
-        f"{args.rounds} rounds x {args.updates} updates, median CPU time per update\n"
-    )
+def one_pass(rounds: int, updates: int) -> list[tuple[str, float, float, float]]:
+    """Every case once: (name, baseline s/update, toolkit s/update, median ratio)."""
     rows = []
     for name, sizes, batch in [
         ("tiny MLP 32-64-10, batch 32", [32, 64, 10], 32),
         ("larger MLP 512-1024-1024-10, batch 64", [512, 1024, 1024, 10], 64),
     ]:
-        rows.append(
-            (
-                f"step: {name}",
-                *measure(
-                    hand_written(sizes, batch), composed(sizes, batch), args.rounds, args.updates
-                ),
-            )
-        )
+        objects = setup(sizes, batch)
+        timed = measure(hand_written(objects), composed(objects), rounds, updates)
+        rows.append((f"step: {name}", *timed))
     sizes, batch = [32, 64, 10], 32
     with tempfile.TemporaryDirectory() as tmp:
         # Longer rounds: each run() call pays its start and its end (sink flush) once.
@@ -193,17 +186,44 @@ def main() -> None:
             ("run()+progress+log_metrics(every=10)", os.path.join(tmp, "a.jsonl"), 10),
             ("run()+progress+log_metrics(every=100)", os.path.join(tmp, "b.jsonl"), 100),
         ]:
+            objects = setup(sizes, batch)
             timed = measure(
-                bare_loop(sizes, batch),
-                with_run(sizes, batch, path, every),
-                max(args.rounds // 2, 5),
-                args.updates * 10,
+                bare_loop(objects),
+                with_run(objects, path, every),
+                max(rounds // 2, 5),
+                updates * 10,
             )
             rows.append((f"{name} vs for-loop, tiny MLP", *timed))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=60)
+    parser.add_argument("--updates", type=int, default=10)
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="measure everything N times; print the range"
+    )
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print(
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
+        f"{args.rounds} rounds x {args.updates} updates, median CPU time per update\n"
+    )
+    passes = [one_pass(args.rounds, args.updates) for _ in range(args.repeat)]
+    rows = passes[-1]
     width = max(len(r[0]) for r in rows)
     print(f"{'case':<{width}}  {'baseline':>10}  {'toolkit':>10}  ratio (median of rounds)")
     for name, base, ours, ratio in rows:
         print(f"{name:<{width}}  {base * 1e6:>8.0f}us  {ours * 1e6:>8.0f}us  {ratio:.3f}x")
+    if args.repeat > 1:
+        print(f"\nratio over {args.repeat} passes: min / median / max")
+        for i, (name, *_) in enumerate(rows):
+            ratios = sorted(p[i][3] for p in passes)
+            print(
+                f"{name:<{width}}  {ratios[0]:.3f}x / {statistics.median(ratios):.3f}x / "
+                f"{ratios[-1]:.3f}x"
+            )
 
 
 if __name__ == "__main__":
