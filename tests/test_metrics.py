@@ -13,10 +13,10 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
+from counting import CountSyncs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from spawning import spawn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from toolkit import (
     Event,
@@ -36,19 +36,6 @@ from toolkit.plugins._metrics import log_metrics
 from toolkit.plugins._sinks import Sink, jsonl
 
 LOOP = LoopInfo(None, None, None, 1, 0, None)
-
-
-class CountSyncs(TorchDispatchMode):
-    """Counts aten._local_scalar_dense calls: .item(), float(tensor), bool(tensor)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def recorder() -> tuple[list[tuple[int, dict[str, float]]], list[int], Sink]:

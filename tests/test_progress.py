@@ -9,24 +9,11 @@ from typing import Any
 import pytest
 import rich.console
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from counting import CountSyncs
 
 from toolkit import Event, LossSum, TrainState, clip, make_step, run
 from toolkit.plugins import _progress
 from toolkit.plugins._progress import progress
-
-
-class CountSyncs(TorchDispatchMode):
-    """Counts aten._local_scalar_dense calls: .item(), float(tensor), bool(tensor)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def recorded(terminal: bool) -> rich.console.Console:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from counting import CountSyncs
 
 from toolkit import (
     LossSum,
@@ -20,19 +20,6 @@ from toolkit import (
     guard_nonfinite,
     make_step,
 )
-
-
-class CountSyncs(TorchDispatchMode):
-    """Counts device-to-host reads (.item(), bool(tensor), .tolist() of each element)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
