@@ -219,9 +219,9 @@ def progress(
         losses.clear()
         norms.clear()
         run["shown_step"] = state.step
-        show(state.step, " | ".join(parts))
+        display(state.step, " | ".join(parts))
 
-    def show(step: int, info: str) -> None:
+    def display(step: int, info: str) -> None:
         head = _head(step, run["total"])
         bar = live.get("bar")
         if bar is None:
