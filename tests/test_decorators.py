@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import math
 import re
+import warnings
 
 import pytest
 import torch
@@ -242,3 +244,45 @@ def test_mixing_counted_and_plain_losses_in_a_window() -> None:
     state, _ = step(_state(), _X)
     with pytest.raises(ValueError, match="reported a target count for some micro-batches"):
         step(state, _X)
+
+
+# --- options that change behaviour --------------------------------------------------------
+
+
+@pytest.mark.parametrize("norm_type", [1.0, 3.0, math.inf])
+def test_clip_norm_type_matches_torch(norm_type: float) -> None:
+    # The step's pre-clip norm and the clipped update equal torch.nn.utils.clip_grad_norm_'s.
+    x, y = torch.randn(6, 6) * 5, torch.randint(0, 3, (6,))
+    ours, ref = copy.deepcopy(_MODEL), copy.deepcopy(_MODEL)
+    opt = torch.optim.SGD(ours.parameters(), lr=0.5)
+    state = TrainState(model=ours, optimizer=opt)
+    step = clip(make_step(_loss), max_norm=0.01, norm_type=norm_type)
+    state, out = step(state, (x, y))
+    _loss(ref, (x, y)).backward()
+    norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01, norm_type=norm_type)
+    torch.optim.SGD(ref.parameters(), lr=0.5).step()
+    assert torch.equal(out.grad_norm, norm) and norm > 0.01
+    for p, q in zip(ours.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_amp_device_type_is_the_autocast_device() -> None:
+    seen: list[torch.dtype] = []
+
+    def loss_fn(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        out = model(batch)
+        seen.append(out.dtype)
+        return out.float().mean()
+
+    model = torch.nn.Linear(4, 2)
+    state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    # "cpu" given explicitly: CPU autocast is on, so the Linear runs in bf16.
+    state, _ = amp_wrap(make_step(loss_fn), dtype="bf16", device_type="cpu")(state, _X_4)
+    # Another device's autocast leaves CPU ops alone: the Linear stays float32.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "CUDA is not available" on machines without one
+        amp_wrap(make_step(loss_fn), dtype="bf16", device_type="cuda")(state, _X_4)
+    assert seen == [torch.bfloat16, torch.float32]
+
+
+_X_4 = torch.randn(3, 4)
