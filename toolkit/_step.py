@@ -457,7 +457,10 @@ def make_step(loss_fn: Callable[[torch.nn.Module, Any], Any]) -> Step:
     * :class:`LossSum` ``(total, count[, records])``: a summed loss and its target count,
       for exact count-weighted accumulation;
     * ``None``: skip this batch entirely (no backward; the accumulation window does not
-      advance, as if the batch never happened).
+      advance, as if the batch never happened). Under data parallelism every rank must
+      skip the same micro-batches: the decision is not all-reduced (that would cost a
+      collective per micro-batch), and ranks whose windows drift apart would wait on each
+      other's gradient all-reduce forever.
 
     Without decorators the step applies one update per call: ``loss.backward()``,
     ``optimizer.step()``, ``optimizer.zero_grad(set_to_none=True)``, ``scheduler.step()``.
