@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import time
 import zlib
 from collections.abc import Callable, Mapping, Sequence
@@ -82,6 +83,21 @@ def _flatten(tree: Mapping[str, Any], prefix: str, where: str, into: dict[str, A
             _flatten(value, f"{name}/", where, into)
         else:
             into[name] = _scalar(value, f"{where} {name!r}")
+
+
+def _flat_records(records: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A micro-batch's records flattened with "/", or None when it has none."""
+    if not records:
+        return None
+    flat: dict[str, Any] = {}
+    _flatten(records, "", "log_metrics: record", flat)
+    clash = _RESERVED.intersection(flat)
+    if clash:
+        raise ValueError(
+            f"log_metrics: record(s) {sorted(clash)} would overwrite the published "
+            f"train/{sorted(clash)[0]}; rename them in loss_fn's records."
+        )
+    return flat
 
 
 def _new_extras(extras: Mapping[str, Any], seen: dict[str, Any], out: dict[str, float]) -> None:
@@ -213,8 +229,9 @@ def log_metrics(
     """
     sink_list = _check(every, sinks)
 
-    # The open interval. entries: (loss, count, samples, records) per accepted micro-batch.
-    entries: list[tuple[torch.Tensor, Any, int | None, Mapping[str, Any]]] = []
+    # The open interval: the outputs of its micro-batches (skipped ones have loss None and
+    # are dropped when folded; rejected windows never enter).
+    entries: list[StepOutput] = []
     folded: dict[str, list[float]] = {}  # key -> [weighted sum, weight] from folds
     totals = {"samples": 0.0, "tokens": 0.0, "data": 0.0, "step": 0.0}
     has = {"samples": False, "tokens": False}
@@ -239,56 +256,46 @@ def log_metrics(
     def fold(upto: int, also: Sequence[torch.Tensor] = ()) -> list[float]:
         """Sync entries[:upto] (and ``also``) into python sums: one ``.tolist()`` per device.
 
-        Returns the values of ``also``.
+        Returns the values of ``also``. Written with comprehensions over whole columns: with
+        a publish every few updates, per-entry Python statements would show in the overhead.
         """
-        chunk = entries[:upto]
-        tensors = [entry[0] for entry in chunk]  # the losses first, then the rarer tensors
-        flats: list[dict[str, Any] | None] = []
-        for _, count, _, records in chunk:
-            if isinstance(count, torch.Tensor):
-                tensors.append(count.reshape(()) if count.ndim else count)
-            flat: dict[str, Any] | None = None
-            if records:
-                flat = {}
-                _flatten(records, "", "log_metrics: record", flat)
-                clash = _RESERVED.intersection(flat)
-                if clash:
-                    raise ValueError(
-                        f"log_metrics: record(s) {sorted(clash)} would overwrite the "
-                        f"published train/{sorted(clash)[0]}; rename them in loss_fn's records."
-                    )
-                tensors.extend([v for v in flat.values() if isinstance(v, torch.Tensor)])
-            flats.append(flat)
+        chunk = [o for o in entries[:upto] if o.loss is not None]
+        del entries[:upto]
+        counts = [o.count for o in chunk]
+        count_tensors = [c.reshape(()) for c in counts if isinstance(c, torch.Tensor)]
+        flats = [_flat_records(o.records) for o in chunk] if any(o.records for o in chunk) else []
+        record_tensors = [v for f in flats if f for v in f.values() if isinstance(v, torch.Tensor)]
+        tensors = [o.loss for o in chunk if o.loss is not None] + count_tensors + record_tensors
         n = len(tensors)
-        tensors.extend(also)
-        synced = _to_host(tensors)
-        rest = iter(synced[len(chunk) : n])
-        loss_sum = weight_sum = samples_sum = tokens_sum = 0.0
-        for (_, count, samples, _), loss, flat in zip(chunk, synced, flats):
-            if count is not None:
-                weight = next(rest) if isinstance(count, torch.Tensor) else float(count)
-                tokens_sum += weight
-                has["tokens"] = True
-            else:
-                weight = 1.0 if samples is None else samples
-            if samples is not None:
-                samples_sum += samples
-                has["samples"] = True
-            loss_sum += loss * weight
-            weight_sum += weight
-            if flat is not None:
-                for key, value in flat.items():
+        synced = _to_host(tensors + list(also))
+        losses = synced[: len(chunk)]
+        counted = iter(synced[len(chunk) : len(chunk) + len(count_tensors)])
+        values = [
+            None if c is None else next(counted) if isinstance(c, torch.Tensor) else float(c)
+            for c in counts
+        ]
+        samples = [o.samples for o in chunk]
+        weights = [
+            v if v is not None else (1.0 if m is None else m) for v, m in zip(values, samples)
+        ]
+        if any(v is not None for v in values):
+            totals["tokens"] += sum(v for v in values if v is not None)
+            has["tokens"] = True
+        if any(m is not None for m in samples):
+            totals["samples"] += sum(m for m in samples if m is not None)
+            has["samples"] = True
+        if chunk:
+            acc = folded.setdefault("loss", [0.0, 0.0])
+            acc[0] += sum(map(operator.mul, losses, weights))
+            acc[1] += sum(weights)
+        if flats:
+            rest = iter(synced[len(chunk) + len(count_tensors) : n])
+            for flat, weight in zip(flats, weights):
+                for key, value in (flat or {}).items():
                     v = next(rest) if isinstance(value, torch.Tensor) else value
                     acc = folded.setdefault(key, [0.0, 0.0])
                     acc[0] += v * weight
                     acc[1] += weight
-        if chunk:
-            acc = folded.setdefault("loss", [0.0, 0.0])
-            acc[0] += loss_sum
-            acc[1] += weight_sum
-        totals["samples"] += samples_sum
-        totals["tokens"] += tokens_sum
-        del entries[:upto]
         return synced[n:]
 
     def publish(state: TrainState, extra: dict[str, float], collective: bool) -> None:
@@ -338,11 +345,6 @@ def log_metrics(
             _new_extras(state.extras, seen, extra)
         return extra
 
-    def collect(outs: Sequence[StepOutput]) -> None:
-        for o in outs:
-            if o.loss is not None:  # None: a skipped micro-batch
-                entries.append((o.loss, o.count, o.samples, o.records))
-
     def plugin(event: Event) -> None:
         kind, state = event.kind, event.state
         if kind == "step":
@@ -350,11 +352,10 @@ def log_metrics(
             assert out is not None
             totals["data"] += event.data_time
             totals["step"] += event.step_time
-            window_start = len(entries)
-            collect(event.outs)
             if out.nonfinite:
-                counters["nonfinite"] += 1
-                del entries[window_start:]  # a rejected window's losses are not training's
+                counters["nonfinite"] += 1  # its losses are not training's: left out
+            else:
+                entries.extend(event.outs)
             if out.overflow:
                 counters["overflow"] += 1
             if out.updated:
@@ -382,7 +383,7 @@ def log_metrics(
             write(state.step, scan(state))
         elif kind == "end":
             try:
-                collect(event.outs)  # micro-batches of a window the run left open
+                entries.extend(event.outs)  # micro-batches of a window the run left open
                 extra = scan(state)
                 if entries or counters["updates"] or folded:
                     publish(state, extra, collective=event.error is None)

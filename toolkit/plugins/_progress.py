@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import operator
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -15,6 +16,7 @@ import torch
 from toolkit._distributed import is_rank_zero
 from toolkit._loop import Event
 from toolkit._state import TrainState
+from toolkit._step import StepOutput
 from toolkit.plugins._metrics import _to_host
 
 __all__ = ["progress"]
@@ -132,13 +134,13 @@ def progress(
     shown_entries = tuple(show)
 
     # Everything since the last refresh; loss entries are (loss, count, samples).
-    losses: list[tuple[torch.Tensor, Any, int | None]] = []
+    outs: list[StepOutput] = []
     norms: list[torch.Tensor] = []
     live: dict[str, Any] = {}
     run: dict[str, Any] = {}
 
     def start(event: Event) -> None:
-        losses.clear()
+        outs.clear()
         norms.clear()
         shown = console if console is not None else rich.get_console()
         now = clock()
@@ -172,31 +174,35 @@ def progress(
     def refresh(state: TrainState) -> None:
         lr = run["lr"]
         lr_tensor = [lr.reshape(())] if isinstance(lr, torch.Tensor) else []
-        tensors = [loss for loss, _, _ in losses]
-        tensors += [c.reshape(()) for _, c, _ in losses if isinstance(c, torch.Tensor)]
+        # Whole columns with comprehensions: per-entry statements would show in the overhead.
+        shown = [o for o in outs if o.loss is not None]
+        losses = [o.loss for o in outs if o.loss is not None]
+        targets = [o.count for o in shown]
+        count_tensors = [c.reshape(()) for c in targets if isinstance(c, torch.Tensor)]
+        tensors = losses + count_tensors
         values = _to_host([*tensors, *norms, *lr_tensor])  # the one host sync of a refresh
-        loss_values = iter(values[: len(losses)])
-        count_values = iter(values[len(losses) : len(tensors)])
-        weighted = weights = samples = tokens = 0.0
-        has_samples = has_tokens = False
-        for _, count, n in losses:
-            if count is not None:
-                count = next(count_values) if isinstance(count, torch.Tensor) else float(count)
-                tokens += count
-                has_tokens = True
-            if n is not None:
-                samples += n
-                has_samples = True
-            weight = count if count is not None else n if n is not None else 1.0
-            weighted += next(loss_values) * weight
-            weights += weight
+        counted = iter(values[len(shown) : len(tensors)])
+        count_values = [
+            None if c is None else next(counted) if isinstance(c, torch.Tensor) else float(c)
+            for c in targets
+        ]
+        sizes = [o.samples for o in shown]
+        weights = [
+            c if c is not None else (1.0 if n is None else n) for c, n in zip(count_values, sizes)
+        ]
+        weighted = sum(map(operator.mul, values[: len(shown)], weights))
+        has_tokens = any(c is not None for c in count_values)
+        tokens = sum(c for c in count_values if c is not None)
+        has_samples = any(n is not None for n in sizes)
+        samples = sum(n for n in sizes if n is not None)
+        weights_total = sum(weights)
         now = clock()
         elapsed = now - run["last_time"]
         run["last_time"] = now
 
         parts = []
-        if weights:
-            parts.append(f"loss {weighted / weights:.4g}")
+        if weights_total:
+            parts.append(f"loss {weighted / weights_total:.4g}")
         if lr is not None:
             parts.append(f"lr {(values[-1] if lr_tensor else float(lr)):.2e}")
         if norms:
@@ -216,7 +222,7 @@ def progress(
         eta = _eta(run, warmup, now, state.step)
         if eta is not None:
             parts.append(f"eta {eta}")
-        losses.clear()
+        outs.clear()
         norms.clear()
         run["shown_step"] = state.step
         display(state.step, " | ".join(parts))
@@ -241,7 +247,7 @@ def progress(
                 return None
             out = event.out
             assert out is not None
-            losses.extend((o.loss, o.count, o.samples) for o in event.outs if o.loss is not None)
+            outs.extend(event.outs)
             if out.updated:
                 run["updates"] += 1
                 run["lr"] = out.lr
@@ -256,7 +262,7 @@ def progress(
             if is_rank_zero():
                 start(event)
         elif kind == "end" and run:
-            losses.extend((o.loss, o.count, o.samples) for o in event.outs if o.loss is not None)
+            outs.extend(event.outs)
             try:
                 if event.error is None and event.state.step != run["shown_step"]:
                     refresh(event.state)
