@@ -171,6 +171,10 @@ def measure(
 def one_pass(rounds: int, updates: int) -> list[tuple[str, float, float, float]]:
     """Every case once: (name, baseline s/update, toolkit s/update, median ratio)."""
     rows = []
+    # The noise floor: the hand-written loop against itself, taking turns on one model.
+    objects = setup([32, 64, 10], 32)
+    timed = measure(hand_written(objects), hand_written(objects), rounds, updates)
+    rows.append(("A/A: hand-written vs itself, tiny MLP", *timed))
     for name, sizes, batch in [
         ("tiny MLP 32-64-10, batch 32", [32, 64, 10], 32),
         ("larger MLP 512-1024-1024-10, batch 64", [512, 1024, 1024, 10], 64),
