@@ -15,7 +15,6 @@ $(BIN)/.installed: pyproject.toml Makefile
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH)"
 	$(BIN)/pip install --quiet -e ".[dev,examples,loggers]"
-	$(BIN)/pip install --quiet --no-deps torchdata
 	touch $@
 
 install: $(BIN)/.installed
