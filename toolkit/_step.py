@@ -309,10 +309,14 @@ class Step:
             # into the sum that the global count divides.
             torch._foreach_mul_(grads, (world / total).to(grads[0].dtype))
 
-        grad_norm = None
+        grad_norm = clip_norm = None
         if clipping is not None or guard is not None:
             norm_type = clipping.norm_type if clipping is not None else 2.0
-            grad_norm = torch.nn.utils.get_total_norm(grads, norm_type)
+            grad_norm = clip_norm = torch.nn.utils.get_total_norm(grads, norm_type)
+            if hasattr(grad_norm, "full_tensor"):
+                # FSDP2: a DTensor over the shards. Clipping takes it as it is (as
+                # clip_grad_norm_ does); the decision and the report need its value.
+                grad_norm = grad_norm.full_tensor()
 
         nonfinite = overflow = False
         collapsed = False
@@ -340,7 +344,7 @@ class Step:
         fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
         if apply:
             if clipping is not None:
-                clipping.apply(params, grad_norm)
+                clipping.apply(params, clip_norm)
             if scaler is not None and fused:
                 scaler.step(optimizer)  # found_inf goes into the kernel: no host sync
             else:
