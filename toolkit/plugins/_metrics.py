@@ -38,8 +38,7 @@ def _to_host(tensors: Sequence[torch.Tensor]) -> list[float]:
     """
     if not tensors:
         return []
-    dtype = tensors[0].dtype
-    if all(t.dtype is dtype for t in tensors):
+    if len({t.dtype for t in tensors}) == 1:  # a set, not all(genexpr): cheaper per tensor
         try:
             return torch.stack(list(tensors)).tolist()
         except RuntimeError:
@@ -263,7 +262,8 @@ def log_metrics(
         del entries[:upto]
         counts = [o.count for o in chunk]
         count_tensors = [c.reshape(()) for c in counts if isinstance(c, torch.Tensor)]
-        flats = [_flat_records(o.records) for o in chunk] if any(o.records for o in chunk) else []
+        has_records = [o for o in chunk if o.records]
+        flats = [_flat_records(o.records) for o in chunk] if has_records else []
         record_tensors = [v for f in flats if f for v in f.values() if isinstance(v, torch.Tensor)]
         tensors = [o.loss for o in chunk if o.loss is not None] + count_tensors + record_tensors
         n = len(tensors)
@@ -278,11 +278,13 @@ def log_metrics(
         weights = [
             v if v is not None else (1.0 if m is None else m) for v, m in zip(values, samples)
         ]
-        if any(v is not None for v in values):
-            totals["tokens"] += sum(v for v in values if v is not None)
+        reported = [v for v in values if v is not None]
+        if reported:
+            totals["tokens"] += sum(reported)
             has["tokens"] = True
-        if any(m is not None for m in samples):
-            totals["samples"] += sum(m for m in samples if m is not None)
+        sized = [m for m in samples if m is not None]
+        if sized:
+            totals["samples"] += sum(sized)
             has["samples"] = True
         if chunk:
             acc = folded.setdefault("loss", [0.0, 0.0])

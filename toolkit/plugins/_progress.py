@@ -191,10 +191,10 @@ def progress(
             c if c is not None else (1.0 if n is None else n) for c, n in zip(count_values, sizes)
         ]
         weighted = sum(map(operator.mul, values[: len(shown)], weights))
-        has_tokens = any(c is not None for c in count_values)
-        tokens = sum(c for c in count_values if c is not None)
-        has_samples = any(n is not None for n in sizes)
-        samples = sum(n for n in sizes if n is not None)
+        reported = [c for c in count_values if c is not None]
+        has_tokens, tokens = bool(reported), sum(reported)
+        sized = [n for n in sizes if n is not None]
+        has_samples, samples = bool(sized), sum(sized)
         weights_total = sum(weights)
         now = clock()
         elapsed = now - run["last_time"]
