@@ -8,7 +8,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install test test-fast lint type example example-transformer bench clean
+.PHONY: install test test-fast lint type example example-transformer bench bench-instructions clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,10 @@ example-transformer: install
 
 bench: install
 	$(BIN)/python benchmarks/overhead.py $(BENCH_ARGS)
+
+# Instruction counts under valgrind (no timing noise; about 15 minutes for all variants).
+bench-instructions: install
+	$(BIN)/python benchmarks/instructions.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .hypothesis

@@ -62,6 +62,13 @@ def setup(sizes: list[int], batch: int, seed: int = 0):
 Setup = tuple  # (model, optimizer, scheduler, micro-batches), from setup()
 
 
+def composed_step():
+    """The toolkit step every case times: accumulate K, clip by norm, non-finite guard."""
+    return compose(accumulate(micro_batches=K), clip(max_norm=MAX_NORM), guard_nonfinite())(
+        make_step(loss_fn)
+    )
+
+
 def hand_written(objects: Setup) -> Callable[[int], None]:
     """The nanoGPT-order loop a careful user writes: accumulate, clip, guard, step."""
     model, opt, sched, data = objects
@@ -87,9 +94,7 @@ def hand_written(objects: Setup) -> Callable[[int], None]:
 def composed(objects: Setup) -> Callable[[int], None]:
     """The toolkit step over the same objects, driven by a plain for loop."""
     model, opt, sched, data = objects
-    step = compose(accumulate(micro_batches=K), clip(max_norm=MAX_NORM), guard_nonfinite())(
-        make_step(loss_fn)
-    )
+    step = composed_step()
     holder = [TrainState(model=model, optimizer=opt, scheduler=sched)]
 
     def updates(n: int) -> None:
@@ -113,9 +118,7 @@ def with_run(objects: Setup, sink_path: str | None, every: int = 10) -> Callable
     from toolkit.plugins import jsonl, log_metrics, progress
 
     model, opt, sched, data = objects
-    step = compose(accumulate(micro_batches=K), clip(max_norm=MAX_NORM), guard_nonfinite())(
-        make_step(loss_fn)
-    )
+    step = composed_step()
     holder = [TrainState(model=model, optimizer=opt, scheduler=sched)]
     console = Console(file=io.StringIO(), force_terminal=False)  # plain lines, not shown
     plugins = []
