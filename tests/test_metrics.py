@@ -376,14 +376,6 @@ def test_one_host_sync_per_publish_and_none_per_micro_batch(
     assert rows[0][1]["train/const"] == 1.0
 
 
-def test_to_host_groups_devices_and_dtypes_exactly() -> None:
-    values = [torch.tensor(1.5), torch.tensor(7, dtype=torch.int64), torch.tensor(0.25).double()]
-    values.append(torch.tensor(2.0, dtype=torch.bfloat16))
-    assert _metrics._to_host(values) == [1.5, 7.0, 0.25, 2.0]
-    assert _metrics._to_host([torch.tensor(2**40 + 1)]) == [2**40 + 1]
-    assert _metrics._to_host([]) == []
-
-
 # ---------------------------------------------------------------- steps, resume, end
 
 
@@ -601,10 +593,3 @@ def test_sinks_must_be_sinks(sinks: Any) -> None:
 def test_bad_records_are_refused_with_the_key(records: dict, error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         drive(log_metrics(1, sinks=[recorder()[2]]), [out(1.0, records=records)])
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_to_host_across_devices_in_the_callers_order() -> None:
-    values = [torch.tensor(1.5, device="cuda"), torch.tensor(3), torch.tensor(0.5, device="cuda")]
-    values.append(torch.tensor(7, device="cuda"))
-    assert _metrics._to_host(values) == [1.5, 3.0, 0.5, 7.0]

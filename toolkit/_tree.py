@@ -11,6 +11,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from toolkit._host import to_host
+
 __all__ = ["key_average", "map_nested_tensor"]
 
 T = TypeVar("T")
@@ -176,7 +178,7 @@ def key_average(
             if isinstance(weight, torch.Tensor):
                 weight_slots.append(position)
                 tensors.append(weight)
-    synced = _to_host(tensors)
+    synced = to_host(tensors)
     if weight_list is not None:
         for offset, position in enumerate(weight_slots, start=len(tensors) - len(weight_slots)):
             weight_list[position] = synced[offset]
@@ -241,16 +243,6 @@ def _collect(
                 f"({value!r:.60}); expected a real number, a 0-d tensor or a nested mapping. "
                 "Leave non-numeric entries out of the records."
             )
-
-
-def _to_host(tensors: list[torch.Tensor]) -> list[float]:
-    """Copy all tensors to python numbers with a single stack and a single ``tolist``."""
-    if not tensors:
-        return []
-    # Gather on one device (the first non-CPU one, if any) so one copy to the host suffices.
-    device = next((t.device for t in tensors if t.device.type != "cpu"), torch.device("cpu"))
-    stacked = torch.stack([t.detach().to(device) for t in tensors])
-    return stacked.tolist()  # type: ignore[no-any-return]
 
 
 def _weighted_mean(values: list[float], weights: list[float]) -> float:

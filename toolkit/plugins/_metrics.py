@@ -6,12 +6,13 @@ import operator
 import time
 import zlib
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
 from toolkit._distributed import is_distributed, is_rank_zero
+from toolkit._host import to_host
 from toolkit._loop import Event
 from toolkit._state import TrainState
 from toolkit._step import StepOutput
@@ -27,35 +28,6 @@ _FOLD = 4096
 _RESERVED = frozenset(
     {"loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s", "nonfinite", "overflow"}
 )
-
-
-def _to_host(tensors: Sequence[torch.Tensor]) -> list[float]:
-    """Python values of 0-d tensors, with one device-to-host transfer per device (usually one).
-
-    Tensors of one dtype are stacked as they are; mixed dtypes (integer counts beside float
-    losses) are stacked per dtype, cast to float64 (exact below 2**53) and concatenated, so a
-    device still costs a single ``.tolist()``. CPU tensors cost no synchronisation at all.
-    """
-    if not tensors:
-        return []
-    if len({t.dtype for t in tensors}) == 1:  # a set, not all(genexpr): cheaper per tensor
-        try:
-            return torch.stack(list(tensors)).tolist()
-        except RuntimeError:
-            pass  # tensors on several devices (a count made on the CPU, model parallelism)
-    by_device: dict[torch.device, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_device.setdefault(t.device, []).append(i)
-    values: list[float] = [0.0] * len(tensors)
-    for indices in by_device.values():
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for i in indices:
-            by_dtype.setdefault(tensors[i].dtype, []).append(i)
-        parts = [torch.stack([tensors[i] for i in ix]).double() for ix in by_dtype.values()]
-        flat = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist()
-        for i, v in zip((i for ix in by_dtype.values() for i in ix), flat):
-            values[i] = v
-    return values
 
 
 def _scalar(value: Any, where: str) -> torch.Tensor | float:
@@ -258,37 +230,44 @@ def log_metrics(
         Returns the values of ``also``. Written with comprehensions over whole columns: with
         a publish every few updates, per-entry Python statements would show in the overhead.
         """
-        chunk = [o for o in entries[:upto] if o.loss is not None]
+        window = entries[:upto]
         del entries[:upto]
+        losses = [o.loss for o in window if o.loss is not None]
+        chunk = window if len(losses) == len(window) else [o for o in window if o.loss is not None]
         counts = [o.count for o in chunk]
-        count_tensors = [c.reshape(()) for c in counts if isinstance(c, torch.Tensor)]
-        has_records = [o for o in chunk if o.records]
-        flats = [_flat_records(o.records) for o in chunk] if has_records else []
-        record_tensors = [v for f in flats if f for v in f.values() if isinstance(v, torch.Tensor)]
-        tensors = [o.loss for o in chunk if o.loss is not None] + count_tensors + record_tensors
-        n = len(tensors)
-        synced = _to_host(tensors + list(also))
-        losses = synced[: len(chunk)]
-        counted = iter(synced[len(chunk) : len(chunk) + len(count_tensors)])
-        values = [
-            None if c is None else next(counted) if isinstance(c, torch.Tensor) else float(c)
-            for c in counts
-        ]
         samples = [o.samples for o in chunk]
-        weights = [
-            v if v is not None else (1.0 if m is None else m) for v, m in zip(values, samples)
-        ]
-        reported = [v for v in values if v is not None]
-        if reported:
-            totals["tokens"] += sum(reported)
+        counted = len(counts) != counts.count(None)
+        count_tensors = (
+            [c.reshape(()) for c in counts if isinstance(c, torch.Tensor)] if counted else []
+        )
+        records = [o.records for o in chunk]
+        flats = [_flat_records(r) for r in records] if any(records) else []
+        record_tensors = [v for f in flats if f for v in f.values() if isinstance(v, torch.Tensor)]
+        tensors = losses + count_tensors + record_tensors
+        n = len(tensors)
+        synced = to_host(tensors + list(also))
+        unsized = None in samples
+        whole = cast("list[float]", samples)  # when not unsized: no None in it
+        if counted:
+            read = iter(synced[len(chunk) : len(chunk) + len(count_tensors)])
+            values = [
+                None if c is None else next(read) if isinstance(c, torch.Tensor) else float(c)
+                for c in counts
+            ]
+            weights = [
+                v if v is not None else (1.0 if m is None else m) for v, m in zip(values, samples)
+            ]
+            totals["tokens"] += sum([v for v in values if v is not None])
             has["tokens"] = True
-        sized = [m for m in samples if m is not None]
+        else:
+            weights = [1.0 if m is None else m for m in samples] if unsized else whole
+        sized = [m for m in samples if m is not None] if unsized else whole
         if sized:
             totals["samples"] += sum(sized)
             has["samples"] = True
         if chunk:
             acc = folded.setdefault("loss", [0.0, 0.0])
-            acc[0] += sum(map(operator.mul, losses, weights))
+            acc[0] += sum(map(operator.mul, synced, weights))  # zip stops at the losses
             acc[1] += sum(weights)
         if flats:
             rest = iter(synced[len(chunk) + len(count_tensors) : n])
