@@ -88,6 +88,33 @@ def test_plain_lines_when_not_a_terminal() -> None:
     ]
 
 
+def test_refreshes_at_most_once_per_min_interval() -> None:
+    # Updates take 0.25 s: with every=1 and min_interval=0.5, every second update is shown,
+    # and each line is the mean over both updates since the previous line.
+    console, clock = recorded(terminal=False), FakeTime(lambda i: 0.25)
+    plugin = progress(every=1, warmup=0, console=console, clock=clock, min_interval=0.5)
+    train(plugin, clock, max_steps=5)
+    assert [line.split(" | ")[:2] for line in lines(console)] == [
+        ["step 2/5", "loss 0.5"],  # batches 0 and 1
+        ["step 4/5", "loss 2.5"],  # batches 2 and 3
+        ["step 5/5", "loss 4"],  # the end is always shown
+    ]
+
+
+def test_min_interval_zero_refreshes_at_every_multiple() -> None:
+    console, clock = recorded(terminal=False), FakeTime(lambda i: 1e-6)
+    plugin = progress(every=1, warmup=0, console=console, clock=clock, min_interval=0)
+    train(plugin, clock, max_steps=3)
+    assert [line.split(" | ")[0] for line in lines(console)] == ["step 1/3", "step 2/3", "step 3/3"]
+
+
+def test_default_min_interval_is_a_tenth_of_a_second() -> None:
+    console, clock = recorded(terminal=False), FakeTime(lambda i: 0.03)
+    train(progress(every=1, warmup=0, console=console, clock=clock), clock, max_steps=8)
+    # 0.03 s per update: due at 4 updates (0.12 s), then at 8 (the end).
+    assert [line.split(" | ")[0] for line in lines(console)] == ["step 4/8", "step 8/8"]
+
+
 def test_a_last_line_at_end_when_the_run_stops_between_refreshes() -> None:
     console, clock = recorded(terminal=False), FakeTime(lambda i: 1.0)
     train(progress(every=2, warmup=0, console=console, clock=clock), clock, max_steps=5)
@@ -207,6 +234,23 @@ def test_tokens_per_second_only_when_counts_are_reported() -> None:
     console, clock = recorded(False), FakeTime(lambda i: 0.5)
     train(progress(every=2, console=console, clock=clock), clock, max_steps=2)
     assert "tokens/s" not in lines(console)[0]
+
+
+def test_batches_without_a_leading_dimension_weigh_one_and_show_no_sample_rate() -> None:
+    console, clock = recorded(terminal=False), FakeTime(lambda i: 1.0)
+
+    def loss_fn(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        clock.tick()
+        return model.weight.sum() * 0 + batch  # a 0-d batch: no sample count
+
+    data = [torch.tensor(float(i)) for i in range(4)]
+    plugin = progress(every=2, warmup=0, console=console, clock=clock)
+    run(make_step(loss_fn), frozen_state(), data, max_steps=4, plugins=[plugin])
+    assert [line.split(" | ")[:3] for line in lines(console)] == [
+        ["step 2/4", "loss 0.5", "lr 1.00e-03"],
+        ["step 4/4", "loss 2.5", "lr 1.00e-03"],
+    ]
+    assert "samples/s" not in text(console)
 
 
 def test_count_rate_label_is_configurable() -> None:
@@ -329,6 +373,10 @@ def test_silent_on_other_ranks(monkeypatch: pytest.MonkeyPatch, terminal: bool) 
         ({"clock": 3.0}, TypeError, r"clock must be a function returning seconds; got float"),
         ({"show": "val"}, TypeError, r"show must be a sequence of state.extras entry names"),
         ({"counts": ""}, TypeError, r"counts must be a non-empty str such as 'tokens'"),
+        ({"min_interval": -1}, ValueError, r"min_interval must be a number of seconds >= 0"),
+        ({"min_interval": "0.1"}, ValueError, r"min_interval must be a number .*got '0.1'"),
+        ({"min_interval": float("nan")}, ValueError, r"min_interval must be a number"),
+        ({"min_interval": True}, ValueError, r"min_interval must be a number"),
     ],
 )
 def test_bad_arguments(kwargs: dict, error: type, match: str) -> None:

@@ -6,7 +6,7 @@ import datetime
 import operator
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import rich
 import rich.console
@@ -14,10 +14,10 @@ import rich.progress
 import torch
 
 from toolkit._distributed import is_rank_zero
+from toolkit._host import to_host
 from toolkit._loop import Event
 from toolkit._state import TrainState
 from toolkit._step import StepOutput
-from toolkit.plugins._metrics import _to_host
 
 __all__ = ["progress"]
 
@@ -26,7 +26,9 @@ def _rate(value: float) -> str:
     return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
 
 
-def _check(every: Any, warmup: Any, console: Any, clock: Any, show: Any, counts: Any) -> None:
+def _check(
+    every: Any, warmup: Any, console: Any, clock: Any, show: Any, counts: Any, min_interval: Any
+) -> None:
     if isinstance(show, str) or not all(isinstance(name, str) for name in show):
         raise TypeError(
             f"progress: show must be a sequence of state.extras entry names; got {show!r}. "
@@ -45,6 +47,15 @@ def _check(every: Any, warmup: Any, console: Any, clock: Any, show: Any, counts:
         raise ValueError(
             f"progress: warmup must be an int >= 0 (updates left out of the ETA); got "
             f"{warmup!r}. Example: progress(every=10, warmup=5)."
+        )
+    if (
+        isinstance(min_interval, bool)
+        or not isinstance(min_interval, (int, float))
+        or not min_interval >= 0
+    ):
+        raise ValueError(
+            f"progress: min_interval must be a number of seconds >= 0; got {min_interval!r}. "
+            "Example: progress(every=10, min_interval=0.1); 0 refreshes at every multiple."
         )
     if console is not None and not isinstance(console, rich.console.Console):
         raise TypeError(
@@ -65,18 +76,27 @@ def progress(
     clock: Callable[[], float] = time.perf_counter,
     show: Sequence[str] = ("val", "memory"),
     counts: str = "tokens",
+    min_interval: float = 0.1,
 ) -> Callable[[Event], TrainState | None]:
     """A plugin showing training progress: a rich bar in a terminal, plain lines otherwise.
 
-    Every ``every`` updates (when ``state.step`` is a multiple of ``every``) and at the
-    end, it shows: the step out of the run's total (when known), the count-weighted mean
-    loss of the micro-batches since the last refresh, the learning rate the last update
-    used, the mean gradient norm (when the step computes it, under :func:`toolkit.clip` or
-    :func:`toolkit.guard_nonfinite`), samples/s and, when the loss reports target counts
-    (:class:`toolkit.LossSum`), their rate (``counts``/s, tokens/s by default), the latest
-    metrics of each ``state.extras`` entry named in ``show`` (by default the validation
-    results of :func:`toolkit.plugins.validate` as ``val/<metric>``, and the peak memory of
-    :func:`toolkit.plugins.peak_memory`), and the ETA.
+    Every ``every`` updates (when ``state.step`` is a multiple of ``every``), at most once
+    per ``min_interval`` seconds, and at the end, it shows: the step out of the run's total
+    (when known), the count-weighted mean loss of the micro-batches since the last refresh,
+    the learning rate the last update used, the mean gradient norm (when the step computes
+    it, under :func:`toolkit.clip` or :func:`toolkit.guard_nonfinite`), samples/s and, when
+    the loss reports target counts (:class:`toolkit.LossSum`), their rate (``counts``/s,
+    tokens/s by default), the latest metrics of each ``state.extras`` entry named in
+    ``show`` (by default the validation results of :func:`toolkit.plugins.validate` as
+    ``val/<metric>``, and the peak memory of :func:`toolkit.plugins.peak_memory`), and the
+    ETA.
+
+    The time limit is tqdm's ``mininterval``: faster than about ten refreshes a second a
+    display is unreadable and a log floods, and each refresh costs a host sync and some
+    formatting. A refresh due less than ``min_interval`` after the previous one is left
+    out; its micro-batches count into the next one, so every line is still the mean over
+    all micro-batches since the line before. ``min_interval=0`` refreshes at every
+    multiple of ``every``.
 
     The ETA is the time per update measured from the ``warmup``-th update of this run (so
     compilation and cache warm-up are left out, and the measurement restarts after a
@@ -104,12 +124,15 @@ def progress(
             without the prefix.
         counts: what the loss's target counts are, for the rate label (``"tokens"``,
             ``"targets"``, ``"pixels"``...).
+        min_interval: seconds (by ``clock``) that must have passed since the previous
+            refresh for a refresh to happen (>= 0; default 0.1).
 
     Returns:
         The plugin, a function ``plugin(event) -> None``.
 
     Raises:
-        ValueError: ``every`` is not an int >= 1 or ``warmup`` not an int >= 0.
+        ValueError: ``every`` is not an int >= 1, ``warmup`` not an int >= 0, or
+            ``min_interval`` not a number >= 0.
         TypeError: ``console`` is not a rich Console, ``clock`` is not callable, ``show`` is
             not a sequence of names, or ``counts`` not a non-empty string.
 
@@ -130,7 +153,7 @@ def progress(
         step 2/4 | loss 0.5 | lr 0.00e+00 | 4 samples/s | eta 0:00:02
         step 4/4 | loss 2.5 | lr 0.00e+00 | 8 samples/s | eta 0:00:00
     """
-    _check(every, warmup, console, clock, show, counts)
+    _check(every, warmup, console, clock, show, counts, min_interval)
     shown_entries = tuple(show)
 
     # Everything since the last refresh; loss entries are (loss, count, samples).
@@ -171,32 +194,42 @@ def progress(
             )
             bar.start()
 
-    def refresh(state: TrainState) -> None:
+    def refresh(state: TrainState, now: float) -> None:
         lr = run["lr"]
         lr_tensor = [lr.reshape(())] if isinstance(lr, torch.Tensor) else []
-        # Whole columns with comprehensions: per-entry statements would show in the overhead.
-        shown = [o for o in outs if o.loss is not None]
+        # Whole columns with comprehensions, and the count columns only when a loss reported
+        # counts: with a refresh every few updates, each pass over the entries shows in the
+        # overhead.
         losses = [o.loss for o in outs if o.loss is not None]
+        shown = outs if len(losses) == len(outs) else [o for o in outs if o.loss is not None]
         targets = [o.count for o in shown]
-        count_tensors = [c.reshape(()) for c in targets if isinstance(c, torch.Tensor)]
-        tensors = losses + count_tensors
-        values = _to_host([*tensors, *norms, *lr_tensor])  # the one host sync of a refresh
-        counted = iter(values[len(shown) : len(tensors)])
-        count_values = [
-            None if c is None else next(counted) if isinstance(c, torch.Tensor) else float(c)
-            for c in targets
-        ]
         sizes = [o.samples for o in shown]
-        weights = [
-            c if c is not None else (1.0 if n is None else n) for c, n in zip(count_values, sizes)
-        ]
-        weighted = sum(map(operator.mul, values[: len(shown)], weights))
-        reported = [c for c in count_values if c is not None]
-        has_tokens, tokens = bool(reported), sum(reported)
-        sized = [n for n in sizes if n is not None]
+        counted = len(targets) != targets.count(None)
+        count_tensors = (
+            [c.reshape(()) for c in targets if isinstance(c, torch.Tensor)] if counted else []
+        )
+        tensors = losses + count_tensors
+        values = to_host([*tensors, *norms, *lr_tensor])  # the one host sync of a refresh
+        unsized = None in sizes
+        whole = cast("list[float]", sizes)  # when not unsized: no None in it
+        if counted:
+            read = iter(values[len(losses) : len(tensors)])
+            count_values = [
+                None if c is None else next(read) if isinstance(c, torch.Tensor) else float(c)
+                for c in targets
+            ]
+            weights = [
+                c if c is not None else (1.0 if n is None else n)
+                for c, n in zip(count_values, sizes)
+            ]
+            tokens = sum([c for c in count_values if c is not None])
+        else:
+            weights = [1.0 if n is None else n for n in sizes] if unsized else whole
+            tokens = 0.0
+        weighted = sum(map(operator.mul, values[: len(losses)], weights))
+        sized = [n for n in sizes if n is not None] if unsized else whole
         has_samples, samples = bool(sized), sum(sized)
         weights_total = sum(weights)
-        now = clock()
         elapsed = now - run["last_time"]
         run["last_time"] = now
 
@@ -210,7 +243,7 @@ def progress(
             parts.append(f"grad_norm {grad_norm:.3g}")
         if elapsed > 0 and has_samples:
             parts.append(f"{_rate(samples / elapsed)} samples/s")
-        if elapsed > 0 and has_tokens:
+        if elapsed > 0 and counted:
             parts.append(f"{_rate(tokens / elapsed)} {counts}/s")
         for entry_name in shown_entries:
             entry = state.extras.get(entry_name)
@@ -256,7 +289,9 @@ def progress(
                 if run["updates"] == warmup:
                     run["warm_at"] = clock()
                 if event.state.step % every == 0:
-                    refresh(event.state)
+                    now = clock()
+                    if now - run["last_time"] >= min_interval:
+                        refresh(event.state, now)
         elif kind == "start":
             run.clear()
             if is_rank_zero():
@@ -265,7 +300,7 @@ def progress(
             outs.extend(event.outs)
             try:
                 if event.error is None and event.state.step != run["shown_step"]:
-                    refresh(event.state)
+                    refresh(event.state, clock())
             finally:
                 bar = live.pop("bar", None)
                 if bar is not None:
