@@ -1,21 +1,22 @@
 """Instructions per update, counted by valgrind: overhead figures without timing noise.
 
 Wall and CPU times on a shared machine move by a percent or two between runs; instruction
-counts do not. Each variant runs under ``valgrind --tool=callgrind`` twice, for SHORT and
-LONG updates after the same warm-up, and the difference divided by ``LONG - SHORT`` is its
-cost per update (imports, set-up and warm-up cancel out). Variants, all on the tiny MLP
-(32-64-10, batch 32, accumulate 4, clip, guard, AdamW, scheduler):
+counts do not. Each variant runs once under ``valgrind --tool=callgrind`` with
+instrumentation off; after imports and a warm-up the workload switches it on and zeroes the
+counters (``callgrind_control``), trains UPDATES updates and dumps: the count divided by
+UPDATES is its cost per update. Variants, all on the tiny MLP (32-64-10, batch 32,
+accumulate 4, clip, guard, AdamW, scheduler):
 
     bare      the composed step in a plain for loop
     run       run() with no plugins
-    progress  run() + progress(every=10)
+    progress  run() + progress(every=10, min_interval=0): a refresh at every 10th update
     metrics   run() + log_metrics(every=10) writing JSONL
     both      run() + progress + log_metrics (every=10)
 
     make bench-instructions                 # or: python benchmarks/instructions.py
-    python benchmarks/instructions.py run both --short 200 --long 600
+    python benchmarks/instructions.py run both --updates 400
 
-About 2.5 minutes per valgrind run on the CI machine (two run at a time). Needs valgrind
+About 1.5 minutes per variant on the CI machine (two run at a time). Needs valgrind
 (Debian: apt-get install valgrind). Not part of `make test`.
 """
 
@@ -35,7 +36,7 @@ VARIANTS = ("bare", "run", "progress", "metrics", "both")
 
 
 def workload(variant: str, updates: int) -> None:
-    """Warm up, then train ``updates`` updates of ``variant`` (run inside valgrind)."""
+    """Warm up, then count ``updates`` updates of ``variant`` (run inside valgrind)."""
     sys.path.insert(0, str(Path(__file__).parent))
     import overhead
     import torch
@@ -54,7 +55,9 @@ def workload(variant: str, updates: int) -> None:
         plugins = []
         if variant in ("progress", "both"):
             console = Console(file=io.StringIO(), force_terminal=False)
-            plugins.append(progress(every=10, console=console))
+            # Under valgrind an update takes ~50x longer, so progress's 0.1 s limit would
+            # never bite; min_interval=0 makes that explicit: these are unthrottled counts.
+            plugins.append(progress(every=10, console=console, min_interval=0))
         if variant in ("metrics", "both"):
             plugins.append(log_metrics(every=10, sinks=[jsonl(tempfile.mktemp(".jsonl"))]))
         holder = [TrainState(model=model, optimizer=opt, scheduler=sched)]
@@ -63,18 +66,28 @@ def workload(variant: str, updates: int) -> None:
         def train(n: int) -> None:
             holder[0] = run(step, holder[0], epoch, max_steps=holder[0].step + n, plugins=plugins)
 
+    def callgrind(*args: str) -> None:
+        subprocess.run(
+            ["callgrind_control", *args, str(os.getpid())], check=True, capture_output=True
+        )
+
     train(20)
+    callgrind("--instr=on")
+    train(10)  # the first updates after the switch, outside the count
+    callgrind("--zero")
     train(updates)
+    callgrind("--dump")
 
 
 def count(variant: str, updates: int) -> int:
-    """Instructions of one whole process running ``workload(variant, updates)``."""
+    """Instructions of ``updates`` updates of ``workload(variant)``, under valgrind."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "callgrind.out"
-        done = subprocess.run(
+        subprocess.run(
             [
                 "valgrind",
                 "--tool=callgrind",
+                "--instr-atstart=no",
                 f"--callgrind-out-file={out}",
                 sys.executable,
                 __file__,
@@ -87,17 +100,17 @@ def count(variant: str, updates: int) -> int:
             env={**os.environ, "OMP_NUM_THREADS": "1"},
             check=True,
         )
-    match = re.search(r"Collected : (\d+)", done.stderr)
+        dump = Path(f"{out}.1").read_text()  # the dump the workload asked for
+    match = re.search(r"^summary: (\d+)", dump, re.MULTILINE)
     if match is None:
-        raise RuntimeError(f"no instruction count in valgrind's output:\n{done.stderr[-2000:]}")
+        raise RuntimeError(f"no instruction summary in callgrind's dump:\n{dump[-2000:]}")
     return int(match.group(1))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("variants", nargs="*", help=f"some of {', '.join(VARIANTS)} (default all)")
-    parser.add_argument("--short", type=int, default=200)
-    parser.add_argument("--long", type=int, default=600)
+    parser.add_argument("--updates", type=int, default=200)
     parser.add_argument("--workload", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.workload:
@@ -108,13 +121,11 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown variant(s) {unknown}; expected some of {list(VARIANTS)}")
     variants = ["bare", *[v for v in chosen if v != "bare"]]
-    jobs = [(v, n) for v in variants for n in (args.short, args.long)]
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        counts = dict(zip(jobs, pool.map(lambda job: count(*job), jobs)))
-    span = args.long - args.short
-    per_update = {v: (counts[v, args.long] - counts[v, args.short]) / span for v in variants}
+        counts = dict(zip(variants, pool.map(lambda v: count(v, args.updates), variants)))
+    per_update = {v: counts[v] / args.updates for v in variants}
     base = per_update["bare"]
-    print(f"instructions per update (valgrind, {args.long} - {args.short} updates):")
+    print(f"instructions per update (valgrind, {args.updates} updates after warm-up):")
     for v in variants:
         extra = per_update[v] - base
         print(f"  {v:9s} {per_update[v] / 1e6:8.4f}M  {per_update[v] / base:.4f}x  {extra:+9.0f}")

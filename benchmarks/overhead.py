@@ -107,11 +107,14 @@ def composed(objects: Setup) -> Callable[[int], None]:
     return updates
 
 
-def with_run(objects: Setup, sink_path: str | None, every: int = 10) -> Callable[[int], None]:
+def with_run(
+    objects: Setup, sink_path: str | None, every: int = 10, min_interval: float = 0.1
+) -> Callable[[int], None]:
     """run() over the same step with progress and log_metrics(every) writing JSONL.
 
     Without ``sink_path``, run() with no plugins at all. Plugins and sink are built once, as
-    in a real job; each call continues the same state.
+    in a real job; each call continues the same state. ``min_interval`` is progress's limit
+    on refreshes per second (its default 0.1 s; 0 refreshes at every multiple of every).
     """
     from rich.console import Console
 
@@ -124,7 +127,7 @@ def with_run(objects: Setup, sink_path: str | None, every: int = 10) -> Callable
     plugins = []
     if sink_path is not None:
         plugins = [
-            progress(every=every, console=console),
+            progress(every=every, console=console, min_interval=min_interval),
             log_metrics(every=every, sinks=[jsonl(sink_path)]),
         ]
 
@@ -188,15 +191,21 @@ def one_pass(rounds: int, updates: int) -> list[tuple[str, float, float, float]]
     sizes, batch = [32, 64, 10], 32
     with tempfile.TemporaryDirectory() as tmp:
         # Longer rounds: each run() call pays its start and its end (sink flush) once.
-        for name, path, every in [
-            ("run(), no plugins", None, 10),
-            ("run()+progress+log_metrics(every=10)", os.path.join(tmp, "a.jsonl"), 10),
-            ("run()+progress+log_metrics(every=100)", os.path.join(tmp, "b.jsonl"), 100),
+        for name, path, every, min_interval in [
+            ("run(), no plugins", None, 10, 0.1),
+            ("run()+progress+log_metrics(every=10)", os.path.join(tmp, "a.jsonl"), 10, 0.1),
+            (
+                "same, progress(min_interval=0)",
+                os.path.join(tmp, "b.jsonl"),
+                10,
+                0.0,
+            ),
+            ("run()+progress+log_metrics(every=100)", os.path.join(tmp, "c.jsonl"), 100, 0.1),
         ]:
             objects = setup(sizes, batch)
             timed = measure(
                 bare_loop(objects),
-                with_run(objects, path, every),
+                with_run(objects, path, every, min_interval),
                 max(rounds // 2, 5),
                 updates * 10,
             )
