@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import operator
 import time
 import zlib
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,6 +16,7 @@ from toolkit._loop import Event
 from toolkit._state import TrainState
 from toolkit._step import StepOutput
 from toolkit.plugins._sinks import Sink
+from toolkit.plugins._weighting import columns, weigh
 
 __all__ = ["log_metrics"]
 
@@ -227,51 +227,31 @@ def log_metrics(
     def fold(upto: int, also: Sequence[torch.Tensor] = ()) -> list[float]:
         """Sync entries[:upto] (and ``also``) into python sums: one ``.tolist()`` per device.
 
-        Returns the values of ``also``. Written with comprehensions over whole columns: with
-        a publish every few updates, per-entry Python statements would show in the overhead.
+        Returns the values of ``also``. Losses are weighted by ``_weighting`` (as in
+        progress); records are weighted alike, key by key.
         """
         window = entries[:upto]
         del entries[:upto]
-        losses = [o.loss for o in window if o.loss is not None]
-        chunk = window if len(losses) == len(window) else [o for o in window if o.loss is not None]
-        counts = [o.count for o in chunk]
-        samples = [o.samples for o in chunk]
-        counted = len(counts) != counts.count(None)
-        count_tensors = (
-            [c.reshape(()) for c in counts if isinstance(c, torch.Tensor)] if counted else []
-        )
-        records = [o.records for o in chunk]
+        cols = columns(window)
+        records = [o.records for o in cols.outs]
         flats = [_flat_records(r) for r in records] if any(records) else []
         record_tensors = [v for f in flats if f for v in f.values() if isinstance(v, torch.Tensor)]
-        tensors = losses + count_tensors + record_tensors
-        n = len(tensors)
-        synced = to_host(tensors + list(also))
-        unsized = None in samples
-        whole = cast("list[float]", samples)  # when not unsized: no None in it
-        if counted:
-            read = iter(synced[len(chunk) : len(chunk) + len(count_tensors)])
-            values = [
-                None if c is None else next(read) if isinstance(c, torch.Tensor) else float(c)
-                for c in counts
-            ]
-            weights = [
-                v if v is not None else (1.0 if m is None else m) for v, m in zip(values, samples)
-            ]
-            totals["tokens"] += sum([v for v in values if v is not None])
+        synced = to_host([*cols.tensors, *record_tensors, *also])
+        sums = weigh(cols, synced)
+        if sums.targets is not None:
+            totals["tokens"] += sums.targets
             has["tokens"] = True
-        else:
-            weights = [1.0 if m is None else m for m in samples] if unsized else whole
-        sized = [m for m in samples if m is not None] if unsized else whole
-        if sized:
-            totals["samples"] += sum(sized)
+        if sums.samples is not None:
+            totals["samples"] += sums.samples
             has["samples"] = True
-        if chunk:
+        if cols.outs:
             acc = folded.setdefault("loss", [0.0, 0.0])
-            acc[0] += sum(map(operator.mul, synced, weights))  # zip stops at the losses
-            acc[1] += sum(weights)
+            acc[0] += sums.loss
+            acc[1] += sums.weight
+        n = len(cols.tensors) + len(record_tensors)
         if flats:
-            rest = iter(synced[len(chunk) + len(count_tensors) : n])
-            for flat, weight in zip(flats, weights):
+            rest = iter(synced[len(cols.tensors) : n])
+            for flat, weight in zip(flats, sums.weights):
                 for key, value in (flat or {}).items():
                     v = next(rest) if isinstance(value, torch.Tensor) else value
                     acc = folded.setdefault(key, [0.0, 0.0])

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import datetime
-import operator
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 import rich
 import rich.console
@@ -18,6 +17,7 @@ from toolkit._host import to_host
 from toolkit._loop import Event
 from toolkit._state import TrainState
 from toolkit._step import StepOutput
+from toolkit.plugins._weighting import columns, weigh
 
 __all__ = ["progress"]
 
@@ -197,54 +197,24 @@ def progress(
     def refresh(state: TrainState, now: float) -> None:
         lr = run["lr"]
         lr_tensor = [lr.reshape(())] if isinstance(lr, torch.Tensor) else []
-        # Whole columns with comprehensions, and the count columns only when a loss reported
-        # counts: with a refresh every few updates, each pass over the entries shows in the
-        # overhead.
-        losses = [o.loss for o in outs if o.loss is not None]
-        shown = outs if len(losses) == len(outs) else [o for o in outs if o.loss is not None]
-        targets = [o.count for o in shown]
-        sizes = [o.samples for o in shown]
-        counted = len(targets) != targets.count(None)
-        count_tensors = (
-            [c.reshape(()) for c in targets if isinstance(c, torch.Tensor)] if counted else []
-        )
-        tensors = losses + count_tensors
-        values = to_host([*tensors, *norms, *lr_tensor])  # the one host sync of a refresh
-        unsized = None in sizes
-        whole = cast("list[float]", sizes)  # when not unsized: no None in it
-        if counted:
-            read = iter(values[len(losses) : len(tensors)])
-            count_values = [
-                None if c is None else next(read) if isinstance(c, torch.Tensor) else float(c)
-                for c in targets
-            ]
-            weights = [
-                c if c is not None else (1.0 if n is None else n)
-                for c, n in zip(count_values, sizes)
-            ]
-            tokens = sum([c for c in count_values if c is not None])
-        else:
-            weights = [1.0 if n is None else n for n in sizes] if unsized else whole
-            tokens = 0.0
-        weighted = sum(map(operator.mul, values[: len(losses)], weights))
-        sized = [n for n in sizes if n is not None] if unsized else whole
-        has_samples, samples = bool(sized), sum(sized)
-        weights_total = sum(weights)
+        cols = columns(outs)
+        values = to_host([*cols.tensors, *norms, *lr_tensor])  # the one host sync of a refresh
+        sums = weigh(cols, values)
+        own = values[len(cols.tensors) :]  # the norms, then the LR
         elapsed = now - run["last_time"]
         run["last_time"] = now
 
         parts = []
-        if weights_total:
-            parts.append(f"loss {weighted / weights_total:.4g}")
+        if sums.weight:
+            parts.append(f"loss {sums.loss / sums.weight:.4g}")
         if lr is not None:
-            parts.append(f"lr {(values[-1] if lr_tensor else float(lr)):.2e}")
+            parts.append(f"lr {(own[-1] if lr_tensor else float(lr)):.2e}")
         if norms:
-            grad_norm = sum(values[len(tensors) : len(tensors) + len(norms)]) / len(norms)
-            parts.append(f"grad_norm {grad_norm:.3g}")
-        if elapsed > 0 and has_samples:
-            parts.append(f"{_rate(samples / elapsed)} samples/s")
-        if elapsed > 0 and counted:
-            parts.append(f"{_rate(tokens / elapsed)} {counts}/s")
+            parts.append(f"grad_norm {sum(own[: len(norms)]) / len(norms):.3g}")
+        if elapsed > 0 and sums.samples is not None:
+            parts.append(f"{_rate(sums.samples / elapsed)} samples/s")
+        if elapsed > 0 and sums.targets is not None:
+            parts.append(f"{_rate(sums.targets / elapsed)} {counts}/s")
         for entry_name in shown_entries:
             entry = state.extras.get(entry_name)
             if isinstance(entry, Mapping) and isinstance(entry.get("metrics"), Mapping):
