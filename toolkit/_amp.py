@@ -48,7 +48,8 @@ class AmpConfig:
         dtype: the autocast dtype (``torch.bfloat16`` or ``torch.float16``).
         scaler: a GradScaler to use when the state has none (fp16 only), or ``None``.
         min_scale: the loss-scale floor under which an overflow raises LossScaleError.
-        device_type: autocast device type; ``None`` takes the model's first parameter's.
+        device_type: autocast device type; ``None`` takes that of the optimizer's first
+            parameter (no walk over the model's modules per micro-batch).
     """
 
     dtype: torch.dtype
@@ -60,19 +61,21 @@ class AmpConfig:
     def fp16(self) -> bool:
         return self.dtype == torch.float16
 
-    def _device_type(self, model: torch.nn.Module) -> str:
+    def _device_type(self, optimizer: torch.optim.Optimizer) -> str:
         if self.device_type is not None:
             return self.device_type
-        param = next(model.parameters(), None)
-        return param.device.type if param is not None else "cpu"
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                return str(param.device.type)
+        return "cpu"
 
-    def autocast(self, model: torch.nn.Module) -> torch.autocast:
-        return torch.autocast(self._device_type(model), dtype=self.dtype)
+    def autocast(self, optimizer: torch.optim.Optimizer) -> torch.autocast:
+        return torch.autocast(self._device_type(optimizer), dtype=self.dtype)
 
-    def make_scaler(self, model: torch.nn.Module) -> torch.amp.GradScaler:
+    def make_scaler(self, optimizer: torch.optim.Optimizer) -> torch.amp.GradScaler:
         if self.scaler is not None:
             return self.scaler
-        return torch.amp.GradScaler(self._device_type(model))
+        return torch.amp.GradScaler(self._device_type(optimizer))
 
     def raise_collapsed(self, scaler: torch.amp.GradScaler) -> None:
         """Raise LossScaleError; called after an overflow took the scale below min_scale."""
@@ -130,7 +133,8 @@ def amp_wrap(
         scaler: fp16 only: the GradScaler to use when the state holds none.
         min_scale: fp16 only: an overflow that takes the scale below this raises
             :class:`LossScaleError`.
-        device_type: autocast device (``"cpu"``, ``"cuda"``); default: the model's.
+        device_type: autocast device (``"cpu"``, ``"cuda"``); default: the device of the
+            optimizer's first parameter.
 
     Returns:
         The wrapped :class:`Step`, or a decorator when ``step`` is omitted.

@@ -219,7 +219,7 @@ class Step:
         if amp is not None and amp.fp16:
             scaler = state.scaler
             if scaler is None:
-                scaler = amp.make_scaler(model)
+                scaler = amp.make_scaler(optimizer)
                 state = state.replace(scaler=scaler)
 
         # Once per micro-batch: every Python line here shows in the overhead on small models,
@@ -229,7 +229,7 @@ class Step:
             no_sync.__enter__()
         try:
             if amp is not None:
-                with amp.autocast(model):
+                with amp.autocast(optimizer):
                     result = self.loss_fn(model, batch)
             else:
                 result = self.loss_fn(model, batch)
