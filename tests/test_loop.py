@@ -146,6 +146,16 @@ def test_step_events_come_once_per_update_with_the_windows_outputs() -> None:
     assert (loop.micro_batches, loop.batches_per_epoch, loop.total_steps) == (2, 4, 4)
 
 
+def test_total_steps_counts_a_window_left_open_by_the_previous_run() -> None:
+    infos: list = []
+    state = run(_step(k=2), _state(), _data(3), epochs=1)  # 1 update, 1 micro-batch left open
+    assert (state.step, state.window.micro_step) == (1, 1)
+    plugin = [lambda e: infos.append(e.loop) if e.kind == "start" else None]
+    state = run(_step(k=2), state, _data(3), epochs=2, plugins=plugin)
+    # The open micro-batch and the 3 of epoch 2 make 2 more updates: 3 in all.
+    assert infos[0].total_steps == state.step == 3
+
+
 def test_a_window_spanning_an_epoch_and_skipped_micro_batches() -> None:
     events: list[Event] = []
     calls = iter(range(100))
@@ -249,6 +259,34 @@ def test_the_data_iterator_is_closed_on_every_exit() -> None:
     assert closed == [True, True]
 
 
+def test_the_data_iterator_is_closed_when_a_resumed_epoch_skips_batches() -> None:
+    closed = []
+
+    class Source:
+        def __len__(self) -> int:
+            return 4
+
+        def __iter__(self):
+            def gen():
+                try:
+                    yield from (torch.randn(2, 2) for _ in range(4))
+                finally:
+                    closed.append(True)
+
+            return gen()
+
+    state = run(_step(), _state(), Source(), max_steps=2)  # stops 2 batches into the epoch
+    assert state.batches_seen == 2 and closed == [True]
+
+    def boom(event: Event) -> None:
+        if event.kind == "step":
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):  # resumed: the skipping wraps the source
+        run(_step(), state, Source(), max_steps=4, plugins=[boom])
+    assert closed == [True, True]
+
+
 def test_worker_pool_is_shut_down_on_exit() -> None:
     loader = DataLoader(TensorDataset(torch.randn(64, 2)), batch_size=2, num_workers=1)
     iterators = []
@@ -285,6 +323,14 @@ def test_bad_arguments(kwargs: dict, data: object, error: type, message: str) ->
 def test_plugin_returning_something_else_is_an_error() -> None:
     def plugin(event: Event) -> int:
         return 3
+
+    with pytest.raises(TypeError, match="returned int; a plugin returns a TrainState or None"):
+        run(_step(), _state(), _data(2), max_steps=1, plugins=[plugin])  # type: ignore[list-item]
+
+
+def test_plugin_returning_something_else_at_end_is_an_error_too() -> None:
+    def plugin(event: Event) -> int | None:
+        return 3 if event.kind == "end" else None
 
     with pytest.raises(TypeError, match="returned int; a plugin returns a TrainState or None"):
         run(_step(), _state(), _data(2), max_steps=1, plugins=[plugin])  # type: ignore[list-item]

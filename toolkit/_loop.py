@@ -129,7 +129,9 @@ def _total_steps(
 ) -> int | None:
     by_epochs = None
     if epochs is not None and batches is not None:
-        by_epochs = state.step + ((epochs - state.epoch) * batches - state.batches_seen) // k
+        # Micro-batches of a window left open by the previous run still count toward it.
+        left = (epochs - state.epoch) * batches - state.batches_seen + state.window.micro_step
+        by_epochs = state.step + left // k
     if max_steps is not None and by_epochs is not None:
         return min(max_steps, by_epochs)
     return max_steps if max_steps is not None else by_epochs
@@ -165,13 +167,17 @@ def _call(plugins: Sequence[Plugin], event: Event) -> TrainState:
     for plugin in plugins:
         new = plugin(event if state is event.state else event._replace(state=state))
         if new is not None:
-            if not isinstance(new, TrainState):
-                raise TypeError(
-                    f"plugin {getattr(plugin, '__name__', plugin)!r} returned "
-                    f"{type(new).__name__}; a plugin returns a TrainState or None."
-                )
-            state = new
+            state = _returned(plugin, new)
     return state
+
+
+def _returned(plugin: Plugin, new: Any) -> TrainState:
+    if not isinstance(new, TrainState):
+        raise TypeError(
+            f"plugin {getattr(plugin, '__name__', plugin)!r} returned "
+            f"{type(new).__name__}; a plugin returns a TrainState or None."
+        )
+    return new
 
 
 def run(
@@ -256,12 +262,13 @@ def run(
         state = _call(plugins, Event("start", state, loop))
         while not _done(state, max_steps, epochs):
             _set_epoch(data, state.epoch)
-            iterator = iter(data)
+            iterator = iter(data)  # the source, closed on exit (an islice has no close)
+            unseen = iterator
             if state.batches_seen:
-                iterator = itertools.islice(iterator, state.batches_seen, None)
+                unseen = itertools.islice(iterator, state.batches_seen, None)
             exhausted = True
             t0 = clock()
-            for batch in iterator:
+            for batch in unseen:
                 t1 = clock()
                 state, out = step(state, batch)
                 t2 = clock()
@@ -324,8 +331,8 @@ def _end(plugins: Sequence[Plugin], event: Event, error: BaseException | None) -
     for plugin in plugins:
         try:
             new = plugin(event._replace(state=state))
-            if isinstance(new, TrainState):
-                state = new
+            if new is not None:
+                state = _returned(plugin, new)
         except Exception as exc:
             if error is not None:
                 name = getattr(plugin, "__qualname__", repr(plugin))
