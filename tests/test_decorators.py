@@ -130,6 +130,8 @@ def test_decorating_something_else_than_a_step() -> None:
         (lambda: clip(), ValueError, "give max_norm and/or max_value; got neither"),
         (lambda: clip(max_norm="1"), TypeError, "max_norm must be a positive number; got str"),
         (lambda: clip(max_norm=1.0, norm_type=0), ValueError, "norm_type must be > 0"),
+        (lambda: clip(max_norm=1.0, norm_type=-math.inf), ValueError, "norm_type must be > 0"),
+        (lambda: clip(max_norm=1.0, norm_type=math.nan), ValueError, "norm_type must be > 0"),
         (
             lambda: amp_wrap(dtype="fp8"),
             ValueError,
@@ -222,6 +224,13 @@ def test_state_without_optimizer() -> None:
         ),
     ):
         make_step(lambda m, b: m(b).mean())(state, _X)
+
+
+def test_something_else_than_a_state() -> None:
+    with pytest.raises(
+        TypeError, match="needs TrainState.optimizer; got a Linear, not a TrainState"
+    ):
+        make_step(lambda m, b: m(b).mean())(torch.nn.Linear(3, 2), _X)  # type: ignore[arg-type]
 
 
 def test_state_with_wrong_types() -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import torch
@@ -102,7 +101,7 @@ def clip(
             "clip: give max_norm and/or max_value; got neither, so there is nothing to clip. "
             "Example: clip(step, max_norm=1.0)."
         )
-    if not (norm_type > 0 or math.isinf(norm_type)):
+    if not norm_type > 0:  # math.inf passes; -inf and NaN do not
         raise ValueError(f"clip: norm_type must be > 0 or math.inf; got {norm_type}.")
     config = ClipConfig(norm, value, float(norm_type))
     if step is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -163,7 +164,9 @@ def _parse(result: Any) -> tuple[torch.Tensor, torch.Tensor | int | None, Mappin
 
 
 def _no_optimizer(state: Any) -> TypeError:
-    given = "None" if getattr(state, "optimizer", None) is None else type(state).__name__
+    given = (
+        "None" if isinstance(state, TrainState) else f"a {type(state).__name__}, not a TrainState"
+    )
     return TypeError(
         f"a train step needs TrainState.optimizer; got {given}. Build the state with one: "
         "TrainState(model=model, optimizer=torch.optim.AdamW(model.parameters()))."
@@ -341,11 +344,10 @@ class Step:
             )
 
         lr = optimizer.param_groups[0]["lr"]
-        fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
         if apply:
             if clipping is not None:
                 clipping.apply(params, clip_norm)
-            if scaler is not None and fused:
+            if scaler is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
                 scaler.step(optimizer)  # found_inf goes into the kernel: no host sync
             else:
                 # Unfused under a scaler: we already know there was no overflow, which is all
@@ -444,11 +446,14 @@ def _decide(
     flags = torch.stack([bad, found, collapsed]).to(torch.float32)
     if is_distributed():
         flags = all_reduce_(flags, torch.distributed.ReduceOp.MAX)
-    code = int((flags * _FLAG_BITS.to(flags.device)).sum().item())  # the one host sync
+    code = int((flags * _flag_bits(flags.device)).sum().item())  # the one host sync
     return bool(code & 1), bool(code & 2), bool(code & 4)
 
 
-_FLAG_BITS = torch.tensor([1.0, 2.0, 4.0])
+@functools.cache
+def _flag_bits(device: torch.device) -> torch.Tensor:
+    """The weights that pack the three flags into one number, made once per device."""
+    return torch.tensor([1.0, 2.0, 4.0], device=device)
 
 
 def make_step(loss_fn: Callable[[torch.nn.Module, Any], Any]) -> Step:
