@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -54,29 +53,35 @@ class GuardConfig:
         applied_updates: int,
         window_loss: torch.Tensor | None,
         grad_norm: torch.Tensor | None,
-        discard: Callable[[], None],
-    ) -> tuple[GuardState, bool]:
-        """Update the counters for one closed window; return them and whether to apply it."""
+    ) -> tuple[GuardState, bool, NonFiniteError | None]:
+        """Update the counters for one closed window.
+
+        Returns them, whether to apply the window, and the error to raise once the step has
+        thrown the window away (``on_exhaust="raise"`` with the retries used up), or None.
+        """
         if not nonfinite:
             if overflow:  # the scaler's business: neither a failure nor a success
-                return counters, False
-            return counters._replace(notfinite_count=0), True
+                return counters, False, None
+            return counters._replace(notfinite_count=0), True, None
         counters = counters._replace(
             notfinite_count=counters.notfinite_count + 1,
             total_notfinite=counters.total_notfinite + 1,
         )
         if counters.notfinite_count <= self.max_retries or self.on_exhaust == "skip":
-            return counters, False
+            return counters, False, None
         if self.on_exhaust == "accept":
-            return counters, True
-        discard()
-        raise NonFiniteError(
-            f"guard_nonfinite: {counters.notfinite_count} consecutive accumulation windows had "
-            f"a non-finite loss or gradient (max_retries={self.max_retries}; "
-            f"{counters.total_notfinite} rejected in total). The last one: summed loss "
-            f"{_show(window_loss)}, gradient norm {_show(grad_norm)}, after "
-            f"{applied_updates} applied updates. Check the data for NaN/inf and the learning "
-            "rate, or pass on_exhaust='skip' to keep skipping such windows."
+            return counters, True, None
+        return (
+            counters,
+            False,
+            NonFiniteError(
+                f"guard_nonfinite: {counters.notfinite_count} consecutive accumulation windows had "
+                f"a non-finite loss or gradient (max_retries={self.max_retries}; "
+                f"{counters.total_notfinite} rejected in total). The last one: summed loss "
+                f"{_show(window_loss)}, gradient norm {_show(grad_norm)}, after "
+                f"{applied_updates} applied updates. Check the data for NaN/inf and the learning "
+                "rate, or pass on_exhaust='skip' to keep skipping such windows."
+            ),
         )
 
     def __str__(self) -> str:

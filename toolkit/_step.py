@@ -332,15 +332,10 @@ class Step:
         guard_state = state.guard
         if overflow and not nonfinite:
             guard_state = guard_state._replace(total_overflow=guard_state.total_overflow + 1)
+        exhausted = None
         if guard is not None and (nonfinite or guard_state.notfinite_count):
-            guard_state, apply = guard.judge(
-                guard_state,
-                nonfinite,
-                overflow,
-                state.step,
-                window_loss,
-                grad_norm,
-                _discard_window(optimizer, scaler),
+            guard_state, apply, exhausted = guard.judge(
+                guard_state, nonfinite, overflow, state.step, window_loss, grad_norm
             )
 
         lr = optimizer.param_groups[0]["lr"]
@@ -363,6 +358,8 @@ class Step:
             if collapsed and not nonfinite and self.amp is not None:
                 self.amp.raise_collapsed(scaler)
         optimizer.zero_grad(set_to_none=True)
+        if exhausted is not None:
+            raise exhausted  # the window is thrown away (scaler updated, grads cleared) first
         if apply and state.scheduler is not None:
             state.scheduler.step()
 
@@ -397,17 +394,6 @@ def _mixed_counts(detail: str) -> ValueError:
         "loss_fn reported a target count for some micro-batches of the window but not for "
         f"others ({detail}). Return LossSum(total, count) from every call, or from none."
     )
-
-
-def _discard_window(optimizer: torch.optim.Optimizer, scaler: Any) -> Callable[[], None]:
-    """What a rejected window must still do before an error propagates: leave no stale grads."""
-
-    def discard() -> None:
-        if scaler is not None:
-            scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-
-    return discard
 
 
 def _decide(
