@@ -77,7 +77,8 @@ def compose(*decorators: Callable[[Step], Step]) -> Callable[[Step], Step]:
     Raises:
         TypeError: when an argument is not a decorator (for example a bare ``clip`` that
             was never configured, or a Step).
-        ValueError: when the same decorator appears twice, or two cannot be combined.
+        ValueError: when the returned function is applied to a step: the same decorator
+            appears twice (or is already on the step), or two cannot be combined.
 
     Example:
         >>> import torch

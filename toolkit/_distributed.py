@@ -37,9 +37,7 @@ def data_parallel_size(model: torch.nn.Module) -> int:
     """World size over which ``model``'s gradients are averaged, 1 when not data parallel."""
     if not (dist.is_available() and dist.is_initialized()):
         return 1
-    if _is_ddp(model) or _is_fsdp2(model):
-        return dist.get_world_size()
-    return 1
+    return dist.get_world_size() if _sync_kind(model) != "none" else 1
 
 
 def all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType) -> torch.Tensor:
@@ -68,16 +66,22 @@ def suppress_grad_sync(model: torch.nn.Module) -> contextlib.AbstractContextMana
 
     ``None`` for any other model, so that single-process code does not even enter a context.
     """
-    kind = _SYNC_KIND.get(type(model))
-    if kind is None:
-        kind = _SYNC_KIND[type(model)] = (
-            "ddp" if _is_ddp(model) else "fsdp2" if _is_fsdp2(model) else "none"
-        )
+    kind = _sync_kind(model)
     if kind == "ddp":
         return model.no_sync()  # type: ignore[operator]
     if kind == "fsdp2":
         return _fsdp2_no_sync(model)
     return None
+
+
+def _sync_kind(model: torch.nn.Module) -> str:
+    """"ddp", "fsdp2" or "none", looked up once per model class."""
+    kind = _SYNC_KIND.get(type(model))
+    if kind is None:
+        kind = _SYNC_KIND[type(model)] = (
+            "ddp" if _is_ddp(model) else "fsdp2" if _is_fsdp2(model) else "none"
+        )
+    return kind
 
 
 # Per model class, since fully_shard gives every sharded module a class of its own.

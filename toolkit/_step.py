@@ -430,8 +430,7 @@ def _decide(
         bad = torch.zeros((), dtype=torch.bool, device=scale.device)
     assert isinstance(found, torch.Tensor) and isinstance(collapsed, torch.Tensor)
     flags = torch.stack([bad, found, collapsed]).to(torch.float32)
-    if is_distributed():
-        flags = all_reduce_(flags, torch.distributed.ReduceOp.MAX)
+    flags = all_reduce_(flags, torch.distributed.ReduceOp.MAX)  # a no-op in one process
     code = int((flags * _flag_bits(flags.device)).sum().item())  # the one host sync
     return bool(code & 1), bool(code & 2), bool(code & 4)
 
