@@ -50,6 +50,18 @@ def test_repeat_and_record_shapes(tmp_path):
     assert addmm and all("Input Dims" in e.get("args", {}) for e in addmm)
 
 
+def test_the_profiler_stops_once_every_cycle_is_written(tmp_path, monkeypatch):
+    steps = []
+    real_step = torch.profiler.profile.step
+    monkeypatch.setattr(
+        torch.profiler.profile, "step", lambda self: steps.append(1) or real_step(self)
+    )
+    plugin = profile(tmp_path, wait=0, warmup=1, active=1, repeat=2)
+    run(_STEP, _state(), _DATA, max_steps=10, plugins=[plugin])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["trace_step2.json", "trace_step4.json"]
+    assert len(steps) == 4  # two cycles of two updates; none for the 6 updates after
+
+
 def test_profiled_step_covers_the_accumulation_window(tmp_path):
     step = accumulate(_STEP, micro_batches=3)
     run(step, _state(), _DATA, max_steps=3, plugins=[profile(tmp_path, wait=1, warmup=1, active=1)])
