@@ -353,6 +353,20 @@ def test_best_survives_resume_and_nan_never_best():
     assert (state.extras["val"]["best"], state.extras["val"]["best_step"]) == (1.0, 4)
 
 
+def test_a_first_nan_evaluation_is_not_best_either():
+    eval_fn, _ = _scripted([float("nan"), 3.0])
+    plugin = validate(eval_fn, [torch.ones(1, 2)], every=1)
+    bests = []
+
+    def spy(e):
+        if e.kind == "step":
+            entry = e.state.extras["val"]
+            bests.append((entry["best"], entry["best_step"]))
+
+    run(_STEP, _state(), _train(2), max_steps=2, plugins=[plugin, spy])
+    assert bests == [(None, None), (3.0, 2)]
+
+
 def test_model_option_evaluates_the_ema():
     seen: list[torch.Tensor] = []
 
