@@ -11,7 +11,7 @@ import rich.console
 import torch
 from counting import CountSyncs
 
-from toolkit import Event, LossSum, TrainState, clip, make_step, run
+from toolkit import Event, LossSum, TrainState, clip, guard_nonfinite, make_step, run
 from toolkit.plugins import _progress
 from toolkit.plugins._progress import progress
 
@@ -290,13 +290,27 @@ def test_validation_metrics_are_shown_by_default_and_show_selects_entries() -> N
     assert "other/" not in line
     console, clock = recorded(False), FakeTime(lambda i: 1.0)
     train(
-        progress(every=1, console=console, clock=clock, show=("other",)),
+        progress(every=1, console=console, clock=clock, show=(n for n in ["other"])),
         clock,
         max_steps=1,
         plugins_before=[val, other],
     )
     (line,) = lines(console)
-    assert line.endswith("| other/score 3") and "val/" not in line
+    assert line.endswith("| other/score 3") and "val/" not in line  # a generator works too
+
+
+def test_windows_the_guard_rejected_are_left_out_of_the_loss() -> None:
+    console, clock = recorded(terminal=False), FakeTime(lambda i: 1.0)
+
+    def loss_fn(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        clock.tick()
+        return model.weight.sum() * 0 + batch.mean()
+
+    data = [torch.full((4, 1), v) for v in (1.0, 2.0, float("nan"), 3.0)]
+    step = guard_nonfinite(make_step(loss_fn), max_retries=3)
+    plugin = progress(every=3, warmup=0, console=console, clock=clock)
+    run(step, frozen_state(), data, max_steps=3, plugins=[plugin])
+    assert [line.split(" | ")[:2] for line in lines(console)] == [["step 3/3", "loss 2"]]
 
 
 def test_grad_norm_shown_when_the_step_computes_it() -> None:

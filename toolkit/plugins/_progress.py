@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import rich
@@ -29,7 +29,7 @@ def _rate(value: float) -> str:
 def _check(
     every: Any, warmup: Any, console: Any, clock: Any, show: Any, counts: Any, min_interval: Any
 ) -> None:
-    if isinstance(show, str) or not all(isinstance(name, str) for name in show):
+    if not isinstance(show, tuple) or not all(isinstance(name, str) for name in show):
         raise TypeError(
             f"progress: show must be a sequence of state.extras entry names; got {show!r}. "
             'Example: progress(show=("val", "memory")).'
@@ -82,14 +82,14 @@ def progress(
 
     Every ``every`` updates (when ``state.step`` is a multiple of ``every``), at most once
     per ``min_interval`` seconds, and at the end, it shows: the step out of the run's total
-    (when known), the count-weighted mean loss of the micro-batches since the last refresh,
-    the learning rate the last update used, the mean gradient norm (when the step computes
-    it, under :func:`toolkit.clip` or :func:`toolkit.guard_nonfinite`), samples/s and, when
-    the loss reports target counts (:class:`toolkit.LossSum`), their rate (``counts``/s,
-    tokens/s by default), the latest metrics of each ``state.extras`` entry named in
-    ``show`` (by default the validation results of :func:`toolkit.plugins.validate` as
-    ``val/<metric>``, and the peak memory of :func:`toolkit.plugins.peak_memory`), and the
-    ETA.
+    (when known), the count-weighted mean loss of the micro-batches since the last refresh
+    (those of windows that :func:`toolkit.guard_nonfinite` rejected left out), the learning
+    rate the last update used, the mean gradient norm (when the step computes it, under
+    :func:`toolkit.clip` or :func:`toolkit.guard_nonfinite`), samples/s and, when the loss
+    reports target counts (:class:`toolkit.LossSum`), their rate (``counts``/s, tokens/s by
+    default), the latest metrics of each ``state.extras`` entry named in ``show`` (by
+    default the validation results of :func:`toolkit.plugins.validate` as ``val/<metric>``,
+    and the peak memory of :func:`toolkit.plugins.peak_memory`), and the ETA.
 
     The time limit is tqdm's ``mininterval``: faster than about ten refreshes a second a
     display is unreadable and a log floods, and each refresh costs a host sync and some
@@ -153,10 +153,13 @@ def progress(
         step 2/4 | loss 0.5 | lr 0.00e+00 | 4 samples/s | eta 0:00:02
         step 4/4 | loss 2.5 | lr 0.00e+00 | 8 samples/s | eta 0:00:00
     """
-    _check(every, warmup, console, clock, show, counts, min_interval)
-    shown_entries = tuple(show)
+    # A tuple before checking, so that a generator is not used up by the check.
+    shown_entries = (
+        tuple(show) if isinstance(show, Iterable) and not isinstance(show, str) else show
+    )
+    _check(every, warmup, console, clock, shown_entries, counts, min_interval)
 
-    # Everything since the last refresh; loss entries are (loss, count, samples).
+    # The micro-batch outputs since the last refresh (windows the guard rejected left out).
     outs: list[StepOutput] = []
     norms: list[torch.Tensor] = []
     live: dict[str, Any] = {}
@@ -250,7 +253,8 @@ def progress(
                 return None
             out = event.out
             assert out is not None
-            outs.extend(event.outs)
+            if not out.nonfinite:  # its losses are not training's (as in log_metrics)
+                outs.extend(event.outs)
             if out.updated:
                 run["updates"] += 1
                 run["lr"] = out.lr

@@ -166,10 +166,11 @@ def validate(
     The result goes to ``state.extras[key] = {"step": state.step, "epoch": state.epoch,
     "metrics": {name: float}, "best": float, "best_step": int}``, where ``best`` is the best
     ``monitor`` value so far (lowest for ``mode="min"``, highest for ``"max"``; a NaN never
-    becomes best, so both are None until an evaluation gives a number) and ``best_step`` the update at which it was reached; a resumed entry keeps
-    its best. The evaluation is not repeated for a ``state.step`` that already has one (the
-    weights have not changed), e.g. when an epoch ends on a multiple of ``every``. Put
-    ``validate`` before ``early_stop`` and ``log_metrics`` in the plugin list.
+    becomes best, so both are None until an evaluation gives a number) and ``best_step`` the
+    update at which it was reached; a resumed entry keeps its best. The evaluation is not
+    repeated for a ``state.step`` that already has one (the weights have not changed), e.g.
+    when an epoch ends on a multiple of ``every``. Put ``validate`` before ``early_stop``
+    and ``log_metrics`` in the plugin list.
 
     Args:
         eval_fn: ``eval_fn(model, batch) -> mapping | (mapping, count)``.
