@@ -567,3 +567,9 @@ def test_early_stop_missing_sub_metric():
     ]
     with pytest.raises(KeyError, match=r"has no 'acc' \(it has \['loss'\]\)"):
         run(_STEP, _state(), _train(2), max_steps=2, plugins=plugins)
+
+
+def test_early_stop_on_an_entry_without_metrics():
+    plugins = [ema(0.5), early_stop("ema/loss")]  # ema's entry holds weights, not metrics
+    with pytest.raises(KeyError, match=r"state.extras\['ema'\] holds no metrics"):
+        run(_STEP, _state(), _train(2), max_steps=2, plugins=plugins)

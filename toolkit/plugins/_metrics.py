@@ -15,6 +15,7 @@ from toolkit._host import to_host
 from toolkit._loop import Event
 from toolkit._state import TrainState
 from toolkit._step import StepOutput
+from toolkit.plugins._entries import metric_entry
 from toolkit.plugins._sinks import Sink
 from toolkit.plugins._weighting import columns, weigh
 
@@ -74,14 +75,15 @@ def _flat_records(records: Mapping[str, Any]) -> dict[str, Any] | None:
 def _new_extras(extras: Mapping[str, Any], seen: dict[str, Any], out: dict[str, float]) -> None:
     """Add to ``out`` the plugin metrics entries whose "step" changed since ``seen``."""
     for name, entry in extras.items():
-        if not (isinstance(entry, Mapping) and "step" in entry and "metrics" in entry):
+        parsed = metric_entry(entry)
+        if parsed is None:
             continue
-        step = entry["step"]
+        step, metrics = parsed
         if seen.get(name, _NEVER) == step:
             continue
         seen[name] = step
         flat: dict[str, Any] = {}
-        _flatten(entry["metrics"], f"{name}/", "state.extras metric", flat)
+        _flatten(metrics, f"{name}/", "state.extras metric", flat)
         for key, value in flat.items():
             if isinstance(value, torch.Tensor):
                 raise TypeError(
@@ -338,8 +340,9 @@ def log_metrics(
             seen.clear()
             last_extras[0] = state.extras
             for name, entry in state.extras.items():
-                if isinstance(entry, Mapping) and "step" in entry and "metrics" in entry:
-                    seen[name] = entry["step"]
+                parsed = metric_entry(entry)
+                if parsed is not None:
+                    seen[name] = parsed[0]
         elif kind == "epoch_end":
             write(state.step, scan(state))
         elif kind == "end":

@@ -17,6 +17,7 @@ from toolkit._host import to_host
 from toolkit._loop import Event
 from toolkit._state import TrainState
 from toolkit._step import StepOutput
+from toolkit.plugins._entries import metric_entry
 from toolkit.plugins._weighting import columns, weigh
 
 __all__ = ["progress"]
@@ -219,10 +220,10 @@ def progress(
         if elapsed > 0 and sums.targets is not None:
             parts.append(f"{_rate(sums.targets / elapsed)} {counts}/s")
         for entry_name in shown_entries:
-            entry = state.extras.get(entry_name)
-            if isinstance(entry, Mapping) and isinstance(entry.get("metrics"), Mapping):
+            parsed = metric_entry(state.extras.get(entry_name))
+            if parsed is not None:
                 prefix = "" if entry_name == "memory" else f"{entry_name}/"
-                for name, value in entry["metrics"].items():
+                for name, value in parsed[1].items():
                     if isinstance(value, (int, float)):
                         parts.append(f"{prefix}{name} {value:.4g}")
         eta = _eta(run, warmup, now, state.step)

@@ -13,6 +13,7 @@ from toolkit._distributed import all_reduce_
 from toolkit._loop import Event, Plugin
 from toolkit._state import TrainState
 from toolkit._step import _leading_dim
+from toolkit.plugins._entries import metric_entry
 
 __all__ = ["early_stop", "validate"]
 
@@ -321,8 +322,8 @@ def early_stop(
     Raises:
         ValueError: ``metric`` without ``"/"``, ``patience < 1``, a negative ``min_delta``,
             a bad ``mode``.
-        KeyError: during the run, an entry ``NAME`` without metric ``m``; at the end of a
-            run, no ``NAME`` entry at all.
+        KeyError: during the run, an entry ``NAME`` that holds no metrics or no metric
+            ``m``; at the end of a run, no ``NAME`` entry at all.
 
     Example:
         >>> import torch
@@ -373,12 +374,19 @@ def early_stop(
         entry = state.extras.get(name)
         if entry is None:
             return None
+        parsed = metric_entry(entry)
+        if parsed is None:
+            raise KeyError(
+                f"early_stop: state.extras[{name!r}] holds no metrics (an entry of the form "
+                "{'step': ..., 'metrics': {...}} that validate or peak_memory write). Give "
+                "the key of such a plugin, e.g. early_stop('val/loss')."
+            )
+        step, metrics = parsed
         counters = state.extras.get("early_stop")
         if counters is None or counters.get("metric") != metric:
             counters = dict(metric=metric, seen_step=None, best=None, best_step=None, bad=0)
-        if entry["step"] == counters["seen_step"]:
+        if step == counters["seen_step"]:
             return None
-        metrics = entry["metrics"]
         if sub not in metrics:
             raise KeyError(
                 f"early_stop: state.extras[{name!r}]['metrics'] has no {sub!r} (it has "
@@ -386,10 +394,10 @@ def early_stop(
             )
         value = float(metrics[sub])
         if _better(value, counters["best"], mode, margin):
-            counters = {**counters, "best": value, "best_step": entry["step"], "bad": 0}
+            counters = {**counters, "best": value, "best_step": step, "bad": 0}
         else:
             counters = {**counters, "bad": counters["bad"] + 1}
-        counters["seen_step"] = entry["step"]
+        counters["seen_step"] = step
         state = state.replace(extras={**state.extras, "early_stop": counters})
         if counters["bad"] >= patience:
             best = counters["best"]
