@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Literal, NamedTuple
 
+from toolkit._checks import check_count
 from toolkit._state import TrainState
 from toolkit._step import StepOutput
 
@@ -145,10 +146,8 @@ def _validate(data: Any, max_steps: int | None, epochs: int | None) -> None:
             "max_steps=1000)."
         )
     for name, value in (("max_steps", max_steps), ("epochs", epochs)):
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value < 0
-        ):
-            raise ValueError(f"run: {name} must be an int >= 0; got {value!r}.")
+        if value is not None:
+            check_count("run", name, value, 0)
     if not isinstance(data, Iterable):
         raise TypeError(
             f"run: data must be iterable (a DataLoader, a list of batches, a generator); got "

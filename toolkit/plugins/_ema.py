@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from toolkit import unwrap
+from toolkit._checks import check_count
 from toolkit._loop import Event, Plugin
 from toolkit._state import TrainState
 
@@ -21,11 +22,9 @@ def _check_args(decay: Any, warmup: Any, every: Any, buffers: Any, key: Any) -> 
             f"ema: decay must be a number in [0, 1); got {decay!r}. Typical values are 0.999 "
             "or 0.9999 (a larger decay averages over more updates)."
         )
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(
-            f"ema: every must be an int >= 1 (update the average every that many applied "
-            f"optimizer updates); got {every!r}."
-        )
+    check_count(
+        "ema", "every", every, 1, "update the average every that many applied optimizer updates"
+    )
     for name, value in (("warmup", warmup), ("buffers", buffers)):
         if not isinstance(value, bool):
             raise TypeError(f"ema: {name} must be True or False; got {value!r}.")

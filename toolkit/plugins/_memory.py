@@ -7,6 +7,7 @@ import sys
 
 import torch
 
+from toolkit._checks import check_count
 from toolkit._loop import Event, Plugin
 from toolkit._state import TrainState
 
@@ -66,11 +67,7 @@ def peak_memory(every: int = 10, *, key: str = "memory") -> Plugin:
         >>> state.extras["memory"]["step"], state.extras["memory"]["metrics"]["peak_gib"] > 0
         (4, True)
     """
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(
-            f"peak_memory: every must be an int >= 1 (record every that many applied "
-            f"updates); got {every!r}."
-        )
+    check_count("peak_memory", "every", every, 1, "record every that many applied updates")
     if not isinstance(key, str) or not key:
         raise ValueError(
             f"peak_memory: key must be a non-empty string (the state.extras key); got {key!r}."

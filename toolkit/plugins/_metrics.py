@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from toolkit._checks import check_count
 from toolkit._distributed import is_distributed, is_rank_zero
 from toolkit._host import to_host
 from toolkit._loop import Event
@@ -98,11 +99,14 @@ _NEVER = object()
 
 
 def _check(every: Any, sinks: Any) -> list[Sink]:
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(
-            f"log_metrics: every must be an int >= 1 (updates per published interval); got "
-            f"{every!r}. Example: log_metrics(every=100, sinks=[jsonl('runs/a/m.jsonl')])."
-        )
+    check_count(
+        "log_metrics",
+        "every",
+        every,
+        1,
+        "updates per published interval",
+        "Example: log_metrics(every=100, sinks=[jsonl('runs/a/m.jsonl')]).",
+    )
     if isinstance(sinks, Sink):
         sinks = [sinks]
     if not isinstance(sinks, Sequence) or isinstance(sinks, str):

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity
 
+from toolkit._checks import check_count
 from toolkit._distributed import is_rank_zero
 from toolkit._loop import Event, Plugin
 from toolkit._state import TrainState
@@ -17,11 +18,6 @@ from toolkit._state import TrainState
 __all__ = ["profile"]
 
 _PER_CYCLE = ".*Profiler clears events at the end of each cycle"
-
-
-def _check_count(name: str, value: Any, least: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ValueError(f"profile: {name} must be an int >= {least}; got {value!r}.")
 
 
 def profile(
@@ -81,10 +77,10 @@ def profile(
         raise TypeError(
             f"profile: out_dir must be a path (str or os.PathLike); got {type(out_dir).__name__}."
         )
-    _check_count("wait", wait, 0)
-    _check_count("warmup", warmup, 0)
-    _check_count("active", active, 1)
-    _check_count("repeat", repeat, 0)
+    check_count("profile", "wait", wait, 0)
+    check_count("profile", "warmup", warmup, 0)
+    check_count("profile", "active", active, 1)
+    check_count("profile", "repeat", repeat, 0)
     if not isinstance(record_shapes, bool):
         raise TypeError(f"profile: record_shapes must be True or False; got {record_shapes!r}.")
     folder = Path(out_dir)

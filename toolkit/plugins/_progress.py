@@ -12,6 +12,7 @@ import rich.console
 import rich.progress
 import torch
 
+from toolkit._checks import check_count
 from toolkit._distributed import is_rank_zero
 from toolkit._host import to_host
 from toolkit._loop import Event
@@ -39,16 +40,17 @@ def _check(
         raise TypeError(
             f"progress: counts must be a non-empty str such as 'tokens'; got {counts!r}."
         )
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(
-            f"progress: every must be an int >= 1 (updates between refreshes); got {every!r}. "
-            "Example: progress(every=10)."
-        )
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(
-            f"progress: warmup must be an int >= 0 (updates left out of the ETA); got "
-            f"{warmup!r}. Example: progress(every=10, warmup=5)."
-        )
+    check_count(
+        "progress", "every", every, 1, "updates between refreshes", "Example: progress(every=10)."
+    )
+    check_count(
+        "progress",
+        "warmup",
+        warmup,
+        0,
+        "updates left out of the ETA",
+        "Example: progress(every=10, warmup=5).",
+    )
     if (
         isinstance(min_interval, bool)
         or not isinstance(min_interval, (int, float))

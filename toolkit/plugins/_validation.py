@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from toolkit._checks import check_count
 from toolkit._distributed import all_reduce_
 from toolkit._loop import Event, Plugin
 from toolkit._state import TrainState
@@ -348,11 +349,9 @@ def early_stop(
             f"in it, e.g. 'val/loss' for validate(key='val') returning 'loss'; got {metric!r}."
         )
     name, _, sub = metric.partition("/")
-    if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
-        raise ValueError(
-            f"early_stop: patience must be an int >= 1 (evaluations without improvement "
-            f"before stopping); got {patience!r}."
-        )
+    check_count(
+        "early_stop", "patience", patience, 1, "evaluations without improvement before stopping"
+    )
     if isinstance(min_delta, bool) or not isinstance(min_delta, (int, float)) or not min_delta >= 0:
         raise ValueError(f"early_stop: min_delta must be a number >= 0; got {min_delta!r}.")
     _check_mode("early_stop", mode)

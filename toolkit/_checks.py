@@ -1,0 +1,27 @@
+"""Argument checks shared by the public functions, so their errors read alike."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["check_count"]
+
+
+def check_count(
+    who: str, name: str, value: Any, least: int, meaning: str = "", example: str = ""
+) -> None:
+    """Raise ValueError unless ``value`` is an int (not a bool) >= ``least``.
+
+    The message reads ``"{who}: {name} must be an int >= {least} ({meaning}); got {value!r}.
+    {example}"``, the parts in parentheses only when given.
+
+    Example:
+        >>> check_count("progress", "every", 0, 1, "updates between refreshes")
+        Traceback (most recent call last):
+        ...
+        ValueError: progress: every must be an int >= 1 (updates between refreshes); got 0.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        what = f" ({meaning})" if meaning else ""
+        then = f" {example}" if example else ""
+        raise ValueError(f"{who}: {name} must be an int >= {least}{what}; got {value!r}.{then}")
