@@ -66,12 +66,11 @@ def _parse(result: Any, batch: Any) -> tuple[Mapping[str, Any], Any]:
     return metrics, count
 
 
-def _weighted(value: Any, weight: Any) -> Any:
+def _float64(value: Any) -> Any:
+    """A tensor as a 0-d float64 tensor (sums stay on its device); a number as it is."""
     if isinstance(value, torch.Tensor):
-        value = value.detach().reshape(()).to(torch.float64)
-    if isinstance(weight, torch.Tensor):
-        weight = weight.detach().reshape(()).to(torch.float64)
-    return value * weight
+        return value.detach().reshape(()).to(torch.float64)
+    return value
 
 
 def _device(model: torch.nn.Module, found: torch.device | None) -> torch.device:
@@ -102,11 +101,12 @@ def _evaluate(
             for batch in data:
                 batches += 1
                 metrics, count = _parse(eval_fn(model, batch), batch)
+                weight = _float64(count)
                 for name, value in metrics.items():
                     if device is None and isinstance(value, torch.Tensor):
                         device = value.device
-                    sums[name] = sums.get(name, 0.0) + _weighted(value, count)
-                    weights[name] = weights.get(name, 0.0) + _weighted(1.0, count)
+                    sums[name] = sums.get(name, 0.0) + _float64(value) * weight
+                    weights[name] = weights.get(name, 0.0) + weight
     finally:
         for module, training in modes:
             module.training = training
@@ -126,8 +126,7 @@ def _evaluate(
             for x in weights.values()
         ]
     )
-    if dist.is_available() and dist.is_initialized():
-        packed = all_reduce_(packed, dist.ReduceOp.SUM)
+    packed = all_reduce_(packed, dist.ReduceOp.SUM)  # a no-op in one process
     values = packed.tolist()  # the one host sync of the evaluation
     k = len(sums)
     by_name = dict(zip(sums, zip(values[:k], values[k:])))
