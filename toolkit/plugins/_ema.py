@@ -162,26 +162,24 @@ def ema(
         cache.update(model=model, entry=entry["params"], lists=result)
         return result
 
+    def fresh(state: TrainState) -> TrainState:
+        """The state with a new average: a copy of the current weights."""
+        entry = {"step": state.step, "num_updates": 0, **_snapshot(unwrap(state.model), buffers)}
+        return state.replace(extras={**state.extras, key: entry})
+
     def plugin(event: Event) -> TrainState | None:
         state = event.state
         if event.kind == "start":
-            bare = unwrap(state.model)
             entry = state.extras.get(key)
             if entry is None:
-                entry = {"step": state.step, "num_updates": 0, **_snapshot(bare, buffers)}
-            else:
-                entry = _adopt(entry, bare, buffers, key)
+                return fresh(state)
+            entry = _adopt(entry, unwrap(state.model), buffers, key)
             return state.replace(extras={**state.extras, key: entry})
         if event.out is None or not event.out.updated or state.step % every:
             return None
         entry = state.extras.get(key)
         if entry is None:  # called outside run(), or "start" was not delivered
-            entry = {
-                "step": state.step,
-                "num_updates": 0,
-                **_snapshot(unwrap(state.model), buffers),
-            }
-            return state.replace(extras={**state.extras, key: entry})
+            return fresh(state)
         n = entry["num_updates"]
         d = min(decay, (1 + n) / (10 + n)) if warmup else decay
         averaged, live, copied, sources = lists(state.model, entry)
