@@ -393,7 +393,8 @@ def test_model_option_evaluates_the_ema():
     ("kwargs", "error", "match"),
     [
         ({}, ValueError, r"give every=N .*, per_epoch=True .* and/or at_end=True"),
-        ({"every": 0}, ValueError, r"every must be an int >= 1 or None; got 0"),
+        ({"every": 0}, ValueError, r"every must be an int >= 1 \(.*or None\); got 0"),
+        ({"every": 2, "key": ""}, ValueError, r"key must be a non-empty string"),
         ({"every": 2, "mode": "best"}, ValueError, r"mode must be 'min' .* or 'max'.*'best'"),
         ({"every": 2, "model": "ema"}, TypeError, r"model must be a function state -> module"),
     ],

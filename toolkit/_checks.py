@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["check_count"]
+__all__ = ["check_count", "check_key"]
 
 
 def check_count(
@@ -25,3 +25,18 @@ def check_count(
         what = f" ({meaning})" if meaning else ""
         then = f" {example}" if example else ""
         raise ValueError(f"{who}: {name} must be an int >= {least}{what}; got {value!r}.{then}")
+
+
+def check_key(who: str, key: Any) -> None:
+    """Raise ValueError unless ``key`` (a plugin's ``state.extras`` key) is a non-empty str.
+
+    Example:
+        >>> check_key("ema", "")
+        Traceback (most recent call last):
+        ...
+        ValueError: ema: key must be a non-empty string (the state.extras key); got ''.
+    """
+    if not isinstance(key, str) or not key:
+        raise ValueError(
+            f"{who}: key must be a non-empty string (the state.extras key); got {key!r}."
+        )

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from toolkit import unwrap
-from toolkit._checks import check_count
+from toolkit._checks import check_count, check_key
 from toolkit._loop import Event, Plugin
 from toolkit._state import TrainState
 
@@ -28,10 +28,7 @@ def _check_args(decay: Any, warmup: Any, every: Any, buffers: Any, key: Any) -> 
     for name, value in (("warmup", warmup), ("buffers", buffers)):
         if not isinstance(value, bool):
             raise TypeError(f"ema: {name} must be True or False; got {value!r}.")
-    if not isinstance(key, str) or not key:
-        raise ValueError(
-            f"ema: key must be a non-empty string (the state.extras key); got {key!r}."
-        )
+    check_key("ema", key)
 
 
 def _snapshot(model: torch.nn.Module, buffers: bool) -> dict[str, Any]:

@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from toolkit._checks import check_count
+from toolkit._checks import check_count, check_key
 from toolkit._loop import Event, Plugin
 from toolkit._state import TrainState
 
@@ -68,10 +68,7 @@ def peak_memory(every: int = 10, *, key: str = "memory") -> Plugin:
         (4, True)
     """
     check_count("peak_memory", "every", every, 1, "record every that many applied updates")
-    if not isinstance(key, str) or not key:
-        raise ValueError(
-            f"peak_memory: key must be a non-empty string (the state.extras key); got {key!r}."
-        )
+    check_key("peak_memory", key)
 
     def plugin(event: Event) -> TrainState | None:
         state = event.state

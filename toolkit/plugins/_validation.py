@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from toolkit._checks import check_count
+from toolkit._checks import check_count, check_key
 from toolkit._distributed import all_reduce_
 from toolkit._loop import Event, Plugin
 from toolkit._state import TrainState
@@ -192,8 +192,8 @@ def validate(
 
     Raises:
         ValueError: none of ``every``, ``per_epoch`` and ``at_end``, ``every < 1``, a bad
-            ``mode``, a one-shot iterator as ``data``; during the run, validation data
-            without batches.
+            ``mode``, an empty ``key``, a one-shot iterator as ``data``; during the run,
+            validation data without batches.
         TypeError: ``eval_fn`` not callable; during the run, an ``eval_fn`` result that is
             not a mapping of scalars.
         KeyError: during the run, ``eval_fn`` never returned ``monitor`` (the message lists
@@ -220,8 +220,9 @@ def validate(
             f"validate: eval_fn must be callable as eval_fn(model, batch); got "
             f"{type(eval_fn).__name__}."
         )
-    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
-        raise ValueError(f"validate: every must be an int >= 1 or None; got {every!r}.")
+    if every is not None:
+        check_count("validate", "every", every, 1, "applied updates between evaluations, or None")
+    check_key("validate", key)
     if every is None and not per_epoch and not at_end:
         raise ValueError(
             "validate: give every=N (evaluate every N applied updates), per_epoch=True "
