@@ -1,7 +1,7 @@
 # Every target builds its own virtual environment on first use.
 # make bench BENCH_ARGS="--repeat 5" measures five times and prints the range.
 # torch is installed first, pinned, so that pip never pulls a CUDA build; override with
-#   make test TORCH=torch==2.5.1
+#   make test TORCH=torch==2.6.0
 PYTHON ?= python3.11
 TORCH ?= torch==2.13.0
 VENV ?= .venv
