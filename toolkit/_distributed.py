@@ -75,7 +75,7 @@ def suppress_grad_sync(model: torch.nn.Module) -> contextlib.AbstractContextMana
 
 
 def _sync_kind(model: torch.nn.Module) -> str:
-    """"ddp", "fsdp2" or "none", looked up once per model class."""
+    """The kind of gradient sync of a model ("ddp", "fsdp2" or "none"), once per class."""
     kind = _SYNC_KIND.get(type(model))
     if kind is None:
         kind = _SYNC_KIND[type(model)] = (
