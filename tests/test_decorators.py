@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from toolkit import (
-    LossSum,
     TrainState,
     accumulate,
     amp_wrap,
@@ -233,19 +232,6 @@ def test_state_with_wrong_types() -> None:
         TrainState(model=torch.nn.Linear(1, 1), optimizer="adam")
     with pytest.raises(TypeError, match=r"unknown field\(s\) \['stpe'\]"):
         _state().replace(stpe=1)
-
-
-def test_mixing_counted_and_plain_losses_in_a_window() -> None:
-    calls = iter([True, False])
-
-    def loss_fn(model: torch.nn.Module, batch: torch.Tensor):
-        out = model(batch).square()
-        return LossSum(out.sum(), out.numel()) if next(calls) else out.mean()
-
-    step = accumulate(make_step(loss_fn), micro_batches=2)
-    state, _ = step(_state(), _X)
-    with pytest.raises(ValueError, match="reported a target count for some micro-batches"):
-        step(state, _X)
 
 
 # --- options that change behaviour --------------------------------------------------------
