@@ -254,6 +254,24 @@ def test_clip_norm_type_matches_torch(norm_type: float) -> None:
         assert torch.equal(p, q)
 
 
+def test_amp_dtype_objects_and_strings_are_the_same_configuration() -> None:
+    loss = lambda m, b: m(b).mean()  # noqa: E731
+    assert amp_wrap(make_step(loss), dtype=torch.bfloat16) == amp_wrap(
+        make_step(loss), dtype="bf16"
+    )
+    assert amp_wrap(make_step(loss), dtype=torch.float16) == amp_wrap(make_step(loss), dtype="FP16")
+
+
+def test_a_scaler_in_the_state_wins_over_the_one_given_to_amp_wrap() -> None:
+    # The resume path: the state restored from a checkpoint carries its scaler.
+    resumed = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    given = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    state = _state().replace(scaler=resumed)
+    state, _ = amp_wrap(make_step(lambda m, b: m(b).mean()), dtype="fp16", scaler=given)(state, _X)
+    assert state.scaler is resumed
+    assert resumed._scale is not None and given._scale is None  # only the resumed one ran
+
+
 def test_amp_device_type_is_the_autocast_device() -> None:
     seen: list[torch.dtype] = []
 

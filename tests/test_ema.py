@@ -325,3 +325,16 @@ def test_property_matches_recursion(decay, every, steps, warmup):
         n += 1
     assert state.extras["ema"]["num_updates"] == n
     _assert_close(state.extras["ema"]["params"], expected)
+
+
+def test_custom_key_for_the_average_and_for_ema_model():
+    model = _model()
+    state = run(
+        make_step(_loss), _state(model), _data(3), max_steps=3, plugins=[ema(0.5, key="slow")]
+    )
+    assert "slow" in state.extras and "ema" not in state.extras
+    averaged = ema_model(state, key="slow")
+    expected = state.extras["slow"]["params"]
+    assert all(torch.equal(p, expected[name]) for name, p in averaged.named_parameters())
+    with pytest.raises(KeyError):
+        ema_model(state)  # the default key holds nothing

@@ -102,6 +102,11 @@ def test_cuda_device_detection():
     assert _memory._cuda_device(torch.nn.ReLU()) is None  # no parameters
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_device_of_a_model_on_the_gpu():
+    assert _memory._cuda_device(torch.nn.Linear(1, 1, device="cuda")) == torch.device("cuda", 0)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

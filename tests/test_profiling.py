@@ -62,6 +62,13 @@ def test_the_profiler_stops_once_every_cycle_is_written(tmp_path, monkeypatch):
     assert len(steps) == 4  # two cycles of two updates; none for the 6 updates after
 
 
+def test_repeat_zero_records_cycles_until_the_run_ends(tmp_path):
+    plugin = profile(tmp_path, wait=0, warmup=1, active=1, repeat=0)
+    run(_STEP, _state(), _DATA, max_steps=6, plugins=[plugin])
+    names = ["trace_step2.json", "trace_step4.json", "trace_step6.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == names
+
+
 def test_profiled_step_covers_the_accumulation_window(tmp_path):
     step = accumulate(_STEP, micro_batches=3)
     run(step, _state(), _DATA, max_steps=3, plugins=[profile(tmp_path, wait=1, warmup=1, active=1)])

@@ -574,3 +574,26 @@ def test_early_stop_on_an_entry_without_metrics():
     plugins = [ema(0.5), early_stop("ema/loss")]  # ema's entry holds weights, not metrics
     with pytest.raises(KeyError, match=r"state.extras\['ema'\] holds no metrics"):
         run(_STEP, _state(), _train(2), max_steps=2, plugins=plugins)
+
+
+def test_two_validations_under_their_own_keys_and_early_stop_on_one():
+    steady, _ = _scripted([1.0] * 10)  # never improves after the first
+    improving, _ = _scripted([5.0, 4.0, 3.0, 2.0, 1.0, 0.5, 0.25, 0.1, 0.05, 0.01])
+    val = [torch.ones(1, 2)]
+    plugins = [
+        validate(steady, val, every=1, key="a"),
+        validate(improving, val, every=1, key="b"),
+        early_stop("b/loss", patience=1),
+    ]
+    state = run(_STEP, _state(), _train(10), max_steps=6, plugins=plugins)
+    assert state.stop is None and state.step == 6  # "b" kept improving
+    assert state.extras["a"]["metrics"]["loss"] == 1.0 and state.extras["a"]["best_step"] == 1
+    assert state.extras["b"]["best"] == 0.5 and "val" not in state.extras
+    state = run(
+        _STEP,
+        _state(),
+        _train(10),
+        max_steps=6,
+        plugins=[*plugins[:2], early_stop("a/loss", patience=1)],
+    )
+    assert state.step == 2 and "a/loss did not improve" in state.stop
