@@ -2,26 +2,11 @@
 
 from __future__ import annotations
 
-import collections
-from typing import Any
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from counting import CountOps
 
 from toolkit._host import to_host
-
-
-class CountOps(TorchDispatchMode):
-    """Counts every aten call (stack, cat, to...) made while active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.calls[func.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def test_groups_dtypes_exactly() -> None:

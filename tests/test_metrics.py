@@ -13,7 +13,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-from counting import CountSyncs
+from counting import CountSyncs, count_tolists
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from spawning import spawn
@@ -345,14 +345,7 @@ def test_loss_stays_nan_without_a_guard_to_reject_it() -> None:
 def test_one_host_sync_per_publish_and_none_per_micro_batch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    tolists = []
-    original = torch.Tensor.tolist
-
-    def counting_tolist(self: torch.Tensor) -> Any:
-        tolists.append(self.numel())
-        return original(self)
-
-    monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
+    tolists = count_tolists(monkeypatch)
 
     def loss_fn(model: torch.nn.Module, batch: torch.Tensor) -> LossSum:
         total = torch.nn.functional.mse_loss(model(batch), batch, reduction="sum")
@@ -520,9 +513,7 @@ def test_plugin_metric_tensor_is_refused() -> None:
 
 
 def test_only_rank_zero_writes_but_every_rank_syncs(monkeypatch: pytest.MonkeyPatch) -> None:
-    tolists = []
-    original = torch.Tensor.tolist
-    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: tolists.append(1) or original(t))
+    tolists = count_tolists(monkeypatch)
     monkeypatch.setattr(_metrics, "is_rank_zero", lambda: False)
     rows, closes, sink = recorder()
     drive(log_metrics(1, sinks=[sink]), [out(1.0), out(2.0)])

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import rich.console
 import torch
-from counting import CountSyncs
+from counting import CountSyncs, count_tolists
 
 from toolkit import Event, LossSum, TrainState, clip, guard_nonfinite, make_step, run
 from toolkit.plugins import _progress
@@ -345,14 +345,7 @@ def test_peak_memory_from_the_memory_plugin_entry() -> None:
 
 
 def test_one_host_sync_per_refresh(monkeypatch: pytest.MonkeyPatch) -> None:
-    tolists: list[int] = []
-    original = torch.Tensor.tolist
-
-    def counting_tolist(self: torch.Tensor) -> Any:
-        tolists.append(self.numel())
-        return original(self)
-
-    monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
+    tolists = count_tolists(monkeypatch)
     console, clock = recorded(False), FakeTime(lambda i: 1.0)
     with CountSyncs() as syncs:
         train(

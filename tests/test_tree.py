@@ -14,9 +14,9 @@ from typing import Any, NamedTuple
 import numpy as np
 import pytest
 import torch
+from counting import CountOps
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from toolkit import key_average, map_nested_tensor
 
@@ -327,23 +327,13 @@ def test_empty_inputs() -> None:
     assert key_average([{"a": {}}, {}]) == {"a": {}}
 
 
-class SyncCounter(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.calls[func.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def test_tensors_are_synced_once_not_per_value() -> None:
     records = [
         {"loss": torch.tensor(float(i)), "parts": {"a": torch.tensor(1.0), "b": 2.0}}
         for i in range(50)
     ]
     weights = [torch.tensor(2.0)] * 50
-    with SyncCounter() as counter:
+    with CountOps() as counter:
         result = key_average(records, weights=weights)
     assert result == {"loss": 24.5, "parts": {"a": 1.0, "b": 2.0}}
     # .item() / float(t) per value would show up as _local_scalar_dense calls

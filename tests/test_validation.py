@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from counting import count_tolists
 
 from toolkit import TrainState, accumulate, make_step, run
 from toolkit._loop import Event
@@ -121,22 +122,16 @@ def test_batch_without_tensor_weighs_one_and_partial_metrics():
 
 
 def test_one_host_sync_per_evaluation(monkeypatch):
-    syncs: list[str] = []
-    original = torch.Tensor.tolist
-
-    def tolist(self):
-        syncs.append("tolist")
-        return original(self)
+    tolists = count_tolists(monkeypatch)
 
     def forbidden(self, *args):
         raise AssertionError("a per-batch host sync")
 
-    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
     monkeypatch.setattr(torch.Tensor, "item", forbidden)
     monkeypatch.setattr(torch.Tensor, "__float__", forbidden)
     data = [torch.ones(2, 2)] * 5
     _evaluate(lambda m, b: {"a": m(b).mean(), "b": m(b).sum()}, _model(), data)
-    assert syncs == ["tolist"]
+    assert len(tolists) == 1
 
 
 # ---------------------------------------------------------------- eval / no_grad discipline
