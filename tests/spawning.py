@@ -7,9 +7,11 @@ without a barrier). A Python exception in a rank is a real failure and is never 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
@@ -27,3 +29,20 @@ def spawn(
         if exc.signal_name is None:
             raise
         mp.spawn(fn, args=make_args(1), nprocs=nprocs, join=True)
+
+
+@contextlib.contextmanager
+def gloo_group(rank: int, world: int, store_path: str) -> Iterator[None]:
+    """A gloo process group over a file store, torn down with a barrier first.
+
+    The barrier runs only when the body succeeded (a failed rank must not wait for the
+    others); without it gloo can abort at exit (feasibility notes, item 1c).
+    """
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world
+    )
+    try:
+        yield
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from spawning import spawn
+from spawning import gloo_group, spawn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from toolkit import LossSum, TrainState, accumulate, clip, compose, guard_nonfinite, make_step
@@ -129,16 +129,11 @@ WRAPPERS = {"ddp": _ddp, "fsdp2": _fsdp2}
 
 def _worker(rank: int, wrapper: str, store_path: str, out_dir: str) -> None:
     torch.set_num_threads(1)
-    store = dist.FileStore(store_path, WORLD)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
-    try:
+    with gloo_group(rank, WORLD, store_path):
         calls: list[int] = []
         model, full = WRAPPERS[wrapper](calls)
         report = _scenario(model, calls, full)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
-        dist.barrier()  # see feasibility notes: avoids a gloo teardown abort
-    finally:
-        dist.destroy_process_group()
 
 
 def _reference() -> list[list]:

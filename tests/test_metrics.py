@@ -12,11 +12,10 @@ from unittest import mock
 
 import pytest
 import torch
-import torch.distributed as dist
 from counting import CountSyncs, count_tolists
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from spawning import spawn
+from spawning import gloo_group, spawn
 
 from toolkit import (
     Event,
@@ -521,8 +520,7 @@ def test_only_rank_zero_writes_but_every_rank_syncs(monkeypatch: pytest.MonkeyPa
 
 
 def _distributed_worker(rank: int, store: str, path: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    try:
+    with gloo_group(rank, 2, store):
         sink = jsonl(f"{path}.rank{rank}")
         plugin = log_metrics(2, sinks=[sink])
         # Rank 0: 1 token of loss 1 and 1 of loss 3; rank 1: 3 tokens of loss 2, 1 of 6.
@@ -537,9 +535,6 @@ def _distributed_worker(rank: int, store: str, path: str) -> None:
             assert "different record keys" in str(exc)
         else:
             raise AssertionError("mismatched record keys were not detected")
-        dist.barrier()  # gloo can abort at exit without it (shared/research/feasibility.md)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow

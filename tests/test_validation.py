@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import math
-import os
+from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from counting import count_tolists
+from spawning import gloo_group, spawn
 
 from toolkit import TrainState, accumulate, make_step, run
 from toolkit._loop import Event
@@ -436,28 +435,25 @@ def test_empty_validation_data():
 # ---------------------------------------------------------------- distributed reduction
 
 
-def _dist_worker(rank: int, world: int, init_file: str, queue) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
+def _dist_worker(rank: int, store: str, out_dir: str) -> None:
+    with gloo_group(rank, 2, store):
         # Rank 0 holds 3 samples of value 1, rank 1 holds 1 sample of value 5: mean 2.
         data = [torch.full((3, 1), 1.0)] if rank == 0 else [torch.full((1, 1), 5.0)]
         metrics = _evaluate(lambda m, b: {"v": b.mean()}, torch.nn.Linear(1, 1), data)
-        queue.put((rank, metrics["v"]))
-        dist.barrier()  # gloo can abort at exit without it (shared/research/feasibility.md)
-    finally:
-        dist.destroy_process_group()
+        Path(out_dir, f"rank{rank}").write_text(repr(metrics["v"]))
 
 
 @pytest.mark.slow
 def test_distributed_all_reduces_sums_and_weights(tmp_path):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    init_file = os.path.join(tmp_path, "init")
-    mp.start_processes(
-        _dist_worker, args=(2, init_file, queue), nprocs=2, join=True, start_method="spawn"
-    )
-    results = dict(queue.get(timeout=30) for _ in range(2))
-    assert results == {0: pytest.approx(2.0), 1: pytest.approx(2.0)}
+    def args(attempt: int) -> tuple[str, str]:
+        out_dir = tmp_path / f"out{attempt}"
+        out_dir.mkdir()
+        return str(tmp_path / f"store{attempt}"), str(out_dir)
+
+    spawn(_dist_worker, args, nprocs=2)
+    out_dir = max(tmp_path.glob("out*"))  # the last attempt's
+    results = [float((out_dir / f"rank{r}").read_text()) for r in range(2)]
+    assert results == [pytest.approx(2.0), pytest.approx(2.0)]
 
 
 # ---------------------------------------------------------------- early_stop
