@@ -41,7 +41,8 @@ example-transformer: install
 bench: install
 	$(BIN)/python benchmarks/overhead.py $(BENCH_ARGS)
 
-# Instruction counts under valgrind (no timing noise; about 15 minutes for all variants).
+# Instruction counts under valgrind (no timing noise; about 1.5 minutes per variant, two at
+# a time: some 6 minutes for all five).
 bench-instructions: install
 	$(BIN)/python benchmarks/instructions.py $(BENCH_ARGS)
 

@@ -2,7 +2,9 @@
 
 Each case times one optimizer update (4 micro-batches, clip by norm, non-finite guard) of
 the composed toolkit step and of a hand-written loop doing the same arithmetic, interleaved
-in rounds so that machine noise hits both alike, and prints the ratio of their medians.
+in rounds so that machine noise hits both alike, and prints the median of the per-round
+ratios. The run() rows use half the rounds, each ten times longer (a run() call pays its
+start and end once per round).
 
     make bench                      # or: OMP_NUM_THREADS=1 python benchmarks/overhead.py
     python benchmarks/overhead.py --rounds 30 --updates 50
@@ -224,7 +226,8 @@ def main() -> None:
     torch.set_num_threads(1)
     print(
         f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
-        f"{args.rounds} rounds x {args.updates} updates, median CPU time per update\n"
+        f"{args.rounds} rounds x {args.updates} updates (run() rows: {max(args.rounds // 2, 5)} "
+        f"x {args.updates * 10}), median CPU time per update\n"
     )
     passes = [one_pass(args.rounds, args.updates) for _ in range(args.repeat)]
     rows = passes[-1]
