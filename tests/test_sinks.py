@@ -192,3 +192,12 @@ def test_wandb_offline_run_writes_its_files(tmp_path: Path) -> None:
     # The run's record log holds the logged keys and values (protobuf strings).
     for needle in (b"train/loss", b"0.25", b"val/accuracy", b"0.875"):
         assert needle in data
+
+
+def test_jsonl_writes_each_line_to_the_os_at_once(tmp_path: Path) -> None:
+    # Nothing sits in a Python buffer: another reader sees the line before any close.
+    path = tmp_path / "m.jsonl"
+    sink = jsonl(path)
+    sink.write(1, {"train/loss": 0.5, 'odd "name"\n': -0.0})
+    assert path.read_text() == '{"step": 1, "train/loss": 0.5, "odd \\"name\\"\\n": -0.0}\n'
+    sink.close()

@@ -50,12 +50,12 @@ def jsonl(path: str | os.PathLike[str], *, mode: str = "a") -> Sink:
     """A sink appending one JSON object per publish to ``path``: ``{"step": s, **metrics}``.
 
     Needs no extra package. Parent directories are created at the first write; every line
-    is flushed to the operating system as soon as it is written, so a crashed run loses no
-    published line. By default the file is opened in append mode, so a resumed run continues
-    the same file; ``mode="w"`` starts it afresh at this sink's first write (later writes
-    append, also after a close and reopen), for a new run in a reused folder. Non-finite
-    values are written as ``NaN`` / ``Infinity`` (what Python's ``json``
-    writes and reads back).
+    goes to the operating system in one unbuffered write as soon as it is published, so a
+    crashed run loses no published line. By default the file is opened in append mode, so
+    a resumed run continues the same file; ``mode="w"`` starts it afresh at this sink's
+    first write (later writes append, also after a close and reopen), for a new run in a
+    reused folder. Non-finite values are written as ``NaN`` / ``Infinity`` (what Python's
+    ``json`` writes and reads back).
 
     Args:
         path: the file to append to, e.g. ``"runs/exp1/metrics.jsonl"``.
@@ -96,10 +96,12 @@ def jsonl(path: str | os.PathLike[str], *, mode: str = "a") -> Sink:
         nonlocal handle, open_mode
         if handle is None:
             file_path.parent.mkdir(parents=True, exist_ok=True)
-            handle = open(file_path, open_mode, encoding="utf-8")  # noqa: SIM115 (closed by close)
+            # Unbuffered bytes: each line reaches the operating system in one write call.
+            handle = open(file_path, open_mode + "b", buffering=0)  # noqa: SIM115 (closed by close)
             open_mode = "a"  # replaced once; this sink's own lines are kept from then on
-        handle.write(json.dumps({"step": step, **metrics}) + "\n")
-        handle.flush()
+        data = (json.dumps({"step": step, **metrics}) + "\n").encode()
+        while data:  # a regular file takes it all at once; a short write is retried
+            data = data[handle.write(data) :]
 
     def close() -> None:
         nonlocal handle
