@@ -3,8 +3,8 @@
 Each case times one optimizer update (4 micro-batches, clip by norm, non-finite guard) of
 the composed toolkit step and of a hand-written loop doing the same arithmetic, interleaved
 in rounds so that machine noise hits both alike, and prints the median of the per-round
-ratios. The run() rows use half the rounds, each ten times longer (a run() call pays its
-start and end once per round).
+ratios. The run() rows take their turns inside one long run() call (a real job starts and
+ends run() once), over five times the rounds.
 
     make bench                      # or: OMP_NUM_THREADS=1 python benchmarks/overhead.py
     python benchmarks/overhead.py --rounds 30 --updates 50
@@ -19,13 +19,14 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch
 
 from toolkit import (
+    Event,
     TrainState,
     accumulate,
     clip,
@@ -38,6 +39,7 @@ from toolkit import (
 K = 4  # micro-batches per update
 EPOCH_UPDATES = 50  # updates per epoch in the run() case
 MAX_NORM = 1.0
+RUN_ROUNDS = 5  # the run() rows' rounds, per round of the other rows: their effect is smaller
 
 
 def mlp(sizes: list[int]) -> torch.nn.Module:
@@ -109,43 +111,80 @@ def composed(objects: Setup) -> Callable[[int], None]:
     return updates
 
 
-def with_run(
-    objects: Setup, sink_path: str | None, every: int = 10, min_interval: float = 0.1
-) -> Callable[[int], None]:
-    """run() over the same step with progress and log_metrics(every) writing JSONL.
+def plugins_for(
+    sink_path: str | None, every: int = 10, min_interval: float = 0.1
+) -> list[Callable[[Event], object]]:
+    """progress and log_metrics(every) writing JSONL, as in a real job; none without a path.
 
-    Without ``sink_path``, run() with no plugins at all. Plugins and sink are built once, as
-    in a real job; each call continues the same state. ``min_interval`` is progress's limit
-    on refreshes per second (its default 0.1 s; 0 refreshes at every multiple of every).
+    ``min_interval`` is progress's limit on refreshes per second (its default 0.1 s; 0
+    refreshes at every multiple of ``every``). The console is a string buffer that is not a
+    terminal, so progress writes its plain lines there.
     """
     from rich.console import Console
 
     from toolkit.plugins import jsonl, log_metrics, progress
 
-    model, opt, sched, data = objects
-    step = composed_step()
-    holder = [TrainState(model=model, optimizer=opt, scheduler=sched)]
-    console = Console(file=io.StringIO(), force_terminal=False)  # plain lines, not shown
-    plugins = []
-    if sink_path is not None:
-        plugins = [
-            progress(every=every, console=console, min_interval=min_interval),
-            log_metrics(every=every, sinks=[jsonl(sink_path)]),
-        ]
-
-    # An epoch of EPOCH_UPDATES updates (the same tensors again), as with a real dataset:
-    # run()'s per-epoch work (set_epoch, a new iterator) is paid once per epoch, not per update.
-    epoch = data * EPOCH_UPDATES
-
-    def updates(n: int) -> None:
-        holder[0] = run(step, holder[0], epoch, max_steps=holder[0].step + n, plugins=plugins)
-
-    return updates
+    if sink_path is None:
+        return []
+    console = Console(file=io.StringIO(), force_terminal=False)
+    return [
+        progress(every=every, console=console, min_interval=min_interval),
+        log_metrics(every=every, sinks=[jsonl(sink_path)]),
+    ]
 
 
 def bare_loop(objects: Setup) -> Callable[[int], None]:
     """The composed step driven by a plain for loop: the baseline for run()'s overhead."""
     return composed(objects)
+
+
+def measure_in_run(
+    objects: Setup, plugins: list[Callable[[Event], object]], rounds: int, updates: int
+) -> tuple[float, float, float]:
+    """Like :func:`measure`, for run(): both sides take turns inside one long run() call.
+
+    run()'s data hands over to the bare loop (same objects) at the start of every round of
+    ``updates`` updates, that is when run() asks for the round's first batch, after the
+    previous update and its plugins. run()'s time for a round is the time between two
+    turns: the loop, the plugins and the epoch boundaries, and nothing a real job would
+    not have (no extra plugin); run() starts and ends once, as in a real job.
+    """
+    base = bare_loop(objects)
+    model, opt, sched, data = objects
+    t_base: list[float] = []
+    t_ours: list[float] = []
+    warm = 2  # rounds left out: allocator, lazy optimizer state, code paths
+    turns = [0]
+    mark = [0.0]
+
+    def turn() -> None:
+        now = time.process_time()
+        if turns[0] > warm:
+            t_ours.append((now - mark[0]) / updates)
+        base(updates)
+        if turns[0] >= warm:
+            t_base.append((time.process_time() - now) / updates)
+        turns[0] += 1
+        mark[0] = time.process_time()
+
+    round_batches = data * updates  # the same tensors again, as epochs of a real dataset do
+    rounds_per_epoch = max(EPOCH_UPDATES // updates, 1)
+
+    class TakingTurns:
+        def __len__(self) -> int:
+            return len(round_batches) * rounds_per_epoch
+
+        def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+            for _ in range(rounds_per_epoch):
+                turn()
+                yield from round_batches
+
+    state = TrainState(model=model, optimizer=opt, scheduler=sched)
+    # One more round than measured: a round's time is taken when the next one starts.
+    max_steps = (warm + rounds + 1) * updates
+    run(composed_step(), state, TakingTurns(), max_steps=max_steps, plugins=plugins)
+    ratios = [o / b for o, b in zip(t_ours, t_base)]
+    return statistics.median(t_base), statistics.median(t_ours), statistics.median(ratios)
 
 
 def measure(
@@ -192,25 +231,15 @@ def one_pass(rounds: int, updates: int) -> list[tuple[str, float, float, float]]
         rows.append((f"step: {name}", *timed))
     sizes, batch = [32, 64, 10], 32
     with tempfile.TemporaryDirectory() as tmp:
-        # Longer rounds: each run() call pays its start and its end (sink flush) once.
         for name, path, every, min_interval in [
             ("run(), no plugins", None, 10, 0.1),
             ("run()+progress+log_metrics(every=10)", os.path.join(tmp, "a.jsonl"), 10, 0.1),
-            (
-                "same, progress(min_interval=0)",
-                os.path.join(tmp, "b.jsonl"),
-                10,
-                0.0,
-            ),
+            ("same, progress(min_interval=0)", os.path.join(tmp, "b.jsonl"), 10, 0.0),
             ("run()+progress+log_metrics(every=100)", os.path.join(tmp, "c.jsonl"), 100, 0.1),
         ]:
             objects = setup(sizes, batch)
-            timed = measure(
-                bare_loop(objects),
-                with_run(objects, path, every, min_interval),
-                max(rounds // 2, 5),
-                updates * 10,
-            )
+            plugins = plugins_for(path, every, min_interval)
+            timed = measure_in_run(objects, plugins, RUN_ROUNDS * rounds, updates)
             rows.append((f"{name} vs for-loop, tiny MLP", *timed))
     return rows
 
@@ -226,8 +255,8 @@ def main() -> None:
     torch.set_num_threads(1)
     print(
         f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
-        f"{args.rounds} rounds x {args.updates} updates (run() rows: {max(args.rounds // 2, 5)} "
-        f"x {args.updates * 10}), median CPU time per update\n"
+        f"{args.rounds} rounds x {args.updates} updates (run() rows: {RUN_ROUNDS * args.rounds} "
+        f"x {args.updates}), median CPU time per update\n"
     )
     passes = [one_pass(args.rounds, args.updates) for _ in range(args.repeat)]
     rows = passes[-1]
