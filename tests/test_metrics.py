@@ -368,6 +368,21 @@ def test_one_host_sync_per_publish_and_none_per_micro_batch(
     assert rows[0][1]["train/const"] == 1.0
 
 
+def test_a_long_interval_is_folded_every_fold_updates(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Memory stays bounded: with _FOLD = 3, the losses of 10 updates of 2 micro-batches are
+    # read back after updates 3, 6 and 9; the end reads the last 2 and the 10 grad norms.
+    tolists = count_tolists(monkeypatch)
+    rows, _, sink = recorder()
+    outs = [
+        out(float(i), samples=1, updated=i % 2 == 1, grad_norm=1.0 if i % 2 else None)
+        for i in range(20)
+    ]
+    with mock.patch.object(_metrics, "_FOLD", 3):
+        drive(log_metrics(10**6, sinks=[sink]), outs)
+    assert tolists == [6, 6, 6, 2 + 10]
+    assert rows[0][1]["train/loss"] == sum(range(20)) / 20
+
+
 # ---------------------------------------------------------------- steps, resume, end
 
 

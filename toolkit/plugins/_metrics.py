@@ -22,8 +22,8 @@ from toolkit.plugins._weighting import columns, weigh
 
 __all__ = ["log_metrics"]
 
-# Past this many micro-batches in one interval, the pending 0-d tensors are synced and folded
-# into python sums, so memory stays bounded whatever `every` is (one extra sync per _FOLD).
+# Past this many updates in one interval, the pending 0-d tensors are synced and folded into
+# python sums, so memory stays bounded whatever `every` is (one extra sync per _FOLD).
 _FOLD = 4096
 
 # Keys that log_metrics itself publishes under "train/"; a record may not reuse them.
@@ -146,8 +146,8 @@ def log_metrics(
     the published loss is the mean over all ranks' targets; every rank must then report the
     same record keys. Only rank 0 writes to the sinks; every rank does the same work.
 
-    Intervals longer than 4096 micro-batches are folded into python sums every 4096
-    micro-batches (one more sync each), so memory stays bounded.
+    Intervals longer than 4096 updates are folded into python sums every 4096 updates (one
+    more sync each), so memory stays bounded.
 
     A publish happens after the update that makes ``state.step`` a multiple of ``every``,
     and at ``"end"`` for a partial interval; the step given to the sinks is ``state.step``,
@@ -206,8 +206,12 @@ def log_metrics(
     """
     sink_list = _check(every, sinks)
 
-    # The open interval: the outputs of its micro-batches (skipped ones have loss None and
-    # are dropped when folded; rejected windows never enter).
+    # The open interval's step events, taken apart only when it is published or folded: per
+    # update the plugin only appends and compares, since code run between two steps finds
+    # cold caches and costs several times what it costs in a tight loop.
+    pending: list[Event] = []
+    # The interval's micro-batch outputs taken from those events (skipped ones have loss
+    # None and are dropped when folded; rejected windows never enter).
     entries: list[StepOutput] = []
     folded: dict[str, list[float]] = {}  # key -> [weighted sum, weight] from folds
     totals = {"samples": 0.0, "tokens": 0.0, "data": 0.0, "step": 0.0}
@@ -220,6 +224,7 @@ def log_metrics(
     last_extras: list[Any] = [None]
 
     def reset() -> None:
+        pending.clear()
         entries.clear()
         folded.clear()
         norms.clear()
@@ -229,6 +234,26 @@ def log_metrics(
         for key in counters:
             counters[key] = 0
         lr[0] = None
+
+    def take() -> None:
+        """Move the pending events' outputs, times and counts into the interval."""
+        for event in pending:
+            out = event.out
+            assert out is not None
+            totals["data"] += event.data_time
+            totals["step"] += event.step_time
+            if out.nonfinite:
+                counters["nonfinite"] += 1  # its losses are not training's: left out
+            else:
+                entries.extend(event.outs)
+            if out.overflow:
+                counters["overflow"] += 1
+            if out.updated:
+                counters["updates"] += 1
+                lr[0] = out.lr
+                if out.grad_norm is not None:
+                    norms.append(out.grad_norm)
+        pending.clear()
 
     def fold(upto: int, also: Sequence[torch.Tensor] = ()) -> list[float]:
         """Sync entries[:upto] (and ``also``) into python sums: one ``.tolist()`` per device.
@@ -266,6 +291,7 @@ def log_metrics(
         return synced[n:]
 
     def publish(state: TrainState, extra: dict[str, float], collective: bool) -> None:
+        take()
         lr_value = lr[0]
         lr_tensor = [lr_value.reshape(())] if isinstance(lr_value, torch.Tensor) else []
         also = fold(len(entries), [*norms, *lr_tensor])  # the one host sync of the publish
@@ -315,28 +341,16 @@ def log_metrics(
     def plugin(event: Event) -> None:
         kind, state = event.kind, event.state
         if kind == "step":
-            out = event.out
-            assert out is not None
-            totals["data"] += event.data_time
-            totals["step"] += event.step_time
-            if out.nonfinite:
-                counters["nonfinite"] += 1  # its losses are not training's: left out
+            pending.append(event)
+            extra = scan(state) if state.extras is not last_extras[0] else None
+            if state.step % every == 0 and event.out.updated:  # type: ignore[union-attr]
+                publish(state, extra or {}, collective=True)
             else:
-                entries.extend(event.outs)
-            if out.overflow:
-                counters["overflow"] += 1
-            if out.updated:
-                counters["updates"] += 1
-                lr[0] = out.lr
-                if out.grad_norm is not None:
-                    norms.append(out.grad_norm)
-            extra = scan(state)
-            if out.updated and state.step % every == 0:
-                publish(state, extra, collective=True)
-            else:
-                if len(entries) >= _FOLD:
+                if len(pending) >= _FOLD:
+                    take()
                     fold(len(entries))
-                write(state.step, extra)
+                if extra:
+                    write(state.step, extra)
         elif kind == "start":
             reset()
             started[0] = clock()
@@ -351,6 +365,7 @@ def log_metrics(
             write(state.step, scan(state))
         elif kind == "end":
             try:
+                take()
                 entries.extend(event.outs)  # micro-batches of a window the run left open
                 extra = scan(state)
                 if entries or counters["updates"] or folded:

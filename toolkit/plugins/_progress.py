@@ -162,26 +162,27 @@ def progress(
     )
     _check(every, warmup, console, clock, shown_entries, counts, min_interval)
 
-    # The micro-batch outputs since the last refresh (windows the guard rejected left out).
-    outs: list[StepOutput] = []
-    norms: list[torch.Tensor] = []
+    # The step events since the last refresh, read at the refresh: per update the plugin
+    # only appends and compares, since code run between two steps finds cold caches.
+    events: list[Event] = []
     live: dict[str, Any] = {}
     run: dict[str, Any] = {}
+    due_at = [-1]  # state.step of the warm-up's end, while the ETA clock has not started
 
     def start(event: Event) -> None:
-        outs.clear()
-        norms.clear()
+        events.clear()
         shown = console if console is not None else rich.get_console()
         now = clock()
         run.update(
             console=shown,
             total=event.loop.total_steps,
-            updates=0,
             lr=None,
             warm_at=now if warmup == 0 else None,
+            warm_from=event.state.step + warmup,
             last_time=now,
             shown_step=event.state.step,
         )
+        due_at[0] = event.state.step + warmup if warmup else -1
         if shown.is_terminal:
             bar = rich.progress.Progress(
                 rich.progress.TextColumn("{task.fields[head]}"),
@@ -200,7 +201,16 @@ def progress(
             )
             bar.start()
 
-    def refresh(state: TrainState, now: float) -> None:
+    def refresh(state: TrainState, now: float, open_window: Sequence[StepOutput] = ()) -> None:
+        closing = [e.out for e in events if e.out is not None]  # every step event has one
+        # Windows the guard rejected are left out: their losses are not training's.
+        outs = [o for e, c in zip(events, closing) if not c.nonfinite for o in e.outs]
+        outs += open_window
+        applied = [c for c in closing if c.updated]
+        events.clear()
+        norms = [o.grad_norm for o in applied if o.grad_norm is not None]
+        if applied:
+            run["lr"] = applied[-1].lr
         lr = run["lr"]
         lr_tensor = [lr.reshape(())] if isinstance(lr, torch.Tensor) else []
         cols = columns(outs)
@@ -228,11 +238,9 @@ def progress(
                 for name, value in parsed[1].items():
                     if isinstance(value, (int, float)):
                         parts.append(f"{prefix}{name} {value:.4g}")
-        eta = _eta(run, warmup, now, state.step)
+        eta = _eta(run, now, state.step)
         if eta is not None:
             parts.append(f"eta {eta}")
-        outs.clear()
-        norms.clear()
         run["shown_step"] = state.step
         display(state.step, " | ".join(parts))
 
@@ -249,36 +257,35 @@ def progress(
             bar.update(live["task"], completed=step, head=head, info=info)
             bar.refresh()
 
+    def due(state: TrainState) -> None:
+        """An applied update made ``state.step`` the warm-up's end or a multiple of every."""
+        if state.step == due_at[0]:
+            run["warm_at"] = clock()
+            due_at[0] = -1
+        if state.step % every == 0:
+            now = clock()
+            if now - run["last_time"] >= min_interval:
+                refresh(state, now)
+
     def plugin(event: Event) -> None:
         kind = event.kind
         if kind == "step":
-            if not run:
-                return None
-            out = event.out
-            assert out is not None
-            if not out.nonfinite:  # its losses are not training's (as in log_metrics)
-                outs.extend(event.outs)
-            if out.updated:
-                run["updates"] += 1
-                run["lr"] = out.lr
-                if out.grad_norm is not None:
-                    norms.append(out.grad_norm)
-                if run["updates"] == warmup:
-                    run["warm_at"] = clock()
-                if event.state.step % every == 0:
-                    now = clock()
-                    if now - run["last_time"] >= min_interval:
-                        refresh(event.state, now)
+            if run:  # empty off rank 0 and outside a run
+                events.append(event)
+                step = event.state.step
+                if (step % every == 0 or step == due_at[0]) and event.out.updated:  # type: ignore[union-attr]
+                    due(event.state)
         elif kind == "start":
             run.clear()
+            events.clear()
             if is_rank_zero():
                 start(event)
         elif kind == "end" and run:
-            outs.extend(event.outs)
             try:
                 if event.error is None and event.state.step != run["shown_step"]:
-                    refresh(event.state, clock())
+                    refresh(event.state, clock(), event.outs)
             finally:
+                events.clear()
                 bar = live.pop("bar", None)
                 if bar is not None:
                     bar.stop()
@@ -292,8 +299,8 @@ def _head(step: int, total: int | None) -> str:
     return f"step {step}/{total}" if total is not None else f"step {step}"
 
 
-def _eta(run: Mapping[str, Any], warmup: int, now: float, step: int) -> str | None:
-    timed = run["updates"] - warmup  # updates since the clock started at the warmup-th
+def _eta(run: Mapping[str, Any], now: float, step: int) -> str | None:
+    timed = step - run["warm_from"]  # updates since the ETA clock started
     if run["warm_at"] is None or run["total"] is None or timed <= 0:
         return None
     per_update = (now - run["warm_at"]) / timed
