@@ -9,6 +9,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from toolkit import _host
+
 
 class CountOps(TorchDispatchMode):
     """Counts every aten call (stack, cat, _local_scalar_dense...) made while active, by name.
@@ -49,3 +51,13 @@ def count_tolists(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
     return sizes
+
+
+def read_as_on_an_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make ``to_host`` take its accelerator path for CPU tensors too.
+
+    On the CPU it reads each value with ``.item()`` (there is nothing to synchronise); on an
+    accelerator it stacks and makes one ``.tolist()`` per device. Tests that count the host
+    reads a GPU run makes call this first, so that the CPU stands in for the device.
+    """
+    monkeypatch.setattr(_host, "_all_on_cpu", lambda tensors: False)

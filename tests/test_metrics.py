@@ -12,7 +12,7 @@ from unittest import mock
 
 import pytest
 import torch
-from counting import CountSyncs, count_tolists
+from counting import CountSyncs, count_tolists, read_as_on_an_accelerator
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from spawning import gloo_group, spawn
@@ -344,6 +344,7 @@ def test_loss_stays_nan_without_a_guard_to_reject_it() -> None:
 def test_one_host_sync_per_publish_and_none_per_micro_batch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    read_as_on_an_accelerator(monkeypatch)
     tolists = count_tolists(monkeypatch)
 
     def loss_fn(model: torch.nn.Module, batch: torch.Tensor) -> LossSum:
@@ -369,6 +370,7 @@ def test_one_host_sync_per_publish_and_none_per_micro_batch(
 
 
 def test_a_long_interval_is_folded_every_fold_updates(monkeypatch: pytest.MonkeyPatch) -> None:
+    read_as_on_an_accelerator(monkeypatch)
     # Memory stays bounded: with _FOLD = 3, the losses of 10 updates of 2 micro-batches are
     # read back after updates 3, 6 and 9; the end reads the last 2 and the 10 grad norms.
     tolists = count_tolists(monkeypatch)
@@ -527,6 +529,7 @@ def test_plugin_metric_tensor_is_refused() -> None:
 
 
 def test_only_rank_zero_writes_but_every_rank_syncs(monkeypatch: pytest.MonkeyPatch) -> None:
+    read_as_on_an_accelerator(monkeypatch)
     tolists = count_tolists(monkeypatch)
     monkeypatch.setattr(_metrics, "is_rank_zero", lambda: False)
     rows, closes, sink = recorder()

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import rich.console
 import torch
-from counting import CountSyncs, count_tolists
+from counting import CountSyncs, count_tolists, read_as_on_an_accelerator
 
 from toolkit import Event, LossSum, TrainState, clip, guard_nonfinite, make_step, run
 from toolkit.plugins import _progress
@@ -345,6 +345,7 @@ def test_peak_memory_from_the_memory_plugin_entry() -> None:
 
 
 def test_one_host_sync_per_refresh(monkeypatch: pytest.MonkeyPatch) -> None:
+    read_as_on_an_accelerator(monkeypatch)
     tolists = count_tolists(monkeypatch)
     console, clock = recorded(False), FakeTime(lambda i: 1.0)
     with CountSyncs() as syncs:

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import pytest
 import torch
-from counting import CountOps
+from counting import CountOps, read_as_on_an_accelerator
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -327,7 +327,8 @@ def test_empty_inputs() -> None:
     assert key_average([{"a": {}}, {}]) == {"a": {}}
 
 
-def test_tensors_are_synced_once_not_per_value() -> None:
+def test_tensors_are_synced_once_not_per_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    read_as_on_an_accelerator(monkeypatch)
     records = [
         {"loss": torch.tensor(float(i)), "parts": {"a": torch.tensor(1.0), "b": 2.0}}
         for i in range(50)

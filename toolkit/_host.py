@@ -2,27 +2,40 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch
 
 __all__ = ["to_host"]
 
+_IS_CPU = operator.attrgetter("is_cpu")
+
+
+def _all_on_cpu(tensors: Sequence[torch.Tensor]) -> bool:
+    return all(map(_IS_CPU, tensors))
+
 
 def to_host(tensors: Sequence[torch.Tensor]) -> list[float]:
     """Python values of 0-d tensors, with one device-to-host transfer per device (usually one).
 
-    Tensors of one dtype are stacked as they are; mixed dtypes (integer counts beside float
-    losses) are stacked per dtype, cast to float64 (exact below 2**53) and concatenated, so a
-    device still costs a single ``.tolist()``. CPU tensors cost no synchronisation at all.
+    When every tensor is on the CPU there is nothing to wait for, and each value is read as
+    it is (``.item()``: exact, an int for an integer tensor), which costs less than stacking.
+    Otherwise the tensors of each device are stacked and copied with one ``.tolist()``:
+    tensors of one dtype as they are, mixed dtypes (integer counts beside float losses)
+    stacked per dtype, cast to float64 (exact below 2**53) and concatenated.
 
     Example:
         >>> import torch
         >>> to_host([torch.tensor(0.5), torch.tensor(3), torch.tensor(2.0).double()])
-        [0.5, 3.0, 2.0]
+        [0.5, 3, 2.0]
     """
     if not tensors:
         return []
+    if _all_on_cpu(tensors):
+        # Nothing to wait for on the CPU: reading each value is cheaper than stacking them
+        # (no view per tensor, no new tensor), and exact for every dtype.
+        return list(map(torch.Tensor.item, tensors))
     if len({t.dtype for t in tensors}) == 1:  # a set, not all(genexpr): cheaper per tensor
         try:
             return torch.stack(list(tensors)).tolist()  # type: ignore[no-any-return]

@@ -112,9 +112,10 @@ def key_average(
     Each record is a nested mapping whose leaves are numbers or 0-d tensors (the ``records``
     of a :class:`toolkit.StepOutput`, for instance). The result has the union of the keys of
     all records, nested the same way, and each leaf is the mean of that leaf over the records
-    that contain it, as a python ``float``. All 0-d tensors (values and weights) are stacked
-    and copied to the host together: at most one host sync per call, whatever the number of
-    records. Sums are exact (``math.fsum``), so the result does not depend on record order.
+    that contain it, as a python ``float``. All 0-d tensors (values and weights) are copied
+    to the host together: at most one host sync per call, whatever the number of records
+    (on the CPU, with nothing to wait for, each value is read directly). Sums are exact
+    (``math.fsum``), so the result does not depend on record order.
 
     Args:
         records: a sequence (or other iterable) of mappings; nested mappings are averaged

@@ -141,7 +141,8 @@ def log_metrics(
     :func:`toolkit.guard_nonfinite` rejected are left out (and counted in ``train/nonfinite``).
 
     Nothing is synchronised per micro-batch: the 0-d tensors are kept and, at each publish,
-    stacked and copied to the host with one ``.tolist()`` (one host sync). Under data
+    stacked and copied to the host with one ``.tolist()`` (one host sync; on the CPU, where
+    nothing waits, each value is read directly, which is cheaper). Under data
     parallelism the sums and weights are all-reduced over the ranks in one collective, so
     the published loss is the mean over all ranks' targets; every rank must then report the
     same record keys. Only rank 0 writes to the sinks; every rank does the same work.
@@ -256,7 +257,7 @@ def log_metrics(
         pending.clear()
 
     def fold(upto: int, also: Sequence[torch.Tensor] = ()) -> list[float]:
-        """Sync entries[:upto] (and ``also``) into python sums: one ``.tolist()`` per device.
+        """Sync entries[:upto] (and ``also``) into python sums: one host read (``to_host``).
 
         Returns the values of ``also``. Losses are weighted by ``_weighting`` (as in
         progress); records are weighted alike, key by key.

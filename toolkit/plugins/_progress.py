@@ -112,7 +112,8 @@ def progress(
         step 20/100 | loss 0.4312 | lr 1.00e-03 | grad_norm 0.53 | 1234 samples/s | eta 0:00:12
 
     The live bar is stopped at ``"end"``, also when training raised. Values are synced to
-    the host only at a refresh, once (one ``.tolist()``). Only rank 0 shows anything (and
+    the host only at a refresh, once (one ``.tolist()``; on the CPU each value is read
+    directly, with nothing to wait for). Only rank 0 shows anything (and
     does any work); the loss shown is rank 0's.
 
     Args:
