@@ -203,11 +203,11 @@ def progress(
             bar.start()
 
     def refresh(state: TrainState, now: float, open_window: Sequence[StepOutput] = ()) -> None:
-        closing = [e.out for e in events if e.out is not None]  # every step event has one
+        windows = [(e.outs, e.out) for e in events if e.out is not None]  # all step events
         # Windows the guard rejected are left out: their losses are not training's.
-        outs = [o for e, c in zip(events, closing) if not c.nonfinite for o in e.outs]
+        outs = [o for window, last in windows if not last.nonfinite for o in window]
         outs += open_window
-        applied = [c for c in closing if c.updated]
+        applied = [last for _, last in windows if last.updated]
         events.clear()
         norms = [o.grad_norm for o in applied if o.grad_norm is not None]
         if applied:
