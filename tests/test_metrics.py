@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
+import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,7 @@ import torch
 from counting import CountSyncs, count_tolists, read_as_on_an_accelerator
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from rich.console import Console
 from spawning import gloo_group, spawn
 
 from toolkit import (
@@ -30,7 +33,7 @@ from toolkit import (
     make_step,
     run,
 )
-from toolkit.plugins import _metrics
+from toolkit.plugins import _metrics, progress
 from toolkit.plugins._metrics import log_metrics
 from toolkit.plugins._sinks import Sink, jsonl
 
@@ -383,6 +386,39 @@ def test_a_long_interval_is_folded_every_fold_updates(monkeypatch: pytest.Monkey
         drive(log_metrics(10**6, sinks=[sink]), outs)
     assert tolists == [6, 6, 6, 2 + 10]
     assert rows[0][1]["train/loss"] == sum(range(20)) / 20
+
+
+# ---------------------------------------------------------------- memory
+
+
+class _Blob:
+    """Stands for a large object a plugin keeps in state.extras (weak-referenceable)."""
+
+
+@pytest.mark.parametrize("plugin_name", ["log_metrics", "progress"])
+def test_an_open_interval_keeps_outputs_not_old_states(plugin_name: str) -> None:
+    # A plugin that puts a new object in extras every update: once replaced, it must be
+    # freed, even while log_metrics or progress waits for the end of a long interval.
+    refs: list[weakref.ref[_Blob]] = []
+    alive_too_long: list[int] = []
+
+    def churn(event: Event) -> TrainState | None:
+        if event.kind != "step":
+            return None
+        alive_too_long.extend(i for i, ref in enumerate(refs[:-1]) if ref() is not None)
+        blob = _Blob()
+        refs.append(weakref.ref(blob))
+        return event.state.replace(extras={**event.state.extras, "blob": blob})
+
+    _, _, sink = recorder()
+    waiting = (
+        log_metrics(10**6, sinks=[sink])
+        if plugin_name == "log_metrics"
+        else progress(every=10**6, console=Console(file=io.StringIO()), min_interval=0)
+    )
+    step = make_step(lambda m, b: zero(m) + b.sum())
+    run(step, frozen_state(), [torch.ones(2)] * 8, max_steps=8, plugins=[churn, waiting])
+    assert len(refs) == 8 and alive_too_long == []
 
 
 # ---------------------------------------------------------------- steps, resume, end

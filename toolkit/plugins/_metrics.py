@@ -207,12 +207,14 @@ def log_metrics(
     """
     sink_list = _check(every, sinks)
 
-    # The open interval's step events, taken apart only when it is published or folded: per
-    # update the plugin only appends and compares, since code run between two steps finds
-    # cold caches and costs several times what it costs in a tight loop.
-    pending: list[Event] = []
-    # The interval's micro-batch outputs taken from those events (skipped ones have loss
-    # None and are dropped when folded; rejected windows never enter).
+    # The open interval's updates as (closing output, data time, step time, window outputs),
+    # taken apart only when it is published or folded: per update the plugin only appends
+    # and compares, since code run between two steps finds cold caches and costs several
+    # times what it costs in a tight loop. Not the events: their states may hold large
+    # extras.
+    pending: list[tuple[StepOutput, float, float, tuple[StepOutput, ...]]] = []
+    # The interval's micro-batch outputs taken from those (skipped ones have loss None and
+    # are dropped when folded; rejected windows never enter).
     entries: list[StepOutput] = []
     folded: dict[str, list[float]] = {}  # key -> [weighted sum, weight] from folds
     totals = {"samples": 0.0, "tokens": 0.0, "data": 0.0, "step": 0.0}
@@ -237,16 +239,14 @@ def log_metrics(
         lr[0] = None
 
     def take() -> None:
-        """Move the pending events' outputs, times and counts into the interval."""
-        for event in pending:
-            out = event.out
-            assert out is not None
-            totals["data"] += event.data_time
-            totals["step"] += event.step_time
+        """Move the pending updates' outputs, times and counts into the interval."""
+        for out, data_time, step_time, outs in pending:
+            totals["data"] += data_time
+            totals["step"] += step_time
             if out.nonfinite:
                 counters["nonfinite"] += 1  # its losses are not training's: left out
             else:
-                entries.extend(event.outs)
+                entries.extend(outs)
             if out.overflow:
                 counters["overflow"] += 1
             if out.updated:
@@ -342,9 +342,11 @@ def log_metrics(
     def plugin(event: Event) -> None:
         kind, state = event.kind, event.state
         if kind == "step":
-            pending.append(event)
+            out = event.out
+            assert out is not None
+            pending.append((out, event.data_time, event.step_time, event.outs))
             extra = scan(state) if state.extras is not last_extras[0] else None
-            if state.step % every == 0 and event.out.updated:  # type: ignore[union-attr]
+            if state.step % every == 0 and out.updated:
                 publish(state, extra or {}, collective=True)
             else:
                 if len(pending) >= _FOLD:

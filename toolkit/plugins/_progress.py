@@ -163,15 +163,16 @@ def progress(
     )
     _check(every, warmup, console, clock, shown_entries, counts, min_interval)
 
-    # The step events since the last refresh, read at the refresh: per update the plugin
-    # only appends and compares, since code run between two steps finds cold caches.
-    events: list[Event] = []
+    # The outputs of each window since the last refresh (the last one closes it), read at
+    # the refresh: per update the plugin only appends and compares, since code run between
+    # two steps finds cold caches. Not the events: their states may hold large extras.
+    windows: list[tuple[StepOutput, ...]] = []
     live: dict[str, Any] = {}
     run: dict[str, Any] = {}
     due_at = [-1]  # state.step of the warm-up's end, while the ETA clock has not started
 
     def start(event: Event) -> None:
-        events.clear()
+        windows.clear()
         shown = console if console is not None else rich.get_console()
         now = clock()
         run.update(
@@ -203,12 +204,11 @@ def progress(
             bar.start()
 
     def refresh(state: TrainState, now: float, open_window: Sequence[StepOutput] = ()) -> None:
-        windows = [(e.outs, e.out) for e in events if e.out is not None]  # all step events
         # Windows the guard rejected are left out: their losses are not training's.
-        outs = [o for window, last in windows if not last.nonfinite for o in window]
+        outs = [o for window in windows if not window[-1].nonfinite for o in window]
         outs += open_window
-        applied = [last for _, last in windows if last.updated]
-        events.clear()
+        applied = [window[-1] for window in windows if window[-1].updated]
+        windows.clear()
         norms = [o.grad_norm for o in applied if o.grad_norm is not None]
         if applied:
             run["lr"] = applied[-1].lr
@@ -272,13 +272,13 @@ def progress(
         kind = event.kind
         if kind == "step":
             if run:  # empty off rank 0 and outside a run
-                events.append(event)
+                windows.append(event.outs)
                 step = event.state.step
                 if (step % every == 0 or step == due_at[0]) and event.out.updated:  # type: ignore[union-attr]
                     due(event.state)
         elif kind == "start":
             run.clear()
-            events.clear()
+            windows.clear()
             if is_rank_zero():
                 start(event)
         elif kind == "end" and run:
@@ -286,7 +286,7 @@ def progress(
                 if event.error is None and event.state.step != run["shown_step"]:
                     refresh(event.state, clock(), event.outs)
             finally:
-                events.clear()
+                windows.clear()
                 bar = live.pop("bar", None)
                 if bar is not None:
                     bar.stop()
