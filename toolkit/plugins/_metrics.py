@@ -345,9 +345,9 @@ def log_metrics(
             out = event.out
             assert out is not None
             pending.append((out, event.data_time, event.step_time, event.outs))
-            extra = scan(state) if state.extras is not last_extras[0] else None
+            extra = scan(state)
             if state.step % every == 0 and out.updated:
-                publish(state, extra or {}, collective=True)
+                publish(state, extra, collective=True)
             else:
                 if len(pending) >= _FOLD:
                     take()
