@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
+from counting import CountOps
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -64,3 +66,19 @@ def test_no_count_columns_are_read_when_no_loss_reports_counts() -> None:
     assert len(cols.tensors) == 2 and not cols.counted
     sums = weigh(cols, to_host(cols.tensors))
     assert (sums.loss, sums.weight, sums.samples, sums.targets) == (20.0, 8, 8, None)
+
+
+def test_count_tensors_cost_no_op_and_no_comparison(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Comparing a tensor with None (list.count(None), `in`) raises inside torch and costs
+    # about 20 us per tensor; reshaping a 0-d tensor is a dispatched op. Neither is needed.
+    def refuse(self: torch.Tensor, other: Any) -> Any:
+        raise AssertionError("a count tensor was compared with ==")
+
+    monkeypatch.setattr(torch.Tensor, "__eq__", refuse)
+    outs = [out(1.0, count=torch.tensor(3), samples=2), out(2.0, count=None, samples=2)]
+    outs.append(out(3.0, count=torch.tensor([5]), samples=2))  # 1-element, reshaped to 0-d
+    with CountOps() as ops:
+        cols = columns(outs)
+    assert ops.calls["reshape.default"] + ops.calls["view.default"] == 1
+    assert [t.shape for t in cols.tensors] == [torch.Size([])] * 5
+    assert weigh(cols, to_host(cols.tensors)).targets == 8
