@@ -256,14 +256,14 @@ def log_metrics(
                     norms.append(out.grad_norm)
         pending.clear()
 
-    def fold(upto: int, also: Sequence[torch.Tensor] = ()) -> list[float]:
-        """Sync entries[:upto] (and ``also``) into python sums: one host read (``to_host``).
+    def fold(also: Sequence[torch.Tensor] = ()) -> list[float]:
+        """Sync the entries (and ``also``) into python sums: one host read (``to_host``).
 
         Returns the values of ``also``. Losses are weighted by ``_weighting`` (as in
         progress); records are weighted alike, key by key.
         """
-        window = entries[:upto]
-        del entries[:upto]
+        window = entries[:]
+        entries.clear()
         cols = columns(window)
         records = [o.records for o in cols.outs]
         flats = [_flat_records(r) for r in records] if any(records) else []
@@ -295,7 +295,7 @@ def log_metrics(
         take()
         lr_value = lr[0]
         lr_tensor = [lr_value.reshape(())] if isinstance(lr_value, torch.Tensor) else []
-        also = fold(len(entries), [*norms, *lr_tensor])  # the one host sync of the publish
+        also = fold([*norms, *lr_tensor])  # the one host sync of the publish
         now = clock()
         elapsed = now - started[0]
         started[0] = now
@@ -351,7 +351,7 @@ def log_metrics(
             else:
                 if len(pending) >= _FOLD:
                     take()
-                    fold(len(entries))
+                    fold()
                 if extra:
                     write(state.step, extra)
         elif kind == "start":
