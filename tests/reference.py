@@ -6,7 +6,7 @@ and nothing from toolkit: per micro-batch, forward under autocast, ``loss / k``,
 through the GradScaler; when the window closes, unscale, clip by norm (reporting the pre-clip
 norm), reject a non-finite window, clip by value, optimizer step (through the scaler under
 fp16), scaler update, ``zero_grad(set_to_none=True)``, and a scheduler step only when the
-optimizer really stepped.
+optimizer really stepped. A user's gradient function, when given, runs right after unscaling.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ def train(
     max_norm: float | None = None,
     max_value: float | None = None,
     guard: bool = False,
+    grad_fn: Callable[[list[torch.Tensor]], Any] | None = None,
 ) -> Trace:
     """Train on ``batches`` (a whole number of windows of ``micro_batches``) by hand.
 
@@ -70,6 +71,8 @@ def train(
         max_norm, max_value: clipping bounds, or ``None``.
         guard: skip a window whose summed loss (or, without a scaler, gradient norm) is not
             finite.
+        grad_fn: ``grad_fn(grads)`` changes the gradients in place (returning None) or returns
+            new ones, which become the ``.grad``; called once per window after unscaling.
 
     Returns:
         The :class:`Trace` of what happened.
@@ -96,6 +99,11 @@ def train(
         if scaler is not None:
             scaler.unscale_(optimizer)
         params = [p for p in model.parameters() if p.grad is not None]
+        if grad_fn is not None:
+            new = grad_fn([p.grad for p in params])
+            if new is not None:
+                for p, g in zip(params, new):
+                    p.grad = g
         norm = None
         norm_clipped = value_clipped = False
         if max_norm is not None:

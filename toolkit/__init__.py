@@ -1,13 +1,15 @@
 """toolkit: a functional, composable toolkit for PyTorch training steps."""
 
 from toolkit._accumulation import accumulate
-from toolkit._amp import LossScaleError, amp_wrap
+from toolkit._amp import amp_wrap
 from toolkit._clipping import clip
 from toolkit._decorating import compose
-from toolkit._guards import NonFiniteError, guard_nonfinite
+from toolkit._guards import guard_nonfinite
 from toolkit._loop import Event, LoopInfo, run
+from toolkit._phases import LossScaleError, NonFiniteError
 from toolkit._state import GuardState, TrainState, WindowState
 from toolkit._step import LossSum, Step, StepOutput, make_step
+from toolkit._transforms import transform_grads
 from toolkit._tree import key_average, map_nested_tensor
 from toolkit._unwrap import unwrap
 
@@ -33,5 +35,6 @@ __all__ = [
     "make_step",
     "map_nested_tensor",
     "run",
+    "transform_grads",
     "unwrap",
 ]

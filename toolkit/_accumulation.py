@@ -2,43 +2,30 @@
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
+from typing import overload
 
-from toolkit._decorating import Decorator, attach
+from toolkit._decorating import Decorator, check_int, check_step, decorate
+from toolkit._phases import AccumulateConfig
 from toolkit._step import Step
 
-__all__ = ["AccumulateConfig", "accumulate"]
+__all__ = ["accumulate"]
 
 
-@dataclasses.dataclass(frozen=True)
-class AccumulateConfig:
-    """Configuration of :func:`accumulate`.
-
-    Attributes:
-        micro_batches: accepted micro-batches per optimizer update.
-    """
-
-    micro_batches: int
-
-    def __str__(self) -> str:
-        return f"accumulate(micro_batches={self.micro_batches})"
-
-
-def accumulate(step: Step | None = None, /, *, micro_batches: int) -> Any:
+@overload
+def accumulate(step: Step, /, *, micro_batches: int) -> Step: ...
+@overload
+def accumulate(*, micro_batches: int) -> Decorator: ...
+def accumulate(
+    step: Step | None = None, /, *, micro_batches: int | None = None
+) -> Step | Decorator:
     """Accumulate gradients over ``micro_batches`` calls, then apply one update.
 
     Like optax ``MultiSteps``: each call consumes one micro-batch and the update happens on
-    the k-th *accepted* call (``out.updated`` says whether it did). A micro-batch whose loss
-    function returns ``None`` never happened: it does not advance the window. The position
-    lives in ``state.window.micro_step``.
-
-    Normalisation: a plain loss is divided by ``micro_batches`` (each window holds exactly
-    that many micro-batches, so this is the mean over them). A :class:`LossSum` is
-    backpropagated as a sum and the gradients are divided by the window's total count
-    (summed over data-parallel ranks) when the window closes: micro-batches of unequal
-    sizes then give exactly the big-batch gradient. Under DDP/FSDP2 the gradient sync is
-    suppressed on all but the closing micro-batch.
+    the k-th *accepted* call (``out.updated``); a batch whose loss function returns ``None``
+    does not advance the window (``state.window.micro_step``). A plain loss is divided by k;
+    a :class:`LossSum` is summed and the gradients divided by the window's total count
+    (over all data-parallel ranks), which is exact for micro-batches of any sizes. Under
+    DDP/FSDP2 gradients are synchronised on the closing micro-batch only.
 
     Args:
         step: the step to wrap; omit it to get a decorator.
@@ -49,7 +36,7 @@ def accumulate(step: Step | None = None, /, *, micro_batches: int) -> Any:
 
     Raises:
         ValueError: ``micro_batches`` < 1, or accumulate applied twice.
-        TypeError: ``micro_batches`` not an int, or ``step`` not a Step.
+        TypeError: ``micro_batches`` missing or not an int, or ``step`` not a Step.
 
     Example:
         >>> import torch
@@ -64,17 +51,6 @@ def accumulate(step: Step | None = None, /, *, micro_batches: int) -> Any:
         >>> out.updated, state.step
         (True, 1)
     """
-    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int):
-        raise TypeError(
-            f"accumulate: micro_batches must be an int >= 1; got "
-            f"{type(micro_batches).__name__} {micro_batches!r}."
-        )
-    if micro_batches < 1:
-        raise ValueError(
-            f"accumulate: micro_batches must be >= 1; got {micro_batches}. Use 1 (or leave "
-            "accumulate out) for one update per batch."
-        )
-    config = AccumulateConfig(micro_batches)
-    if step is None:
-        return Decorator("accumulate", "accumulation", config)
-    return attach(step, "accumulate", "accumulation", config)
+    check_step("accumulate", step)
+    k = check_int("accumulate", "micro_batches", micro_batches, 1)
+    return decorate(step, "accumulate", "accumulation", AccumulateConfig(k))

@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from functools import reduce
 from typing import Any
 
 from toolkit._step import Step
 
-__all__ = ["Decorator", "attach", "compose"]
+__all__ = [
+    "Decorator",
+    "attach",
+    "check_int",
+    "check_positive",
+    "check_step",
+    "compose",
+    "decorate",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,20 +37,50 @@ class Decorator:
         return attach(step, self.name, self.field, self.config)
 
 
-def attach(step: Any, name: str, field: str, config: Any) -> Step:
-    """Return ``step`` with ``config`` in ``field``; raise on reuse or impossible combinations."""
-    if not isinstance(step, Step):
+def decorate(step: Step | None, name: str, field: str, config: Any) -> Step | Decorator:
+    """The two calling forms of every decorator: ``name(step, ...)`` or ``name(...)``."""
+    if step is None:
+        return Decorator(name, field, config)
+    return attach(step, name, field, config)
+
+
+def check_positive(name: str, option: str, value: Any) -> float:
+    """``value`` as a float, or a one-sentence error unless it is a number > 0 (or ``inf``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: {option} must be a number > 0; got {value!r}.")
+    if not value > 0:  # math.inf passes; -inf and NaN do not
+        raise ValueError(f"{name}: {option} must be > 0; got {value!r}.")
+    return float(value)
+
+
+def check_int(name: str, option: str, value: Any, least: int, fix: str = "") -> int:
+    """``value``, or a one-sentence error unless it is an int (not a bool) >= ``least``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: {option} must be an int >= {least}; got {value!r}.{fix}")
+    if value < least:
+        raise ValueError(f"{name}: {option} must be an int >= {least}; got {value!r}.{fix}")
+    return value
+
+
+def check_step(name: str, step: Any) -> None:
+    """A one-sentence error unless ``step`` (the optional first argument) is a Step or None."""
+    if step is not None and not isinstance(step, Step):
         raise TypeError(
-            f"{name}: expected a Step built by make_step(loss_fn); got "
-            f"{type(step).__name__}. Wrap the loss function first: "
+            f"{name}: expected a Step from make_step(loss_fn) as the first argument; got "
+            f"{type(step).__name__} {step!r:.40}. Pass options by keyword: "
             f"{name}(make_step(loss_fn), ...)."
         )
+
+
+def attach(step: Any, name: str, field: str, config: Any) -> Step:
+    """Return ``step`` with ``config`` in ``field``; raise on reuse or impossible combinations."""
+    check_step(name, step)
     present = getattr(step, field)
     if present is not None:
         raise ValueError(
             f"{name} was applied twice to the same step (already {present}, now {config}). "
-            f"Apply each decorator once; to change its settings, decorate the undecorated "
-            f"step again."
+            "Apply each decorator once; to change its settings, decorate the undecorated "
+            "step again."
         )
     new = dataclasses.replace(step, **{field: config})
     _check_combination(new)
@@ -66,19 +103,25 @@ def _check_combination(step: Step) -> None:
 
 
 def compose(*decorators: Callable[[Step], Step]) -> Callable[[Step], Step]:
-    """Chain step decorators into one; the order does not change the resulting step.
+    """Chain step decorators into one function ``Step -> Step``.
+
+    Any function from a Step to a Step is a decorator: the configured built-ins
+    (``clip(max_norm=1.0)``) and your own (``lambda s: clip(s, max_norm=1.0)``). The
+    built-ins each fill their own phase of the canonical order, so their order here never
+    changes the result.
 
     Args:
-        *decorators: configured decorators such as ``clip(max_norm=1.0)``.
+        *decorators: functions ``Step -> Step``, applied left to right.
 
     Returns:
         A function ``Step -> Step`` applying every decorator.
 
     Raises:
-        TypeError: when an argument is not a decorator (for example a bare ``clip`` that
-            was never configured, or a Step).
-        ValueError: when the returned function is applied to a step: the same decorator
-            appears twice (or is already on the step), or two cannot be combined.
+        TypeError: an argument is not callable or is a Step (which takes a state and a
+            batch, not a step); when applied, a decorator returning something else than a
+            Step.
+        ValueError: when applied, the same built-in decorator twice (or one already on the
+            step), or two that cannot be combined.
 
     Example:
         >>> import torch
@@ -89,9 +132,21 @@ def compose(*decorators: Callable[[Step], Step]) -> Callable[[Step], Step]:
         (2, 1.0)
     """
     for d in decorators:
-        if not isinstance(d, Decorator):
+        if isinstance(d, Step) or not callable(d):
             raise TypeError(
-                f"compose: expected configured decorators such as clip(max_norm=1.0); got "
-                f"{d!r}. Call each decorator with its options (and no step) inside compose."
+                f"compose: expected functions Step -> Step such as clip(max_norm=1.0); got "
+                f"{type(d).__name__} {d!r:.40}."
             )
-    return lambda step: reduce(lambda s, d: d(s), decorators, step)
+
+    def composed(step: Step) -> Step:
+        for d in decorators:
+            new = d(step)
+            if not isinstance(new, Step):
+                raise TypeError(
+                    f"compose: {getattr(d, '__qualname__', d)!r} returned "
+                    f"{type(new).__name__}; expected the Step it was given, decorated."
+                )
+            step = new
+        return step
+
+    return composed

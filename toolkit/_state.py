@@ -73,7 +73,7 @@ class TrainState:
     using the one it returned.
 
     The state is a pytree in the ``toolkit`` optree namespace (``optree.tree_leaves(state,
-    namespace="toolkit")``), so a checkpoint of the state is a checkpoint of everything.
+    namespace="toolkit")``).
 
     Args:
         model: the ``torch.nn.Module`` being trained (possibly wrapped by DDP, FSDP2 or

@@ -3,26 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import types
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
-from toolkit._distributed import (
-    all_reduce_,
-    data_parallel_size,
-    is_distributed,
-    suppress_grad_sync,
+from toolkit._distributed import all_reduce_, data_parallel_size, suppress_grad_sync
+from toolkit._phases import (
+    AccumulateConfig,
+    AmpConfig,
+    ClipConfig,
+    GradTransformConfig,
+    GuardConfig,
+    decide,
 )
 from toolkit._state import TrainState, WindowState
-
-if TYPE_CHECKING:
-    from toolkit._accumulation import AccumulateConfig
-    from toolkit._amp import AmpConfig
-    from toolkit._clipping import ClipConfig
-    from toolkit._guards import GuardConfig
 
 __all__ = ["LossSum", "Step", "StepOutput", "make_step"]
 
@@ -177,13 +173,10 @@ def _no_optimizer(state: Any) -> TypeError:
 class Step:
     """A train step: ``step(state, batch) -> (state, StepOutput)``. Build it with make_step.
 
-    Each decorator (:func:`amp_wrap`, :func:`accumulate`, :func:`clip`,
-    :func:`guard_nonfinite`) fills one field with its configuration; ``__call__`` runs the
-    phases in one fixed order, so the order in which decorators are applied never matters.
-    Per micro-batch: forward (autocast), loss normalisation, backward (through the scaler,
-    gradient sync suppressed unless the window closes). When the window closes: unscale,
-    divide by the total count, finite check (one host sync), clip, optimizer step, scaler
-    update, ``zero_grad(set_to_none=True)``, scheduler step, counters.
+    Each decorator (:func:`amp_wrap`, :func:`accumulate`, :func:`transform_grads`,
+    :func:`clip`, :func:`guard_nonfinite`) fills one field with its configuration;
+    ``__call__`` runs the phases in one fixed order (``DESIGN.md`` section 2, numbered in
+    the code), so the order in which decorators are applied never matters.
 
     The model, optimizer, scheduler and scaler are updated in place; the returned state
     refers to the same objects. Do not reuse the state you passed in.
@@ -192,6 +185,7 @@ class Step:
         loss_fn: ``loss_fn(model, batch)``, see :func:`make_step`.
         amp: set by :func:`amp_wrap`.
         accumulation: set by :func:`accumulate`.
+        grad_transforms: set by :func:`transform_grads`.
         clipping: set by :func:`clip`.
         guard: set by :func:`guard_nonfinite`.
 
@@ -206,6 +200,7 @@ class Step:
     loss_fn: Callable[[torch.nn.Module, Any], Any]
     amp: AmpConfig | None = None
     accumulation: AccumulateConfig | None = None
+    grad_transforms: GradTransformConfig | None = None
     clipping: ClipConfig | None = None
     guard: GuardConfig | None = None
 
@@ -213,10 +208,8 @@ class Step:
         optimizer = getattr(state, "optimizer", None)
         if optimizer is None:
             raise _no_optimizer(state)
-        model = state.model
-        amp, guard = self.amp, self.guard
+        model, window, amp = state.model, state.window, self.amp
         k = self.accumulation.micro_batches if self.accumulation is not None else 1
-        window = state.window
         closes = window.micro_step + 1 == k
         scaler = None  # a scaler left in the state by someone else is not ours to use
         if amp is not None and amp.fp16:
@@ -225,12 +218,13 @@ class Step:
                 scaler = amp.make_scaler(optimizer)
                 state = state.replace(scaler=scaler)
 
-        # Once per micro-batch: every Python line here shows in the overhead on small models,
-        # hence one frame, a zero-cost try instead of a with, and the plain-loss fast path.
-        no_sync = None if closes else suppress_grad_sync(model)
+        # Per micro-batch, phases 1-3. Every Python line here shows in the overhead on small
+        # models: one frame, a zero-cost try instead of a with, a plain-loss fast path.
+        no_sync = None if closes else suppress_grad_sync(model)  # (3) sync on the last only
         if no_sync is not None:
             no_sync.__enter__()
         try:
+            # 1. forward, under autocast
             if amp is not None:
                 with amp.autocast(optimizer):
                     result = self.loss_fn(model, batch)
@@ -242,6 +236,7 @@ class Step:
                 loss, count, records = result, None, _NO_RECORDS
             else:
                 loss, count, records = _parse(result)
+            # 2. loss normalisation: 1/k, or a sum whose gradients phase 5 divides
             if count is None:
                 if window.count is not None:
                     raise _mixed_counts("this one reported none")
@@ -250,6 +245,7 @@ class Step:
                 if window.micro_step and window.count is None:
                     raise _mixed_counts("earlier ones reported none")
                 objective = loss
+            # 3. backward, through the GradScaler under fp16
             if scaler is not None:
                 objective = scaler.scale(objective)
             objective.backward()
@@ -259,7 +255,7 @@ class Step:
 
         detached = loss.detach()
         window_loss = window.loss
-        if guard is not None:
+        if self.guard is not None:
             # Summed over the window so that one isfinite check covers every micro-batch;
             # in float32 at least, so that a large fp16 sum cannot overflow into a false alarm.
             lf = detached.float() if detached.dtype == torch.float16 else detached
@@ -269,12 +265,19 @@ class Step:
             c = torch.as_tensor(count, dtype=torch.float64, device=detached.device)
             window_count = c if window_count is None else window_count + c
             detached = detached / c
-
         if not closes:
             state = state._evolve(
                 {"window": WindowState(window.micro_step + 1, window_count, window_loss)}
             )
-            return state, StepOutput(detached, records, count, _leading_dim(batch), False, False)
+            out = StepOutput(
+                loss=detached,
+                records=records,
+                count=count,
+                samples=_leading_dim(batch),
+                updated=False,
+                closed=False,
+            )
+            return state, out
         return self._close_window(
             state, scaler, window_count, window_loss, detached, records, count, _leading_dim(batch)
         )
@@ -290,19 +293,28 @@ class Step:
         count: torch.Tensor | int | None,
         samples: int | None,
     ) -> tuple[TrainState, StepOutput]:
+        """Phases 4-11, once per window, on the micro-batch that closes it."""
         model, optimizer = state.model, state.optimizer
         assert optimizer is not None
-        clipping, guard = self.clipping, self.guard
+        transforms, clipping, guard = self.grad_transforms, self.clipping, self.guard
         params: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
-        if window_count is not None or clipping is not None or guard is not None:
+        if (
+            window_count is not None
+            or transforms is not None
+            or clipping is not None
+            or guard is not None
+        ):
             # The optimizer's parameters, not model.parameters(): the tensors the update
             # touches, and no module-tree walk on the hot path.
             params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
             grads = [p.grad for p in params]  # type: ignore[misc]  # filtered above
 
+        # 4. unscale, exactly once
         if scaler is not None:
             scaler.unscale_(optimizer)
+
+        # 5. divide by the window's total target count, summed over ranks
         if window_count is not None and grads:
             world = data_parallel_size(model)
             total = window_count
@@ -312,36 +324,42 @@ class Step:
             # into the sum that the global count divides.
             torch._foreach_mul_(grads, (world / total).to(grads[0].dtype))
 
+        # 5b. the user's gradient transforms (transform_grads)
+        if transforms is not None and grads:
+            grads = transforms.apply(params, grads)
+
+        # 6. finite check: one host sync (shared with the scaler's), the same on every rank
         grad_norm = clip_norm = None
         if clipping is not None or guard is not None:
             norm_type = clipping.norm_type if clipping is not None else 2.0
             grad_norm = clip_norm = torch.nn.utils.get_total_norm(grads, norm_type)
-            if hasattr(grad_norm, "full_tensor"):
+            if type(grad_norm) is not torch.Tensor and hasattr(grad_norm, "full_tensor"):
                 # FSDP2: a DTensor over the shards. Clipping takes it as it is (as
                 # clip_grad_norm_ does); the decision and the report need its value.
                 grad_norm = grad_norm.full_tensor()
-
-        nonfinite = overflow = False
-        collapsed = False
+        nonfinite = overflow = collapsed = False
         if guard is not None or scaler is not None:
             min_scale = self.amp.min_scale if self.amp is not None else 0.0
-            nonfinite, overflow, collapsed = _decide(
+            nonfinite, overflow, collapsed = decide(
                 guard, scaler, min_scale, optimizer, window_loss, grad_norm
             )
+        overflow = overflow and not nonfinite  # a non-finite loss is the guard's to report
         apply = not (nonfinite or overflow)
-        guard_state = state.guard
-        if overflow and not nonfinite:
-            guard_state = guard_state._replace(total_overflow=guard_state.total_overflow + 1)
+        counters = state.guard
+        if overflow:
+            counters = counters._replace(total_overflow=counters.total_overflow + 1)
         exhausted = None
-        if guard is not None and (nonfinite or guard_state.notfinite_count):
-            guard_state, apply, exhausted = guard.judge(
-                guard_state, nonfinite, overflow, state.step, window_loss, grad_norm
+        if guard is not None and (nonfinite or counters.notfinite_count):
+            counters, apply, exhausted = guard.judge(
+                counters, nonfinite, overflow, state.step, window_loss, grad_norm
             )
 
         lr = optimizer.param_groups[0]["lr"]
         if apply:
+            # 7. clip, by norm (with the norm of phase 6) and/or by value
             if clipping is not None:
                 clipping.apply(params, clip_norm)
+            # 8. optimizer step
             if scaler is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
                 scaler.step(optimizer)  # found_inf goes into the kernel: no host sync
             else:
@@ -351,37 +369,40 @@ class Step:
         # On an overflow the optimizer is not called at all, not even a fused one through
         # scaler.step (whose kernel would skip on found_inf): fused SGD would create momentum
         # buffers with empty_like and leave them unfilled, poisoning the next update.
+
+        # 9. scaler update, zero_grad
         if scaler is not None:
             scaler.update()
-            # A non-finite loss is the guard's failure to report, even though the scaler
-            # also backed off for it.
-            if collapsed and not nonfinite and self.amp is not None:
-                self.amp.raise_collapsed(scaler)
+            if collapsed and not nonfinite:
+                assert self.amp is not None
+                raise self.amp.collapsed(scaler)
         optimizer.zero_grad(set_to_none=True)
         if exhausted is not None:
             raise exhausted  # the window is thrown away (scaler updated, grads cleared) first
+
+        # 10. scheduler step, only after an applied update
         if apply and state.scheduler is not None:
             state.scheduler.step()
 
+        # 11. counters
         state = state._evolve(
             {
                 "step": state.step + 1 if apply else state.step,
                 "window": _EMPTY_WINDOW,
-                "guard": guard_state,
+                "guard": counters,
             }
         )
         out = StepOutput(
-            loss,
-            records,
-            count,
-            samples,
-            apply,
-            True,
-            False,
-            nonfinite,
-            overflow and not nonfinite,
-            grad_norm,
-            lr,
+            loss=loss,
+            records=records,
+            count=count,
+            samples=samples,
+            updated=apply,
+            closed=True,
+            nonfinite=nonfinite,
+            overflow=overflow,
+            grad_norm=grad_norm,
+            lr=lr,
         )
         return state, out
 
@@ -394,51 +415,6 @@ def _mixed_counts(detail: str) -> ValueError:
         "loss_fn reported a target count for some micro-batches of the window but not for "
         f"others ({detail}). Return LossSum(total, count) from every call, or from none."
     )
-
-
-def _decide(
-    guard: GuardConfig | None,
-    scaler: torch.amp.GradScaler | None,
-    min_scale: float,
-    optimizer: torch.optim.Optimizer,
-    window_loss: torch.Tensor | None,
-    grad_norm: torch.Tensor | None,
-) -> tuple[bool, bool, bool]:
-    """Every decision of the window in one host sync: (nonfinite, overflow, scale collapsed).
-
-    The flags are all-reduced with MAX so that every data-parallel rank decides alike.
-    """
-    if scaler is None:
-        # The common case, kept to as few tiny kernels as a hand-written loop needs.
-        assert window_loss is not None and grad_norm is not None
-        finite = torch.isfinite(window_loss) & torch.isfinite(grad_norm)
-        if is_distributed():
-            bad = all_reduce_((~finite).to(torch.float32), torch.distributed.ReduceOp.MAX)
-            return bool(bad.item() > 0), False, False  # the one host sync of the update
-        return not finite.item(), False, False  # the one host sync of the update
-    # GradScaler keeps found_inf per optimizer and device after unscale_; combining the
-    # tensors on device (no .item()) keeps the whole decision to the single sync below.
-    found_per_device = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-    scale = scaler._get_scale_async()
-    assert scale is not None  # unscale_ has run, so the scale exists
-    found = sum(f.to(scale.device) for f in found_per_device.values()) > 0
-    collapsed = found & (scale * scaler.get_backoff_factor() < min_scale)
-    if guard is not None and window_loss is not None:
-        # Under fp16 only the loss counts: non-finite gradients are the scaler's overflow.
-        bad = ~torch.isfinite(window_loss).to(scale.device)
-    else:
-        bad = torch.zeros((), dtype=torch.bool, device=scale.device)
-    assert isinstance(found, torch.Tensor) and isinstance(collapsed, torch.Tensor)
-    flags = torch.stack([bad, found, collapsed]).to(torch.float32)
-    flags = all_reduce_(flags, torch.distributed.ReduceOp.MAX)  # a no-op in one process
-    code = int((flags * _flag_bits(flags.device)).sum().item())  # the one host sync
-    return bool(code & 1), bool(code & 2), bool(code & 4)
-
-
-@functools.cache
-def _flag_bits(device: torch.device) -> torch.Tensor:
-    """The weights that pack the three flags into one number, made once per device."""
-    return torch.tensor([1.0, 2.0, 4.0], device=device)
 
 
 def make_step(loss_fn: Callable[[torch.nn.Module, Any], Any]) -> Step:

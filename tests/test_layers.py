@@ -1,0 +1,59 @@
+"""The package's import graph runs one way: no circle, no module importing a layer above it."""
+
+from __future__ import annotations
+
+import ast
+import graphlib
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "toolkit"
+
+# The public decorator factories sit on top of Step: only the package root imports them.
+DECORATOR_MODULES = {
+    "toolkit._amp",
+    "toolkit._accumulation",
+    "toolkit._clipping",
+    "toolkit._guards",
+    "toolkit._transforms",
+}
+ROOTS = {"toolkit", "toolkit.plugins"}
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every toolkit module ``path`` imports, anywhere in it (TYPE_CHECKING blocks too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("toolkit"):
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("toolkit"))
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    return {_module(p): _imports(p) for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def test_the_import_graph_has_no_circle() -> None:
+    # static_order raises CycleError naming the circle.
+    order = list(graphlib.TopologicalSorter(_graph()).static_order())
+    assert "toolkit._step" in order
+
+
+def test_no_module_imports_a_package_root() -> None:
+    # Importing "toolkit" or "toolkit.plugins" from inside pulls in every module above.
+    upward = {m: sorted(i & ROOTS) for m, i in _graph().items() if i & ROOTS and m not in ROOTS}
+    assert not upward, upward
+
+
+def test_only_the_package_root_imports_the_decorator_factories() -> None:
+    # The phases' configurations and behaviour sit beneath Step (toolkit._phases); the
+    # factories only validate arguments on top, so nothing below may reach up to them.
+    users = {m: sorted(i & DECORATOR_MODULES) for m, i in _graph().items() if m != "toolkit"}
+    assert not {m: i for m, i in users.items() if i}, users
+    assert {_module(p) for p in PACKAGE.rglob("*.py")} >= DECORATOR_MODULES

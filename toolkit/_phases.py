@@ -1,0 +1,305 @@
+"""The phases of one optimizer update: their configurations, behaviour and errors.
+
+This module sits beneath :class:`toolkit.Step` (as optax's ``base.py`` sits beneath its
+transforms): ``_step.py`` runs these phases in the canonical order, and the public decorator
+modules (``amp_wrap``, ``accumulate``, ``clip``, ``guard_nonfinite``, ``transform_grads``)
+only check their arguments and build one of these configurations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import torch
+
+from toolkit._distributed import all_reduce_, is_distributed
+from toolkit._state import GuardState
+
+__all__ = [
+    "AccumulateConfig",
+    "AmpConfig",
+    "ClipConfig",
+    "GradTransformConfig",
+    "GuardConfig",
+    "LossScaleError",
+    "NonFiniteError",
+    "decide",
+]
+
+OnExhaust = Literal["raise", "skip", "accept"]
+GradFn = Callable[[list[torch.Tensor]], "Sequence[torch.Tensor] | None"]
+
+
+class LossScaleError(RuntimeError):
+    """The fp16 loss scale fell below its floor: gradients overflow whatever the scale.
+
+    Example:
+        >>> import torch
+        >>> from toolkit import LossScaleError, TrainState, amp_wrap, make_step
+        >>> model = torch.nn.Linear(2, 1)
+        >>> state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+        >>> step = amp_wrap(make_step(lambda m, b: m(b).float().mean()), dtype="fp16",
+        ...                 scaler=scaler, min_scale=0.75)
+        >>> try:
+        ...     step(state, torch.full((1, 2), float("inf")))
+        ... except LossScaleError as error:
+        ...     print(str(error)[:44])
+        the fp16 loss scale fell to 0.5, below min_s
+    """
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive accumulation windows had a non-finite loss or gradient.
+
+    Example:
+        >>> import torch
+        >>> from toolkit import NonFiniteError, TrainState, guard_nonfinite, make_step
+        >>> model = torch.nn.Linear(2, 1)
+        >>> state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> step = guard_nonfinite(make_step(lambda m, b: m(b).mean()), max_retries=0)
+        >>> try:
+        ...     step(state, torch.full((1, 2), float("nan")))
+        ... except NonFiniteError as error:
+        ...     print(str(error)[:60])
+        guard_nonfinite: 1 consecutive accumulation windows had a no
+    """
+
+
+@dataclasses.dataclass(frozen=True)
+class AmpConfig:
+    """Phase 1 (forward under autocast) and 3-4, 8-9 under fp16 (the GradScaler).
+
+    Attributes:
+        dtype: the autocast dtype (``torch.bfloat16`` or ``torch.float16``).
+        scaler: a GradScaler to use when the state has none (fp16 only), or ``None``.
+        min_scale: the loss-scale floor under which an overflow raises LossScaleError.
+        device_type: autocast device type; ``None`` takes that of the optimizer's first
+            parameter (no walk over the model's modules per micro-batch).
+    """
+
+    dtype: torch.dtype
+    scaler: torch.amp.GradScaler | None = None
+    min_scale: float = 1e-4
+    device_type: str | None = None
+
+    @property
+    def fp16(self) -> bool:
+        return self.dtype == torch.float16
+
+    def _device_type(self, optimizer: torch.optim.Optimizer) -> str:
+        if self.device_type is not None:
+            return self.device_type
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                return str(param.device.type)
+        return "cpu"
+
+    def autocast(self, optimizer: torch.optim.Optimizer) -> torch.autocast:
+        return torch.autocast(self._device_type(optimizer), dtype=self.dtype)
+
+    def make_scaler(self, optimizer: torch.optim.Optimizer) -> torch.amp.GradScaler:
+        if self.scaler is not None:
+            return self.scaler
+        return torch.amp.GradScaler(self._device_type(optimizer))
+
+    def collapsed(self, scaler: torch.amp.GradScaler) -> LossScaleError:
+        """The error for an overflow that took the scale below ``min_scale``."""
+        return LossScaleError(
+            f"the fp16 loss scale fell to {scaler.get_scale():g}, below "
+            f"min_scale={self.min_scale:g}: gradients overflow even at a tiny scale, so they "
+            "are likely NaN or inf whatever the scale. Check the data and the learning rate, "
+            "or train in bf16 (amp_wrap(dtype='bf16')), or lower min_scale."
+        )
+
+    def __str__(self) -> str:
+        return f"amp_wrap(dtype={self.dtype})"
+
+
+@dataclasses.dataclass(frozen=True)
+class AccumulateConfig:
+    """Phase 2 (loss normalisation) and the window length.
+
+    Attributes:
+        micro_batches: accepted micro-batches per optimizer update.
+    """
+
+    micro_batches: int
+
+    def __str__(self) -> str:
+        return f"accumulate(micro_batches={self.micro_batches})"
+
+
+@dataclasses.dataclass(frozen=True)
+class GradTransformConfig:
+    """Phase 5b: user functions over the gradient list, once per closed window.
+
+    Attributes:
+        fns: the functions, applied in this order.
+    """
+
+    fns: tuple[GradFn, ...]
+
+    def apply(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Run every function; return the gradients (new ones are set as the ``.grad``)."""
+        for fn in self.fns:
+            result = fn(grads)
+            if result is None:
+                continue
+            if not isinstance(result, Sequence) or len(result) != len(grads):
+                raise TypeError(
+                    f"transform_grads: {_name(fn)} returned {_describe(result)}; expected None "
+                    f"(gradients changed in place) or a list of {len(grads)} tensors."
+                )
+            grads = list(result)
+            for param, grad in zip(params, grads):
+                param.grad = grad
+        return grads
+
+    def __str__(self) -> str:
+        return f"transform_grads({', '.join(_name(fn) for fn in self.fns)})"
+
+
+@dataclasses.dataclass(frozen=True)
+class ClipConfig:
+    """Phase 7: clipping by total norm and/or by value.
+
+    Attributes:
+        max_norm: clip the total gradient norm to this, or ``None``.
+        max_value: clamp every gradient element to ``[-max_value, max_value]``, or ``None``.
+        norm_type: the p of the p-norm (``2.0``; ``math.inf`` for the max norm).
+    """
+
+    max_norm: float | None
+    max_value: float | None
+    norm_type: float = 2.0
+
+    def apply(self, params: list[torch.Tensor], total_norm: torch.Tensor | None) -> None:
+        """Clip ``params``' gradients in place; ``total_norm`` is their pre-clip norm."""
+        if self.max_norm is not None:
+            assert total_norm is not None  # the step computes it whenever clip is on
+            # clip_grad_norm_'s arithmetic, reusing the norm the step already computed for
+            # reporting and the finite check (no host sync).
+            torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, total_norm)
+        if self.max_value is not None:
+            torch.nn.utils.clip_grad_value_(params, self.max_value)
+
+    def __str__(self) -> str:
+        return f"clip(max_norm={self.max_norm}, max_value={self.max_value})"
+
+
+@dataclasses.dataclass(frozen=True)
+class GuardConfig:
+    """Phase 6: the finite check's verdict and the retry counters.
+
+    Attributes:
+        max_retries: rejected windows in a row that are retried before ``on_exhaust``.
+        on_exhaust: ``"raise"``, ``"skip"`` or ``"accept"``.
+    """
+
+    max_retries: int
+    on_exhaust: OnExhaust = "raise"
+
+    def judge(
+        self,
+        counters: GuardState,
+        nonfinite: bool,
+        overflow: bool,
+        applied_updates: int,
+        window_loss: torch.Tensor | None,
+        grad_norm: torch.Tensor | None,
+    ) -> tuple[GuardState, bool, NonFiniteError | None]:
+        """Update the counters for one closed window.
+
+        Returns them, whether to apply the window, and the error to raise once the step has
+        thrown the window away (``on_exhaust="raise"`` with the retries used up), or None.
+        """
+        if not nonfinite:
+            if overflow:  # the scaler's business: neither a failure nor a success
+                return counters, False, None
+            return counters._replace(notfinite_count=0), True, None
+        counters = counters._replace(
+            notfinite_count=counters.notfinite_count + 1,
+            total_notfinite=counters.total_notfinite + 1,
+        )
+        if counters.notfinite_count <= self.max_retries or self.on_exhaust == "skip":
+            return counters, False, None
+        if self.on_exhaust == "accept":
+            return counters, True, None
+        return (
+            counters,
+            False,
+            NonFiniteError(
+                f"guard_nonfinite: {counters.notfinite_count} consecutive accumulation windows had "
+                f"a non-finite loss or gradient (max_retries={self.max_retries}; "
+                f"{counters.total_notfinite} rejected in total). The last one: summed loss "
+                f"{_show(window_loss)}, gradient norm {_show(grad_norm)}, after "
+                f"{applied_updates} applied updates. Check the data for NaN/inf and the learning "
+                "rate, or pass on_exhaust='skip' to keep skipping such windows."
+            ),
+        )
+
+    def __str__(self) -> str:
+        return f"guard_nonfinite(max_retries={self.max_retries}, on_exhaust={self.on_exhaust!r})"
+
+
+def decide(
+    guard: GuardConfig | None,
+    scaler: torch.amp.GradScaler | None,
+    min_scale: float,
+    optimizer: torch.optim.Optimizer,
+    window_loss: torch.Tensor | None,
+    grad_norm: torch.Tensor | None,
+) -> tuple[bool, bool, bool]:
+    """Phase 6: every decision of the window in one host sync: (nonfinite, overflow, collapsed).
+
+    The flags are all-reduced with MAX so that every data-parallel rank decides alike.
+    """
+    if scaler is None:
+        # The common case, kept to as few tiny kernels as a hand-written loop needs.
+        assert window_loss is not None and grad_norm is not None
+        finite = torch.isfinite(window_loss) & torch.isfinite(grad_norm)
+        if is_distributed():
+            bad = all_reduce_((~finite).to(torch.float32), torch.distributed.ReduceOp.MAX)
+            return bool(bad.item() > 0), False, False  # the one host sync of the update
+        return not finite.item(), False, False  # the one host sync of the update
+    # GradScaler keeps found_inf per optimizer and device after unscale_; combining the
+    # tensors on device (no .item()) keeps the whole decision to the single sync below.
+    found_per_device = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+    scale = scaler._get_scale_async()
+    assert scale is not None  # unscale_ has run, so the scale exists
+    found = sum(f.to(scale.device) for f in found_per_device.values()) > 0
+    collapsed = found & (scale * scaler.get_backoff_factor() < min_scale)
+    if guard is not None and window_loss is not None:
+        # Under fp16 only the loss counts: non-finite gradients are the scaler's overflow.
+        bad = ~torch.isfinite(window_loss).to(scale.device)
+    else:
+        bad = torch.zeros((), dtype=torch.bool, device=scale.device)
+    assert isinstance(found, torch.Tensor) and isinstance(collapsed, torch.Tensor)
+    flags = torch.stack([bad, found, collapsed]).to(torch.float32)
+    flags = all_reduce_(flags, torch.distributed.ReduceOp.MAX)  # a no-op in one process
+    code = int((flags * _flag_bits(flags.device)).sum().item())  # the one host sync
+    return bool(code & 1), bool(code & 2), bool(code & 4)
+
+
+@functools.cache
+def _flag_bits(device: torch.device) -> torch.Tensor:
+    """The weights that pack the three flags into one number, made once per device."""
+    return torch.tensor([1.0, 2.0, 4.0], device=device)
+
+
+def _show(value: torch.Tensor | None) -> str:
+    return "not computed" if value is None else f"{value.item():g}"
+
+
+def _name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, Sequence):
+        return f"a {type(value).__name__} of {len(value)}"
+    return f"a {type(value).__name__}"
