@@ -5,8 +5,10 @@ counts do not. Each variant runs once under ``valgrind --tool=callgrind`` with
 instrumentation off; after imports and a warm-up the workload switches it on and zeroes the
 counters (``callgrind_control``), trains UPDATES updates and dumps: the count divided by
 UPDATES is its cost per update. Variants, all on the tiny MLP (32-64-10, batch 32,
-accumulate 4, clip, guard, AdamW, scheduler):
+accumulate 4, clip, guard; AdamW and a scheduler unless said otherwise):
 
+    hand      the hand-written loop of overhead.py, plain SGD, no scheduler
+    step      the composed step in a plain for loop, plain SGD, no scheduler
     bare      the composed step in a plain for loop
     run       run() with no plugins
     progress  run() + progress(every=10, min_interval=0): a refresh at every 10th update
@@ -32,7 +34,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-VARIANTS = ("bare", "run", "progress", "metrics", "both")
+VARIANTS = ("hand", "step", "bare", "run", "progress", "metrics", "both")
+
+
+SGD = ("hand", "step")  # plain SGD, no scheduler: the step against the hand-written loop
 
 
 def workload(variant: str, updates: int) -> None:
@@ -46,8 +51,10 @@ def workload(variant: str, updates: int) -> None:
     from toolkit.plugins import jsonl, log_metrics, progress
 
     torch.set_num_threads(1)
-    objects = overhead.setup([32, 64, 10], 32)
-    if variant == "bare":
+    objects = overhead.setup([32, 64, 10], 32, optimizer="sgd" if variant in SGD else "adamw")
+    if variant == "hand":
+        train = overhead.hand_written(objects)
+    elif variant in ("step", "bare"):
         train = overhead.bare_loop(objects)
     else:
         model, opt, sched, data = objects
@@ -120,15 +127,21 @@ def main() -> None:
     unknown = sorted(set(chosen) - set(VARIANTS))
     if unknown:
         parser.error(f"unknown variant(s) {unknown}; expected some of {list(VARIANTS)}")
-    variants = ["bare", *[v for v in chosen if v != "bare"]]
+    # Each variant is compared with its baseline: the step with the hand-written loop, the
+    # run() variants with the step in a for loop ("bare").
+    baseline = {v: "hand" if v in SGD else "bare" for v in VARIANTS}
+    variants = sorted({*chosen, *(baseline[v] for v in chosen)}, key=VARIANTS.index)
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
         counts = dict(zip(variants, pool.map(lambda v: count(v, args.updates), variants)))
     per_update = {v: counts[v] / args.updates for v in variants}
-    base = per_update["bare"]
     print(f"instructions per update (valgrind, {args.updates} updates after warm-up):")
     for v in variants:
+        base = per_update[baseline[v]]
         extra = per_update[v] - base
-        print(f"  {v:9s} {per_update[v] / 1e6:8.4f}M  {per_update[v] / base:.4f}x  {extra:+9.0f}")
+        print(
+            f"  {v:9s} {per_update[v] / 1e6:8.4f}M  {per_update[v] / base:.4f}x  {extra:+9.0f}"
+            f"  (vs {baseline[v]})"
+        )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Overhead of toolkit against the same training written by hand, measured in one run.
 
-Each case times one optimizer update (4 micro-batches, clip by norm, non-finite guard) of
-the composed toolkit step and of a hand-written loop doing the same arithmetic, interleaved
+Each case times one optimizer update (4 micro-batches, clip by norm, non-finite guard; AdamW
+and an LR scheduler, or plain SGD without one) of the composed toolkit step and of a
+hand-written loop doing the same arithmetic, interleaved
 in rounds so that machine noise hits both alike, and prints the median of the per-round
 ratios. The run() rows take their turns inside one long run() call (a real job starts and
 ends run() once), over five times the rounds.
@@ -54,11 +55,20 @@ def loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) ->
     return torch.nn.functional.cross_entropy(model(x), y)
 
 
-def setup(sizes: list[int], batch: int, seed: int = 0):
+def setup(sizes: list[int], batch: int, seed: int = 0, optimizer: str = "adamw"):
+    """Model, optimizer, scheduler (None with plain SGD) and the K micro-batches of an update.
+
+    ``optimizer="sgd"`` is plain SGD without a scheduler: the cheapest update, so the one
+    where the step's own Python shows most.
+    """
     torch.manual_seed(seed)
     model = mlp(sizes)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    if optimizer == "sgd":
+        opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+        sched = None
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     data = [(torch.randn(batch, sizes[0]), torch.randint(0, sizes[-1], (batch,))) for _ in range(K)]
     return model, opt, sched, data
 
@@ -90,7 +100,8 @@ def hand_written(objects: Setup) -> Callable[[int], None]:
                 continue
             opt.step()
             opt.zero_grad(set_to_none=True)
-            sched.step()
+            if sched is not None:
+                sched.step()
 
     return updates
 
@@ -222,11 +233,12 @@ def one_pass(rounds: int, updates: int) -> list[tuple[str, float, float, float]]
     objects = setup([32, 64, 10], 32)
     timed = measure(hand_written(objects), hand_written(objects), rounds, updates)
     rows.append(("A/A: hand-written vs itself, tiny MLP", *timed))
-    for name, sizes, batch in [
-        ("tiny MLP 32-64-10, batch 32", [32, 64, 10], 32),
-        ("larger MLP 512-1024-1024-10, batch 64", [512, 1024, 1024, 10], 64),
+    for name, sizes, batch, optimizer in [
+        ("tiny MLP 32-64-10, batch 32", [32, 64, 10], 32, "adamw"),
+        ("tiny MLP, plain SGD, no scheduler", [32, 64, 10], 32, "sgd"),
+        ("larger MLP 512-1024-1024-10, batch 64", [512, 1024, 1024, 10], 64, "adamw"),
     ]:
-        objects = setup(sizes, batch)
+        objects = setup(sizes, batch, optimizer=optimizer)
         timed = measure(hand_written(objects), composed(objects), rounds, updates)
         rows.append((f"step: {name}", *timed))
     sizes, batch = [32, 64, 10], 32

@@ -17,9 +17,12 @@ __all__ = [
 ]
 
 
+_AVAILABLE = dist.is_available()  # fixed for the build of torch, so asked once
+
+
 def is_distributed() -> bool:
     """True when a default process group with more than one rank is initialised."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return _AVAILABLE and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _is_ddp(model: torch.nn.Module) -> bool:

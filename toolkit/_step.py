@@ -266,8 +266,8 @@ class Step:
             window_count = c if window_count is None else window_count + c
             detached = detached / c
         if not closes:
-            state = state._evolve(
-                {"window": WindowState(window.micro_step + 1, window_count, window_loss)}
+            state = state._with_window(
+                WindowState(window.micro_step + 1, window_count, window_loss)
             )
             out = StepOutput(
                 loss=detached,
