@@ -69,7 +69,9 @@ def suppress_grad_sync(model: torch.nn.Module) -> contextlib.AbstractContextMana
 
     ``None`` for any other model, so that single-process code does not even enter a context.
     """
-    kind = _sync_kind(model)
+    kind = _SYNC_KIND.get(type(model)) or _sync_kind(model)  # the cache, then the lookup
+    if kind == "none":
+        return None
     if kind == "ddp":
         return model.no_sync()  # type: ignore[operator]
     if kind == "fsdp2":

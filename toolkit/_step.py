@@ -95,13 +95,17 @@ class StepOutput(NamedTuple):
 
 
 _NO_RECORDS: Mapping[str, Any] = types.MappingProxyType({})
+_FP16 = torch.float16
+_tuple_new = tuple.__new__
 _SKIPPED = StepOutput(None, _NO_RECORDS, None, None, updated=False, closed=False, skipped=True)
 
 
 def _leading_dim(batch: Any) -> int | None:
     # Cheap, no tree flattening: the first tensor found depth-first in common containers.
-    if type(batch) is tuple and batch and type(batch[0]) is torch.Tensor and batch[0].ndim:
-        return batch[0].shape[0]  # the common (inputs, targets) batch
+    if type(batch) is tuple and batch:  # the common (inputs, targets) batch, first
+        first = batch[0]
+        if type(first) is torch.Tensor:
+            return first.shape[0] if first.ndim else None
     while True:
         if isinstance(batch, torch.Tensor):
             return int(batch.shape[0]) if batch.ndim else None
@@ -203,13 +207,18 @@ class Step:
     grad_transforms: GradTransformConfig | None = None
     clipping: ClipConfig | None = None
     guard: GuardConfig | None = None
+    _k: int = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # The window length, read on every call: derived from accumulation, not given.
+        k = self.accumulation.micro_batches if self.accumulation is not None else 1
+        object.__setattr__(self, "_k", k)
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, StepOutput]:
         optimizer = getattr(state, "optimizer", None)
         if optimizer is None:
             raise _no_optimizer(state)
-        model, window, amp = state.model, state.window, self.amp
-        k = self.accumulation.micro_batches if self.accumulation is not None else 1
+        model, window, amp, k = state.model, state.window, self.amp, self._k
         closes = window.micro_step + 1 == k
         scaler = None  # a scaler left in the state by someone else is not ours to use
         if amp is not None and amp.fp16:
@@ -258,7 +267,7 @@ class Step:
         if self.guard is not None:
             # Summed over the window so that one isfinite check covers every micro-batch;
             # in float32 at least, so that a large fp16 sum cannot overflow into a false alarm.
-            lf = detached.float() if detached.dtype == torch.float16 else detached
+            lf = detached.float() if detached.dtype is _FP16 else detached
             window_loss = lf if window_loss is None else window_loss + lf
         window_count = window.count
         if count is not None:
@@ -266,8 +275,9 @@ class Step:
             window_count = c if window_count is None else window_count + c
             detached = detached / c
         if not closes:
+            # tuple.__new__: WindowState(...) would run namedtuple's generated __new__ too.
             state = state._with_window(
-                WindowState(window.micro_step + 1, window_count, window_loss)
+                _tuple_new(WindowState, (window.micro_step + 1, window_count, window_loss))
             )
             out = StepOutput(
                 loss=detached,
