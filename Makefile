@@ -1,19 +1,30 @@
 # Every target builds its own virtual environment on first use.
 # make bench BENCH_ARGS="--repeat 5" measures five times and prints the range.
-# torch is installed first, pinned, so that pip never pulls a CUDA build; override with
-#   make test TORCH=torch==2.6.0
+#
+# torch is installed first, pinned, from pip's configured index: on an ordinary Linux x86
+# machine PyPI's torch==2.13.0 is the CUDA build (several GB of NVIDIA packages). For the CPU
+# build, ask PyTorch's own CPU index:
+#   make test TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# and for another version: make test TORCH=torch==2.6.0. Changing either reinstalls torch.
 PYTHON ?= python3.11
 TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
 VENV ?= .venv
 BIN := $(VENV)/bin
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install test test-fast lint type example example-transformer bench bench-instructions clean
+.PHONY: FORCE install test test-fast lint type example example-transformer bench bench-instructions clean
 
-$(BIN)/.installed: pyproject.toml Makefile
+# The torch choice is a file, rewritten only when it changes, so that a new TORCH or
+# TORCH_INDEX reinstalls instead of silently keeping the torch already in $(VENV).
+$(VENV)/torch-choice: FORCE
+	@mkdir -p $(VENV)
+	@echo "$(TORCH) $(TORCH_INDEX)" | cmp -s - $@ || echo "$(TORCH) $(TORCH_INDEX)" > $@
+
+$(BIN)/.installed: pyproject.toml Makefile $(VENV)/torch-choice
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet "$(TORCH)"
+	$(BIN)/pip install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
 	$(BIN)/pip install --quiet -e ".[dev,examples,loggers]"
 	touch $@
 
@@ -48,3 +59,5 @@ bench-instructions: install
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .hypothesis
+
+FORCE:
