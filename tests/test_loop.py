@@ -215,22 +215,24 @@ def test_every_plugins_end_runs_when_training_raises_and_the_error_propagates() 
     )
 
 
-def test_a_failing_end_is_raised_after_all_ends_ran() -> None:
+def test_a_failing_end_after_good_training_warns_and_returns_the_state() -> None:
+    # Issue 9, item 10: bookkeeping at the end must not cost the trained state.
     ran = []
 
     def failing_end(event: Event) -> None:
         if event.kind == "end":
             raise OSError("could not flush")
 
-    with pytest.raises(OSError, match="could not flush"):
-        run(
+    message = "failing_end failed at 'end' after training ended well: OSError('could not flush')"
+    with pytest.warns(RuntimeWarning, match=re.escape(message)):
+        state = run(
             _step(),
             _state(),
             _data(2),
             max_steps=1,
             plugins=[failing_end, lambda e: ran.append(e.kind)],
         )
-    assert ran[-1] == "end"
+    assert ran[-1] == "end" and state.step == 1
 
 
 def test_the_data_iterator_is_closed_on_every_exit() -> None:
@@ -312,7 +314,7 @@ def test_worker_pool_is_shut_down_on_exit() -> None:
         ({"max_steps": -1}, [1], ValueError, "max_steps must be an int >= 0; got -1"),
         ({"epochs": 1.5}, [1], ValueError, "epochs must be an int >= 0; got 1.5"),
         ({"epochs": 1}, iter([1]), ValueError, "needs data that can be iterated again"),
-        ({"max_steps": 1}, 3, TypeError, "data must be iterable"),
+        ({"max_steps": 1}, 3, TypeError, "data must be an iterable of batches"),
     ],
 )
 def test_bad_arguments(kwargs: dict, data: object, error: type, message: str) -> None:
@@ -328,9 +330,9 @@ def test_plugin_returning_something_else_is_an_error() -> None:
         run(_step(), _state(), _data(2), max_steps=1, plugins=[plugin])  # type: ignore[list-item]
 
 
-def test_plugin_returning_something_else_at_end_is_an_error_too() -> None:
+def test_plugin_returning_something_else_at_end_is_reported_too() -> None:
     def plugin(event: Event) -> int | None:
         return 3 if event.kind == "end" else None
 
-    with pytest.raises(TypeError, match="returned int; a plugin returns a TrainState or None"):
+    with pytest.warns(RuntimeWarning, match="returned int; a plugin returns a TrainState or None"):
         run(_step(), _state(), _data(2), max_steps=1, plugins=[plugin])  # type: ignore[list-item]

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any, overload
+from typing import overload
 
 import torch
 
-from toolkit._decorating import Decorator, check_positive, check_step, decorate
+from toolkit._decorating import Decorator, check_step, decorate
 from toolkit._phases import AmpConfig
 from toolkit._step import Step
 
 __all__ = ["amp_wrap"]
 
-_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16}
-_DTYPES.update({"float16": torch.float16, "half": torch.float16})
 _Scaler = torch.amp.GradScaler | None
 
 
@@ -54,8 +52,9 @@ def amp_wrap(
 
     Raises:
         ValueError: an unknown dtype, a scaler with bf16, a disabled scaler,
-            ``min_scale <= 0``, or amp_wrap applied twice.
-        TypeError: ``step`` not a Step.
+            ``min_scale <= 0``, a device type without autocast or without a device here,
+            or amp_wrap applied twice.
+        TypeError: ``step`` not a Step, ``scaler`` not a GradScaler.
 
     Example:
         >>> import torch
@@ -68,23 +67,5 @@ def amp_wrap(
         (True, True)
     """
     check_step("amp_wrap", step)
-    resolved = _resolve_dtype(dtype)
-    if scaler is not None and resolved != torch.float16:
-        raise ValueError(f"amp_wrap: a GradScaler needs dtype='fp16'; got dtype={resolved}.")
-    if scaler is not None and not scaler.is_enabled():
-        raise ValueError("amp_wrap: expected an enabled GradScaler; got one with enabled=False.")
-    floor = check_positive("amp_wrap", "min_scale", min_scale)
-    config = AmpConfig(resolved, scaler, floor, device_type)
+    config = AmpConfig(dtype, scaler, min_scale, device_type)  # type: ignore[arg-type]
     return decorate(step, "amp_wrap", "amp", config)
-
-
-def _resolve_dtype(dtype: Any) -> torch.dtype:
-    key = dtype.lower() if isinstance(dtype, str) else dtype
-    if key in (torch.bfloat16, torch.float16):
-        return key
-    if isinstance(key, str) and key in _DTYPES:
-        return _DTYPES[key]
-    raise ValueError(
-        f"amp_wrap: dtype must be 'bf16', 'fp16', torch.bfloat16 or torch.float16; got "
-        f"{dtype!r}. For float32 training leave amp_wrap out."
-    )

@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, Literal, NamedTuple
+import warnings
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Literal, NamedTuple, TypeVar
 
 from toolkit._checks import check_count
 from toolkit._state import TrainState
@@ -94,6 +96,7 @@ class Event(NamedTuple):
 
 
 Plugin = Callable[[Event], "TrainState | None"]
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _micro_batches(step: Any) -> int:
@@ -138,7 +141,14 @@ def _total_steps(
     return max_steps if max_steps is not None else by_epochs
 
 
-def _validate(data: Any, max_steps: int | None, epochs: int | None) -> None:
+def _validate(
+    state: Any, data: Any, max_steps: int | None, epochs: int | None, plugins: Any
+) -> None:
+    if not isinstance(state, TrainState):
+        raise TypeError(
+            f"run: state must be a TrainState; got {type(state).__name__}. Build one: "
+            "TrainState(model=model, optimizer=optimizer); run(step, state, data, ...)."
+        )
     if max_steps is None and epochs is None:
         raise ValueError(
             "run: give max_steps (optimizer updates) and/or epochs (passes over the data); got "
@@ -148,17 +158,51 @@ def _validate(data: Any, max_steps: int | None, epochs: int | None) -> None:
     for name, value in (("max_steps", max_steps), ("epochs", epochs)):
         if value is not None:
             check_count("run", name, value, 0)
-    if not isinstance(data, Iterable):
+    if not isinstance(data, Iterable) or isinstance(data, (Mapping, str, bytes)):
         raise TypeError(
-            f"run: data must be iterable (a DataLoader, a list of batches, a generator); got "
-            f"{type(data).__name__}."
+            f"run: data must be an iterable of batches (a DataLoader, a list of batches, a "
+            f"generator); got {type(data).__name__}"
+            + (", which iterates over its keys" if isinstance(data, Mapping) else "")
+            + ". To train on one batch n times, pass [batch] * n."
         )
+    _check_plugins(plugins)
     if epochs is not None and isinstance(data, Iterator):
         raise ValueError(
             f"run: epochs={epochs} needs data that can be iterated again (a DataLoader, a "
             f"list); got a one-shot iterator ({type(data).__name__}). Pass the DataLoader "
             "itself, or use max_steps."
         )
+
+
+def _check_plugins(plugins: Any) -> None:
+    if callable(plugins) or not isinstance(plugins, Sequence) or isinstance(plugins, str):
+        given = "a single plugin" if callable(plugins) else f"{type(plugins).__name__}"
+        raise TypeError(
+            f"run: plugins must be a list of plugin functions; got {given}. Wrap it in a "
+            "list, plugins=[progress()], or pass [] for none."
+        )
+    for i, plugin in enumerate(plugins):
+        if plugin in FACTORIES:
+            raise TypeError(
+                f"run: plugins[{i}] is the plugin factory {plugin.__name__} itself; call it "
+                f"to build the plugin: plugins=[{plugin.__name__}(...)]."
+            )
+        if not callable(plugin):
+            raise TypeError(
+                f"run: plugins[{i}] is a {type(plugin).__name__} {plugin!r:.40}; expected a "
+                "plugin function plugin(event), such as progress() from toolkit.plugins."
+            )
+
+
+# The plugin factories of toolkit.plugins (added by plugin_factory), so that run() can tell
+# `plugins=[progress]` (the factory, not called) from a plugin.
+FACTORIES: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
+
+
+def plugin_factory(factory: F) -> F:
+    """Mark a function that builds a plugin, so that run() refuses it uncalled."""
+    FACTORIES.add(factory)
+    return factory
 
 
 def _call(plugins: Sequence[Plugin], event: Event) -> TrainState:
@@ -208,8 +252,14 @@ def run(
     validation sees the updated average, and ``validate`` before ``early_stop`` and
     before ``log_metrics`` so that they see the new score in the same step. ``"end"``
     reaches every plugin even when training raised (then ``event.error`` is set and the
-    exception propagates after all of them ran); the data iterator (and its worker pool)
-    is closed on every exit.
+    exception propagates after all of them ran, their own failures attached as notes); when
+    training ended well, a plugin failing at ``"end"`` is reported as a ``RuntimeWarning``
+    and the trained state is still returned. The data iterator (and its worker pool) is
+    closed on every exit.
+
+    A whole pass over re-iterable data in which no micro-batch was accepted (no batch at
+    all, or the loss function skipped every one) would repeat forever: it raises when only
+    ``max_steps`` bounds the run, and warns (once) when ``epochs`` does.
 
     Args:
         step: a train step, usually from :func:`make_step` and its decorators.
@@ -223,10 +273,13 @@ def run(
         The final state.
 
     Raises:
-        ValueError: neither ``max_steps`` nor ``epochs``, a negative budget, or ``epochs``
-            with a one-shot iterator.
-        TypeError: ``data`` not iterable, or a plugin returning something else than a
-            TrainState or None.
+        ValueError: neither ``max_steps`` nor ``epochs``, a negative budget, ``epochs``
+            with a one-shot iterator; a pass without an accepted micro-batch under
+            ``max_steps`` alone.
+        TypeError: ``state`` not a TrainState; ``data`` not an iterable of batches (a
+            mapping iterates over its keys); ``plugins`` not a list of plugin functions (or
+            holding an uncalled factory); a step not returning ``(TrainState, StepOutput)``;
+            a plugin returning something else than a TrainState or None.
 
     Example:
         >>> import torch
@@ -238,7 +291,7 @@ def run(
         >>> state.step, state.epoch
         (6, 2)
     """
-    _validate(data, max_steps, epochs)
+    _validate(state, data, max_steps, epochs, plugins)
     k = _micro_batches(step)
     batches = len(data) if hasattr(data, "__len__") else None  # type: ignore[arg-type]
     state = state.replace(stop=None) if state.stop is not None else state
@@ -257,20 +310,26 @@ def run(
     window: list[StepOutput] = []  # outputs of the open accumulation window
     pending = 0  # batches drawn since state.batches_seen was last written
     data_time = step_time = 0.0
+    stalled = False  # a pass without progress was reported (once per run)
     try:
         state = _call(plugins, Event("start", state, loop))
         while not _done(state, max_steps, epochs):
             _set_epoch(data, state.epoch)
             iterator = iter(data)  # the source, closed on exit (an islice has no close)
             unseen = iterator
-            if state.batches_seen:
+            resumed = state.batches_seen > 0  # a partial pass may hold nothing new
+            if resumed:
                 unseen = itertools.islice(iterator, state.batches_seen, None)
             exhausted = True
+            accepted = 0  # micro-batches of this pass that the loss function did not skip
             t0 = clock()
             for batch in unseen:
                 t1 = clock()
                 state, out = step(state, batch)
                 t2 = clock()
+                if type(out) is not StepOutput:
+                    raise _bad_step_return(state, out)
+                accepted += not out.skipped
                 data_time += t1 - t0
                 step_time += t2 - t1
                 pending += 1
@@ -294,6 +353,8 @@ def run(
             iterator = None
             if not exhausted:
                 break
+            if not accepted and not one_shot and not resumed and not stalled:
+                stalled = _no_progress(state, pending, epochs)
             # A window may span the epoch boundary: its outputs stay in `window`.
             pending = 0
             state = state._evolve({"epoch": state.epoch + 1, "batches_seen": 0})
@@ -312,6 +373,36 @@ def run(
     return state
 
 
+def _bad_step_return(state: Any, out: Any) -> TypeError:
+    return TypeError(
+        f"run: the step returned ({type(state).__name__}, {type(out).__name__}); expected "
+        "(TrainState, StepOutput), as the steps of make_step do. A wrapper around a step "
+        "must return what the step returned."
+    )
+
+
+def _no_progress(state: TrainState, batches: int, epochs: int | None) -> bool:
+    """A whole pass with no accepted micro-batch: the next passes would be the same."""
+    why = (
+        "the data yielded no batch"
+        if not batches
+        else f"the loss function skipped all {batches} batches (returned None)"
+    )
+    if epochs is None:
+        raise ValueError(
+            f"run: in epoch {state.epoch} {why}, so no update can ever happen and max_steps "
+            "would never be reached. Check the data source (an empty DataLoader, a filter "
+            "that drops everything) and the loss function."
+        )
+    warnings.warn(
+        f"run: in epoch {state.epoch} {why}; no update happened in that pass (reported once "
+        "per run).",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return True
+
+
 def _done(state: TrainState, max_steps: int | None, epochs: int | None) -> bool:
     return (
         state.stop is not None
@@ -321,22 +412,28 @@ def _done(state: TrainState, max_steps: int | None, epochs: int | None) -> bool:
 
 
 def _end(plugins: Sequence[Plugin], event: Event, error: BaseException | None) -> TrainState:
-    """Call every plugin's end, even if some raise; raise the first failure afterwards.
+    """Call every plugin's end, even if some raise.
 
-    When training itself raised, that error propagates and a plugin's failure at the end is
-    attached to it as a note rather than hiding it.
+    When training raised, that error propagates and a plugin's failure at the end is attached
+    to it as a note rather than hiding it. When training ended well, a plugin failing at the
+    end (a sink that cannot close, say) must not cost the trained state: the failure is
+    reported as a RuntimeWarning and run() returns the state.
     """
-    state, first = event.state, None
+    state = event.state
     for plugin in plugins:
         try:
             new = plugin(event._replace(state=state))
             if new is not None:
                 state = _returned(plugin, new)
         except Exception as exc:
+            name = getattr(plugin, "__qualname__", repr(plugin))
             if error is not None:
-                name = getattr(plugin, "__qualname__", repr(plugin))
                 error.add_note(f"and then plugin {name} failed at 'end': {exc!r}")
-            first = first or exc
-    if first is not None and error is None:
-        raise first
+            else:
+                warnings.warn(
+                    f"run: plugin {name} failed at 'end' after training ended well: {exc!r}. "
+                    "run() returns the trained state anyway.",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
     return state

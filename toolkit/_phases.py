@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 
@@ -26,6 +26,7 @@ __all__ = [
     "GuardConfig",
     "LossScaleError",
     "NonFiniteError",
+    "Verdict",
     "decide",
 ]
 
@@ -85,6 +86,27 @@ class AmpConfig:
     scaler: torch.amp.GradScaler | None = None
     min_scale: float = 1e-4
     device_type: str | None = None
+
+    def __post_init__(self) -> None:
+        # amp_wrap's argument checks: a dtype string becomes the torch dtype.
+        object.__setattr__(self, "dtype", _resolve_dtype(self.dtype))
+        scaler = self.scaler
+        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+            raise TypeError(
+                f"amp_wrap: scaler must be a torch.amp.GradScaler or None; got {scaler!r}."
+            )
+        if scaler is not None and self.dtype != torch.float16:
+            raise ValueError(f"amp_wrap: a GradScaler needs dtype='fp16'; got dtype={self.dtype}.")
+        if scaler is not None and not scaler.is_enabled():
+            raise ValueError(
+                "amp_wrap: expected an enabled GradScaler; got one with enabled=False."
+            )
+        m = self.min_scale
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not m > 0:
+            raise ValueError(f"amp_wrap: min_scale must be a number > 0; got {m!r}.")
+        object.__setattr__(self, "min_scale", float(m))
+        if self.device_type is not None:
+            _check_device_type(self.device_type)
 
     @property
     def fp16(self) -> bool:
@@ -246,6 +268,19 @@ class GuardConfig:
         return f"guard_nonfinite(max_retries={self.max_retries}, on_exhaust={self.on_exhaust!r})"
 
 
+class Verdict(NamedTuple):
+    """What phase 6 found about a closed window (all False: apply it)."""
+
+    nonfinite: bool  # the loss (or, without a scaler, the gradient norm) is not finite
+    overflow: bool  # the GradScaler found inf/NaN gradients
+    collapsed: bool  # ... and its scale fell below min_scale
+    empty: bool  # the window's total target count is 0: nothing to learn from
+    negative: bool  # ... or negative: the loss function reported a bad count
+
+
+_FINE = Verdict(False, False, False, False, False)
+
+
 def decide(
     guard: GuardConfig | None,
     scaler: torch.amp.GradScaler | None,
@@ -253,42 +288,93 @@ def decide(
     optimizer: torch.optim.Optimizer,
     window_loss: torch.Tensor | None,
     grad_norm: torch.Tensor | None,
-) -> tuple[bool, bool, bool]:
-    """Phase 6: every decision of the window in one host sync: (nonfinite, overflow, collapsed).
+    total: torch.Tensor | None = None,
+) -> Verdict:
+    """Phase 6: every decision of the window in one host sync.
 
-    The flags are all-reduced with MAX so that every data-parallel rank decides alike.
+    ``total`` is the window's target count as a tensor (checked here because this sync
+    exists anyway), or None. The flags are all-reduced with MAX so that every data-parallel
+    rank decides alike.
     """
-    if scaler is None:
+    if scaler is None and total is None:
         # The common case, kept to as few tiny kernels as a hand-written loop needs.
         assert window_loss is not None and grad_norm is not None
         finite = torch.isfinite(window_loss) & torch.isfinite(grad_norm)
         if is_distributed():
             bad = all_reduce_((~finite).to(torch.float32), torch.distributed.ReduceOp.MAX)
-            return bool(bad.item() > 0), False, False  # the one host sync of the update
-        return not finite.item(), False, False  # the one host sync of the update
-    # GradScaler keeps found_inf per optimizer and device after unscale_; combining the
-    # tensors on device (no .item()) keeps the whole decision to the single sync below.
-    found_per_device = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-    scale = scaler._get_scale_async()
-    assert scale is not None  # unscale_ has run, so the scale exists
-    found = sum(f.to(scale.device) for f in found_per_device.values()) > 0
-    collapsed = found & (scale * scaler.get_backoff_factor() < min_scale)
-    if guard is not None and window_loss is not None:
-        # Under fp16 only the loss counts: non-finite gradients are the scaler's overflow.
-        bad = ~torch.isfinite(window_loss).to(scale.device)
+            nonfinite = bool(bad.item() > 0)  # the one host sync of the update
+        else:
+            nonfinite = not finite.item()  # the one host sync of the update
+        return _FINE._replace(nonfinite=nonfinite) if nonfinite else _FINE
+    flags = []  # bit i of the code below
+    if scaler is not None:
+        # GradScaler keeps found_inf per optimizer and device after unscale_; combining the
+        # tensors on device (no .item()) keeps the whole decision to the single sync below.
+        found_per_device = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        scale = scaler._get_scale_async()
+        assert scale is not None  # unscale_ has run, so the scale exists
+        device = scale.device
+        found = sum(f.to(device) for f in found_per_device.values()) > 0
+        assert isinstance(found, torch.Tensor)
+        if guard is not None and window_loss is not None:
+            # Under fp16 only the loss counts: non-finite gradients are the scaler's overflow.
+            flags.append(~torch.isfinite(window_loss).to(device))
+        else:
+            flags.append(torch.zeros((), dtype=torch.bool, device=device))
+        flags += [found, found & (scale * scaler.get_backoff_factor() < min_scale)]
     else:
-        bad = torch.zeros((), dtype=torch.bool, device=scale.device)
-    assert isinstance(found, torch.Tensor) and isinstance(collapsed, torch.Tensor)
-    flags = torch.stack([bad, found, collapsed]).to(torch.float32)
-    flags = all_reduce_(flags, torch.distributed.ReduceOp.MAX)  # a no-op in one process
-    code = int((flags * _flag_bits(flags.device)).sum().item())  # the one host sync
-    return bool(code & 1), bool(code & 2), bool(code & 4)
+        assert window_loss is not None and grad_norm is not None and total is not None
+        device = total.device
+        finite = torch.isfinite(window_loss) & torch.isfinite(grad_norm)
+        flags += [~finite.to(device), *torch.zeros(2, dtype=torch.bool, device=device)]
+    if total is not None:
+        flags += [total.to(device) == 0, total.to(device) < 0]
+    packed = torch.stack(flags).to(torch.float32)
+    packed = all_reduce_(packed, torch.distributed.ReduceOp.MAX)  # a no-op in one process
+    code = int((packed * _flag_bits(packed.device)[: len(flags)]).sum().item())  # the sync
+    return Verdict(*(bool(code & (1 << i)) for i in range(5)))
 
 
 @functools.cache
 def _flag_bits(device: torch.device) -> torch.Tensor:
     """The weights that pack the three flags into one number, made once per device."""
-    return torch.tensor([1.0, 2.0, 4.0], device=device)
+    return torch.tensor([1.0, 2.0, 4.0, 8.0, 16.0], device=device)
+
+
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16}
+_DTYPES.update({"float16": torch.float16, "half": torch.float16})
+
+
+def _check_device_type(device_type: Any) -> None:
+    try:
+        known = isinstance(device_type, str) and torch.amp.is_autocast_available(device_type)
+    except RuntimeError:  # not a device type torch knows at all
+        known = False
+    if not known:
+        raise ValueError(
+            f"amp_wrap: device_type must be a device type with autocast, such as 'cpu' or "
+            f"'cuda'; got {device_type!r}. Leave it out to use the parameters' device."
+        )
+    # torch.cuda, torch.xpu, torch.mps... (a backend torch has no module for is not checked)
+    available = getattr(getattr(torch, device_type, None), "is_available", None)
+    if device_type != "cpu" and callable(available) and not available():
+        raise ValueError(
+            f"amp_wrap: device_type={device_type!r}, but no {device_type} device is available "
+            "here, so autocast would be off and training would run in float32; leave "
+            "device_type out to use the parameters' device."
+        )
+
+
+def _resolve_dtype(dtype: Any) -> torch.dtype:
+    key = dtype.lower() if isinstance(dtype, str) else dtype
+    if key in (torch.bfloat16, torch.float16):
+        return key
+    if isinstance(key, str) and key in _DTYPES:
+        return _DTYPES[key]
+    raise ValueError(
+        f"amp_wrap: dtype must be 'bf16', 'fp16', torch.bfloat16 or torch.float16; got "
+        f"{dtype!r}. For float32 training leave amp_wrap out."
+    )
 
 
 def _show(value: torch.Tensor | None) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import optree
 import torch
@@ -17,10 +17,12 @@ class WindowState(NamedTuple):
 
     Attributes:
         micro_step: accepted micro-batches in the window so far (``0 <= micro_step < k``).
-        count: summed target count of the window (float64 tensor), or ``None`` when the
-            loss function reports no counts.
+        count: summed target count of the window: a python number while every count was
+            one, else a float64 tensor; ``None`` when the loss function reports no counts.
         loss: summed detached loss of the window, or ``None`` when no decorator needs it
             (the guard checks it for finiteness once per window).
+        length: micro-batches per update of the step that opened the window (``k``), so
+            that a step of another length refuses it instead of never closing it.
 
     Example:
         >>> import torch
@@ -29,13 +31,14 @@ class WindowState(NamedTuple):
         >>> state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
         >>> step = accumulate(make_step(lambda m, b: m(b).mean()), micro_batches=3)
         >>> state, _ = step(state, torch.ones(4, 2))
-        >>> state.window.micro_step
-        1
+        >>> state.window.micro_step, state.window.length
+        (1, 3)
     """
 
     micro_step: int = 0
-    count: torch.Tensor | None = None  # type: ignore[assignment]  # shadows tuple.count on purpose
+    count: torch.Tensor | float | None = None  # type: ignore[assignment]  # shadows tuple.count
     loss: torch.Tensor | None = None
+    length: int = 1
 
 
 class GuardState(NamedTuple):
@@ -78,9 +81,12 @@ class TrainState:
     Args:
         model: the ``torch.nn.Module`` being trained (possibly wrapped by DDP, FSDP2 or
             ``torch.compile``).
-        optimizer: a ``torch.optim.Optimizer`` over the model's parameters; required by every
+        optimizer: a ``torch.optim.Optimizer`` over the model's parameters (it may hold more,
+            such as a learnable loss temperature, but not only others); required by every
             train step.
-        scheduler: an optional LR scheduler, stepped once per *applied* update.
+        scheduler: an optional LR scheduler over ``optimizer``, stepped once per *applied*
+            update; a ``ReduceLROnPlateau`` needs a metric, so the step leaves it alone and
+            :func:`toolkit.plugins.validate` steps it with the metric it monitors.
         scaler: an optional ``torch.amp.GradScaler``; ``amp_wrap(dtype="fp16")`` creates one
             on the first step when this is ``None``.
         step: optimizer updates applied so far.
@@ -95,8 +101,12 @@ class TrainState:
         A frozen dataclass; use :meth:`replace` to derive a changed copy.
 
     Raises:
-        TypeError: when ``model`` is not a ``torch.nn.Module``, or ``optimizer`` is given
-            and is not a ``torch.optim.Optimizer``.
+        TypeError: a field of the wrong type: ``model`` not a ``torch.nn.Module``,
+            ``optimizer`` not a ``torch.optim.Optimizer``, ``scheduler`` not an LR scheduler,
+            ``scaler`` not a ``torch.amp.GradScaler``, a counter not an int, ``stop`` not a
+            str, ``extras`` not a mapping.
+        ValueError: a negative counter; an optimizer that shares no parameter with the
+            model; a scheduler over another optimizer, or without one.
 
     Example:
         >>> import torch
@@ -121,21 +131,14 @@ class TrainState:
     stop: str | None = None
     extras: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
+    # Set on a state once a train step has returned its successor (see Step.__call__).
+    _consumed: ClassVar[bool] = False
+
     def __post_init__(self) -> None:
-        if not isinstance(self.model, torch.nn.Module):
-            raise TypeError(
-                f"TrainState.model: expected a torch.nn.Module, got {type(self.model).__name__}. "
-                "Pass the module you train, e.g. TrainState(model=net, optimizer=opt)."
-            )
-        if self.optimizer is not None and not isinstance(self.optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                "TrainState.optimizer: expected a torch.optim.Optimizer, got "
-                f"{type(self.optimizer).__name__}. Build it over the model's parameters, "
-                "e.g. torch.optim.AdamW(model.parameters(), lr=1e-3)."
-            )
+        _check(self, _FIELD_CHECKS)
 
     def replace(self, **changes: Any) -> TrainState:
-        """Return a copy with ``changes`` applied (fields are not re-validated).
+        """Return a copy with ``changes`` applied; the changed fields are checked as at build.
 
         Args:
             **changes: field names and their new values.
@@ -144,7 +147,8 @@ class TrainState:
             A new :class:`TrainState` sharing the unchanged fields and handles.
 
         Raises:
-            TypeError: when a name is not a field of TrainState.
+            TypeError: when a name is not a field of TrainState, or a value has the wrong type.
+            ValueError: when a value is out of range (see :class:`TrainState`).
 
         Example:
             >>> import torch
@@ -158,7 +162,9 @@ class TrainState:
                 f"TrainState.replace: unknown field(s) {sorted(unknown)}; "
                 f"expected some of {sorted(_FIELD_NAMES)}."
             )
-        return self._evolve(changes)
+        new = self._evolve(changes)
+        _check(new, [c for c in _FIELD_CHECKS if changes.keys() & c.fields])
+        return new
 
     def _evolve(self, changes: dict[str, Any]) -> TrainState:
         # Hot path (field names known to be right): copying the field dict is several times
@@ -179,3 +185,107 @@ class TrainState:
 
 
 _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(TrainState))
+
+
+class _FieldCheck(NamedTuple):
+    fields: frozenset[str]  # the fields it reads: replace() runs it when one of them changes
+    check: Any  # check(state) raises, or returns None
+
+
+def _check(state: TrainState, checks: Any) -> None:
+    for check in checks:
+        check.check(state)
+
+
+def _model(state: TrainState) -> None:
+    if not isinstance(state.model, torch.nn.Module):
+        raise TypeError(
+            f"TrainState.model: expected a torch.nn.Module, got {type(state.model).__name__}. "
+            "Pass the module you train, e.g. TrainState(model=net, optimizer=opt)."
+        )
+
+
+def _optimizer(state: TrainState) -> None:
+    optimizer = state.optimizer
+    if optimizer is None:
+        return
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            "TrainState.optimizer: expected a torch.optim.Optimizer, got "
+            f"{type(optimizer).__name__}. Build it over the model's parameters, "
+            "e.g. torch.optim.AdamW(model.parameters(), lr=1e-3)."
+        )
+    # Once per state built by hand (steps copy states without this check). No shared
+    # parameter means the optimizer steps another model: training would change nothing.
+    own = {id(p) for p in state.model.parameters()}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if not any(id(p) in own for p in params):
+        raise ValueError(
+            f"TrainState.optimizer: none of its {len(params)} parameters belongs to the "
+            "model, so training would never change the model; build it over this model's "
+            "parameters, e.g. torch.optim.AdamW(model.parameters())."
+        )
+
+
+def _scheduler(state: TrainState) -> None:
+    scheduler = state.scheduler
+    if scheduler is None:
+        return
+    if not (callable(getattr(scheduler, "step", None)) and hasattr(scheduler, "state_dict")):
+        raise TypeError(
+            f"TrainState.scheduler: expected an LR scheduler from torch.optim.lr_scheduler; "
+            f"got {type(scheduler).__name__} {scheduler!r:.40}. Build one over the optimizer, "
+            "e.g. torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=1000)."
+        )
+    if state.optimizer is None or getattr(scheduler, "optimizer", state.optimizer) is not (
+        state.optimizer
+    ):
+        raise ValueError(
+            f"TrainState.scheduler: expected a scheduler over the state's optimizer; this "
+            f"{type(scheduler).__name__} steps "
+            f"{'no optimizer of the state' if state.optimizer is None else 'another one'}. "
+            "Build it over the same optimizer: Scheduler(optimizer, ...)."
+        )
+
+
+def _scaler(state: TrainState) -> None:
+    if state.scaler is not None and not isinstance(state.scaler, torch.amp.GradScaler):
+        raise TypeError(
+            f"TrainState.scaler: expected a torch.amp.GradScaler or None; got "
+            f"{type(state.scaler).__name__}."
+        )
+
+
+def _counters(state: TrainState) -> None:
+    for name in ("step", "epoch", "batches_seen"):
+        value = getattr(state, name)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"TrainState.{name}: expected an int >= 0; got {value!r}.")
+        if value < 0:
+            raise ValueError(f"TrainState.{name}: expected an int >= 0; got {value!r}.")
+
+
+def _bookkeeping(state: TrainState) -> None:
+    for name, kind in (("window", WindowState), ("guard", GuardState)):
+        if not isinstance(getattr(state, name), kind):
+            raise TypeError(
+                f"TrainState.{name}: expected a {kind.__name__}; got "
+                f"{type(getattr(state, name)).__name__}."
+            )
+    if state.stop is not None and not isinstance(state.stop, str):
+        raise TypeError(f"TrainState.stop: expected None or a reason string; got {state.stop!r}.")
+    if not isinstance(state.extras, Mapping):
+        raise TypeError(
+            f"TrainState.extras: expected a mapping (a dict of plugin state); got "
+            f"{type(state.extras).__name__}. Use {{}} for none."
+        )
+
+
+_FIELD_CHECKS = [
+    _FieldCheck(frozenset({"model"}), _model),
+    _FieldCheck(frozenset({"model", "optimizer"}), _optimizer),
+    _FieldCheck(frozenset({"optimizer", "scheduler"}), _scheduler),
+    _FieldCheck(frozenset({"scaler"}), _scaler),
+    _FieldCheck(frozenset({"step", "epoch", "batches_seen"}), _counters),
+    _FieldCheck(frozenset({"window", "guard", "stop", "extras"}), _bookkeeping),
+]

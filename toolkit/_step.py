@@ -33,7 +33,10 @@ class LossSum(NamedTuple):
 
     Attributes:
         total: scalar tensor, the loss summed over the micro-batch's targets.
-        count: number of targets (int or scalar tensor; a tensor avoids a host sync).
+        count: number of targets (>= 0): a python number, checked when returned (a window
+            whose total is 0 has nothing to learn from and is skipped, ``out.empty``), or a
+            one-element tensor, checked within the update's host sync when
+            :func:`guard_nonfinite` or fp16 makes one (without either, nothing checks it).
         records: optional nested mapping of numbers or 0-d tensors to report.
 
     Example:
@@ -46,7 +49,7 @@ class LossSum(NamedTuple):
     """
 
     total: torch.Tensor
-    count: torch.Tensor | int  # type: ignore[assignment]  # shadows tuple.count on purpose
+    count: torch.Tensor | float  # type: ignore[assignment]  # shadows tuple.count on purpose
     records: Mapping[str, Any] = {}
 
 
@@ -54,8 +57,8 @@ class StepOutput(NamedTuple):
     """What one call of a train step reports. Tensors are detached; nothing was synced.
 
     Attributes:
-        loss: this micro-batch's mean loss (``total / count`` for a :class:`LossSum`), or
-            ``None`` when the loss function skipped the batch.
+        loss: this micro-batch's mean loss (``total / count`` for a :class:`LossSum`: not
+            finite for a count of 0), or ``None`` when the loss function skipped the batch.
         records: the records the loss function returned (``{}`` when none).
         count: the micro-batch's target count, or ``None`` when not reported.
         samples: leading dimension of the batch's first tensor, or ``None`` when it has none.
@@ -65,6 +68,8 @@ class StepOutput(NamedTuple):
         nonfinite: the window's loss or gradients were not finite under
             :func:`guard_nonfinite` (rejected, unless ``on_exhaust="accept"`` applied it).
         overflow: the fp16 ``GradScaler`` skipped the update (gradient overflow).
+        empty: the window's total target count was 0, so it had nothing to learn from and
+            was skipped (no optimizer or scheduler step; not a failure of the guard).
         grad_norm: total gradient norm before clipping, when a window closed under
             :func:`clip` or :func:`guard_nonfinite`; else ``None``.
         lr: learning rate of the first parameter group that the update used (read before
@@ -83,19 +88,21 @@ class StepOutput(NamedTuple):
 
     loss: torch.Tensor | None
     records: Mapping[str, Any]
-    count: torch.Tensor | int | None  # type: ignore[assignment]  # shadows tuple.count on purpose
+    count: torch.Tensor | float | None  # type: ignore[assignment]  # shadows tuple.count on purpose
     samples: int | None
     updated: bool
     closed: bool
     skipped: bool = False
     nonfinite: bool = False
     overflow: bool = False
+    empty: bool = False
     grad_norm: torch.Tensor | None = None
     lr: Any = None
 
 
 _NO_RECORDS: Mapping[str, Any] = types.MappingProxyType({})
 _FP16 = torch.float16
+_ON_METRIC = torch.optim.lr_scheduler.ReduceLROnPlateau
 _tuple_new = tuple.__new__
 _SKIPPED = StepOutput(None, _NO_RECORDS, None, None, updated=False, closed=False, skipped=True)
 
@@ -130,7 +137,7 @@ def _bad_return(result: Any, why: str) -> TypeError:
     )
 
 
-def _parse(result: Any) -> tuple[torch.Tensor, torch.Tensor | int | None, Mapping[str, Any]]:
+def _parse(result: Any) -> tuple[torch.Tensor, torch.Tensor | float | None, Mapping[str, Any]]:
     records: Mapping[str, Any]
     if isinstance(result, torch.Tensor):
         loss, count, records = result, None, _NO_RECORDS
@@ -160,7 +167,32 @@ def _parse(result: Any) -> tuple[torch.Tensor, torch.Tensor | int | None, Mappin
             "loss_fn returned a loss that does not require grad, so backward cannot run. "
             "Compute it from the model's output inside loss_fn, outside torch.no_grad()."
         )
+    if count is not None:
+        count = _checked_count(count)
     return loss, count, records
+
+
+def _checked_count(count: Any) -> torch.Tensor | float:
+    """A LossSum count as a number >= 0 or a one-element real tensor (checked later)."""
+    if isinstance(count, torch.Tensor):
+        if count.numel() != 1 or count.is_complex() or count.dtype is torch.bool:
+            raise TypeError(
+                f"LossSum.count: expected a number or a one-element real tensor; got a "
+                f"{count.dtype} tensor of shape {tuple(count.shape)}. Count the targets: "
+                "(targets != ignore_index).sum()."
+            )
+        return count.detach().reshape(()) if count.ndim else count.detach()
+    if isinstance(count, bool) or not isinstance(count, (int, float)):
+        raise TypeError(
+            f"LossSum.count: expected a number >= 0 or a one-element tensor; got "
+            f"{type(count).__name__} {count!r:.40}."
+        )
+    if not (count >= 0 and count != float("inf")):
+        raise ValueError(
+            f"LossSum.count: expected a finite number >= 0 (the micro-batch's targets); got "
+            f"{count!r}. A negative count would turn the update into gradient ascent."
+        )
+    return count
 
 
 def _no_optimizer(state: Any) -> TypeError:
@@ -218,7 +250,11 @@ class Step:
         optimizer = getattr(state, "optimizer", None)
         if optimizer is None:
             raise _no_optimizer(state)
+        if state._consumed:
+            raise _reused(state)
         model, window, amp, k = state.model, state.window, self.amp, self._k
+        if window.micro_step and window.length != k:
+            raise _other_window(window, k)
         closes = window.micro_step + 1 == k
         scaler = None  # a scaler left in the state by someone else is not ours to use
         if amp is not None and amp.fp16:
@@ -271,14 +307,15 @@ class Step:
             window_loss = lf if window_loss is None else window_loss + lf
         window_count = window.count
         if count is not None:
-            c = torch.as_tensor(count, dtype=torch.float64, device=detached.device)
-            window_count = c if window_count is None else window_count + c
-            detached = detached / c
+            # Python counts stay python numbers (exact, checkable without a sync).
+            window_count = count if window_count is None else window_count + count
+            detached = detached / count
         if not closes:
             # tuple.__new__: WindowState(...) would run namedtuple's generated __new__ too.
-            state = state._with_window(
-                _tuple_new(WindowState, (window.micro_step + 1, window_count, window_loss))
+            new = state._with_window(
+                _tuple_new(WindowState, (window.micro_step + 1, window_count, window_loss, k))
             )
+            state.__dict__["_consumed"] = True  # a mark, past the frozen __setattr__
             out = StepOutput(
                 loss=detached,
                 records=records,
@@ -287,20 +324,22 @@ class Step:
                 updated=False,
                 closed=False,
             )
-            return state, out
-        return self._close_window(
+            return new, out
+        new, out = self._close_window(
             state, scaler, window_count, window_loss, detached, records, count, _leading_dim(batch)
         )
+        state.__dict__["_consumed"] = True
+        return new, out
 
     def _close_window(
         self,
         state: TrainState,
         scaler: torch.amp.GradScaler | None,
-        window_count: torch.Tensor | None,
+        window_count: torch.Tensor | float | None,
         window_loss: torch.Tensor | None,
         loss: torch.Tensor,
         records: Mapping[str, Any],
-        count: torch.Tensor | int | None,
+        count: torch.Tensor | float | None,
         samples: int | None,
     ) -> tuple[TrainState, StepOutput]:
         """Phases 4-11, once per window, on the micro-batch that closes it."""
@@ -325,14 +364,21 @@ class Step:
             scaler.unscale_(optimizer)
 
         # 5. divide by the window's total target count, summed over ranks
+        empty = False  # a total count of 0: nothing to learn from, the window is skipped
+        total = None  # the total as a tensor, for phase 6 to check within its host sync
         if window_count is not None and grads:
             world = data_parallel_size(model)
-            total = window_count
-            if world > 1:
-                total = all_reduce_(window_count.clone(), torch.distributed.ReduceOp.SUM)
-            # DDP and FSDP average gradients over ranks; the world factor turns that mean back
-            # into the sum that the global count divides.
-            torch._foreach_mul_(grads, (world / total).to(grads[0].dtype))
+            if world == 1 and not isinstance(window_count, torch.Tensor):
+                empty = window_count == 0  # python counts were checked >= 0 when returned
+                if not empty:
+                    torch._foreach_mul_(grads, 1.0 / window_count)
+            else:
+                total = torch.as_tensor(window_count, dtype=torch.float64, device=grads[0].device)
+                if world > 1:
+                    total = all_reduce_(total.clone(), torch.distributed.ReduceOp.SUM)
+                # DDP and FSDP average gradients over ranks; the world factor turns that mean
+                # back into the sum that the global count divides.
+                torch._foreach_mul_(grads, (world / total).to(grads[0].dtype))
 
         # 5b. the user's gradient transforms (transform_grads)
         if transforms is not None and grads:
@@ -347,21 +393,22 @@ class Step:
                 # FSDP2: a DTensor over the shards. Clipping takes it as it is (as
                 # clip_grad_norm_ does); the decision and the report need its value.
                 grad_norm = grad_norm.full_tensor()
-        nonfinite = overflow = collapsed = False
+        nonfinite = overflow = collapsed = negative = False
         if guard is not None or scaler is not None:
             min_scale = self.amp.min_scale if self.amp is not None else 0.0
-            nonfinite, overflow, collapsed = decide(
-                guard, scaler, min_scale, optimizer, window_loss, grad_norm
-            )
+            verdict = decide(guard, scaler, min_scale, optimizer, window_loss, grad_norm, total)
+            nonfinite, overflow, collapsed, zero, negative = verdict
+            empty = empty or zero
+        nonfinite = nonfinite and not empty  # the gradients of no target are 0/0: not a failure
         overflow = overflow and not nonfinite  # a non-finite loss is the guard's to report
-        apply = not (nonfinite or overflow)
+        apply = not (nonfinite or overflow or empty or negative)
         counters = state.guard
         if overflow:
             counters = counters._replace(total_overflow=counters.total_overflow + 1)
-        exhausted = None
+        failure: Exception | None = _negative_total(window_count) if negative else None
         if guard is not None and (nonfinite or counters.notfinite_count):
-            counters, apply, exhausted = guard.judge(
-                counters, nonfinite, overflow, state.step, window_loss, grad_norm
+            counters, apply, failure = guard.judge(
+                counters, nonfinite, overflow or empty, state.step, window_loss, grad_norm
             )
 
         lr = optimizer.param_groups[0]["lr"]
@@ -387,12 +434,14 @@ class Step:
                 assert self.amp is not None
                 raise self.amp.collapsed(scaler)
         optimizer.zero_grad(set_to_none=True)
-        if exhausted is not None:
-            raise exhausted  # the window is thrown away (scaler updated, grads cleared) first
+        if failure is not None:
+            raise failure  # the window is thrown away (scaler updated, grads cleared) first
 
-        # 10. scheduler step, only after an applied update
-        if apply and state.scheduler is not None:
-            state.scheduler.step()
+        # 10. scheduler step, only after an applied update (a ReduceLROnPlateau needs a
+        # metric: validate() steps it)
+        scheduler = state.scheduler
+        if apply and scheduler is not None and not isinstance(scheduler, _ON_METRIC):
+            scheduler.step()
 
         # 11. counters
         state = state._evolve(
@@ -411,6 +460,7 @@ class Step:
             closed=True,
             nonfinite=nonfinite,
             overflow=overflow,
+            empty=empty,
             grad_norm=grad_norm,
             lr=lr,
         )
@@ -418,6 +468,33 @@ class Step:
 
 
 _EMPTY_WINDOW = WindowState()
+
+
+def _reused(state: TrainState) -> ValueError:
+    return ValueError(
+        f"this TrainState (step {state.step}) was already passed to a train step, which "
+        "returned its successor: the model has moved on since, so its counters would fork. "
+        "Keep the state the step returns: state, out = step(state, batch)."
+    )
+
+
+def _other_window(window: WindowState, k: int) -> ValueError:
+    return ValueError(
+        f"the state's accumulation window was opened by a step of micro_batches="
+        f"{window.length} and holds {window.micro_step} micro-batch(es); this step has "
+        f"micro_batches={k}, so the window would never close as it should. Finish it with "
+        "the step that opened it, or change the step at an update boundary "
+        "(state.window.micro_step == 0)."
+    )
+
+
+def _negative_total(total: Any) -> ValueError:
+    shown = "" if isinstance(total, torch.Tensor) else f" ({total:g})"
+    return ValueError(
+        f"loss_fn reported a negative total target count{shown} for the window, which would "
+        "turn the update into gradient ascent; the window was thrown away. Counts are "
+        "numbers of targets (tokens, samples): return LossSum(total, count) with count >= 0."
+    )
 
 
 def _mixed_counts(detail: str) -> ValueError:

@@ -35,7 +35,8 @@ def unwrap(model: nn.Module, *, keep_compile: bool = False) -> nn.Module:
         with ``keep_compile=True``.
 
     Raises:
-        TypeError: when ``model`` is not a ``torch.nn.Module``.
+        TypeError: when ``model`` is not a ``torch.nn.Module``, or ``keep_compile`` not a
+            bool.
 
     Example:
         >>> import torch
@@ -53,6 +54,8 @@ def unwrap(model: nn.Module, *, keep_compile: bool = False) -> nn.Module:
             f"unwrap: expected a torch.nn.Module, got {type(model).__name__}. Pass the model "
             "(e.g. state.model), not its state dict, parameters or an optimizer."
         )
+    if not isinstance(keep_compile, bool):
+        raise TypeError(f"unwrap: keep_compile must be True or False; got {keep_compile!r}.")
     # torch._dynamo is imported by torch.compile; when it is not loaded no OptimizedModule
     # can exist, so look it up instead of importing it (a slow import) for every call.
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
