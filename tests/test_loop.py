@@ -284,7 +284,10 @@ def test_the_data_iterator_is_closed_when_a_resumed_epoch_skips_batches() -> Non
         if event.kind == "step":
             raise KeyboardInterrupt
 
-    with pytest.raises(KeyboardInterrupt):  # resumed: the skipping wraps the source
+    with (
+        pytest.raises(KeyboardInterrupt),  # resumed: the source's own iterator is closed
+        pytest.warns(RuntimeWarning, match="resuming a Source, which has no way to skip"),
+    ):
         run(_step(), state, Source(), max_steps=4, plugins=[boom])
     assert closed == [True, True]
 

@@ -243,7 +243,7 @@ def test_a_skipped_batch_returns_the_same_state_which_stays_usable() -> None:
         ("step", "3", TypeError, "TrainState.step: expected an int >= 0; got '3'."),
         ("epoch", 1.0, TypeError, "TrainState.epoch: expected an int >= 0; got 1.0."),
         ("batches_seen", True, TypeError, "TrainState.batches_seen: expected an int >= 0"),
-        ("extras", None, TypeError, "TrainState.extras: expected a mapping (a dict of plugin"),
+        ("extras", None, TypeError, "TrainState.extras: expected a mapping; got NoneType."),
         ("stop", True, TypeError, "TrainState.stop: expected None or a reason string; got True"),
         ("window", (0, None), TypeError, "TrainState.window: expected a WindowState; got tuple"),
         ("scaler", "fp16", TypeError, "TrainState.scaler: expected a torch.amp.GradScaler or"),

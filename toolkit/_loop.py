@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import time
 import warnings
 import weakref
@@ -11,6 +10,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, NamedTuple, TypeVar
 
 from toolkit._checks import check_count
+from toolkit._data import batches_per_epoch, is_stateful, snapshot, unseen
 from toolkit._state import TrainState
 from toolkit._step import StepOutput
 
@@ -30,6 +30,8 @@ class LoopInfo:
         micro_batches: micro-batches per update of the step (1 without accumulation).
         start_step: ``state.step`` when this run started (> 0 after a resume).
         total_steps: the number of updates the run will reach, when it can be known.
+        data: the data source given to :func:`run` (a checkpoint plugin records a stateful
+            loader's position from it).
 
     Example:
         >>> import torch
@@ -50,6 +52,7 @@ class LoopInfo:
     micro_batches: int
     start_step: int
     total_steps: int | None
+    data: Any = dataclasses.field(default=None, repr=False, compare=False)
 
 
 class Event(NamedTuple):
@@ -238,9 +241,18 @@ def run(
     epochs`` completed passes over ``data``; a plugin setting ``state.stop`` (a reason
     string); a one-shot iterator running out. A finite re-iterable ``data`` (DataLoader,
     list) is iterated again for each epoch, after calling ``set_epoch(epoch)`` on it or on
-    its sampler when they have one. A resumed state (``state.batches_seen > 0``) skips the
-    batches of the current epoch it has already seen, which reproduces the data only when
-    the per-epoch order is deterministic (a seeded sampler with ``set_epoch``).
+    its sampler when they have one. Any source works: map-style and iterable DataLoaders
+    (with or without a length), lists, generators, ``iter(loader)``.
+
+    Before each fresh pass, run() records in ``state.data_state`` the RNG states the pass
+    draws its order from. A resumed state (``state.batches_seen > 0``, e.g. from a
+    checkpoint) continues its pass exactly: the same batches in the same order, the ones
+    already seen skipped without being loaded (a DataLoader over a map-style dataset skips
+    index batches; a list skips items; torchdata's StatefulDataLoader restores its own
+    position). Sources that cannot skip unread (an IterableDataset without state, a
+    one-shot iterator) read the seen batches again and drop them, with a warning naming
+    the reason and the fix; so does a DataLoader with ``persistent_workers=True``, whose
+    order after a resume differs.
 
     Plugins are plain functions ``plugin(event) -> TrainState | None`` (see :class:`Event`),
     called in list order at ``"start"``, once per optimizer update (``"step"``, with the
@@ -293,7 +305,7 @@ def run(
     """
     _validate(state, data, max_steps, epochs, plugins)
     k = _micro_batches(step)
-    batches = len(data) if hasattr(data, "__len__") else None  # type: ignore[arg-type]
+    batches = batches_per_epoch(data)
     state = state.replace(stop=None) if state.stop is not None else state
     loop = LoopInfo(
         max_steps,
@@ -302,6 +314,7 @@ def run(
         k,
         state.step,
         _total_steps(state, max_steps, epochs, batches, k),
+        data,
     )
     one_shot = isinstance(data, Iterator)
     iterator: Iterator[Any] | None = None
@@ -311,19 +324,25 @@ def run(
     pending = 0  # batches drawn since state.batches_seen was last written
     data_time = step_time = 0.0
     stalled = False  # a pass without progress was reported (once per run)
+    warned = False  # an inexact resume was reported (once per run)
     try:
         state = _call(plugins, Event("start", state, loop))
         while not _done(state, max_steps, epochs):
             _set_epoch(data, state.epoch)
-            iterator = iter(data)  # the source, closed on exit (an islice has no close)
-            unseen = iterator
             resumed = state.batches_seen > 0  # a partial pass may hold nothing new
             if resumed:
-                unseen = itertools.islice(iterator, state.batches_seen, None)
+                iterator, why = _resume(data, state)
+                if why is not None and not warned:
+                    warnings.warn(f"run: {why}.", RuntimeWarning, stacklevel=2)
+                    warned = True
+            else:
+                if not one_shot:  # what the pass draws its order from, for a resume
+                    state = state._evolve({"data_state": snapshot(data)})
+                iterator = iter(data)  # closed on every exit
             exhausted = True
             accepted = 0  # micro-batches of this pass that the loss function did not skip
             t0 = clock()
-            for batch in unseen:
+            for batch in iterator:
                 t1 = clock()
                 state, out = step(state, batch)
                 t2 = clock()
@@ -371,6 +390,14 @@ def run(
         end = Event("end", state, loop, error=error, outs=tuple(window))
         state = _end(plugins, end, error)
     return state
+
+
+def _resume(data: Any, state: TrainState) -> tuple[Iterator[Any], str | None]:
+    """The rest of a pass resumed ``state.batches_seen`` batches in, and why it is not exact."""
+    if is_stateful(data) and "loader" in state.data_state:
+        data.load_state_dict(state.data_state["loader"])  # it restarts where it was
+        return iter(data), None
+    return unseen(data, state.batches_seen, state.data_state)
 
 
 def _bad_step_return(state: Any, out: Any) -> TypeError:

@@ -96,6 +96,9 @@ class TrainState:
         batches_seen: batches drawn in the current epoch (data position for resume).
         stop: a reason string once a plugin has asked the loop to stop, else ``None``.
         extras: plugin state (EMA weights, best score, ...); replace it, do not mutate it.
+        data_state: where the current pass over the data started, recorded by
+            :func:`toolkit.run` so that a resumed pass draws the same batches (the RNG
+            states the pass drew its order from; a stateful loader's own position).
 
     Returns:
         A frozen dataclass; use :meth:`replace` to derive a changed copy.
@@ -130,6 +133,7 @@ class TrainState:
     batches_seen: int = 0
     stop: str | None = None
     extras: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    data_state: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     # Set on a state once a train step has returned its successor (see Step.__call__).
     _consumed: ClassVar[bool] = False
@@ -274,11 +278,12 @@ def _bookkeeping(state: TrainState) -> None:
             )
     if state.stop is not None and not isinstance(state.stop, str):
         raise TypeError(f"TrainState.stop: expected None or a reason string; got {state.stop!r}.")
-    if not isinstance(state.extras, Mapping):
-        raise TypeError(
-            f"TrainState.extras: expected a mapping (a dict of plugin state); got "
-            f"{type(state.extras).__name__}. Use {{}} for none."
-        )
+    for name in ("extras", "data_state"):
+        if not isinstance(getattr(state, name), Mapping):
+            raise TypeError(
+                f"TrainState.{name}: expected a mapping; got "
+                f"{type(getattr(state, name)).__name__}. Use {{}} for none."
+            )
 
 
 _FIELD_CHECKS = [
@@ -287,5 +292,5 @@ _FIELD_CHECKS = [
     _FieldCheck(frozenset({"optimizer", "scheduler"}), _scheduler),
     _FieldCheck(frozenset({"scaler"}), _scaler),
     _FieldCheck(frozenset({"step", "epoch", "batches_seen"}), _counters),
-    _FieldCheck(frozenset({"window", "guard", "stop", "extras"}), _bookkeeping),
+    _FieldCheck(frozenset({"window", "guard", "stop", "extras", "data_state"}), _bookkeeping),
 ]

@@ -1,0 +1,232 @@
+"""A pass resumed mid-epoch draws the batches an uninterrupted run would, without reading the
+seen ones again (issue 10, items 3 and 10): every source a PyTorch user passes to run().
+
+Each test trains once without interruption and once stopped mid-epoch and resumed in what
+stands for a new process: the global RNGs are scrambled and set back to the moment of the
+stop (what load_checkpoint does), and the data source is built anew from the same seed.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
+
+from toolkit import TrainState, accumulate, make_step, run
+from toolkit._data import _global_state, _set_global_state
+
+
+class Numbered(Dataset):
+    """Samples that carry their index, and a count of the samples read."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.reads = n, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[int, torch.Tensor]:
+        self.reads += 1
+        return i, torch.full((3,), float(i) / self.n)
+
+
+class Stream(IterableDataset):
+    """An iterable dataset without a length."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[tuple[int, torch.Tensor]]:
+        for i in range(self.n):
+            yield i, torch.full((3,), float(i) / self.n)
+
+
+def _batches_of(seen: list[list[int]]) -> Callable[[torch.nn.Module, Any], torch.Tensor]:
+    def loss_fn(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        ids, x = batch
+        seen.append([int(i) for i in ids])
+        # Dropout draws from the global RNG, so a resume that does not restore it differs.
+        return torch.nn.functional.dropout(model(x), 0.5).square().mean()
+
+    return loss_fn
+
+
+def _state() -> TrainState:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    return TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def _train(
+    make_data: Callable[[], Any], total: int, stop_at: int | None, k: int = 1, **run_kwargs
+) -> tuple[list[list[int]], TrainState]:
+    """The batch ids trained on and the final state, stopped and resumed at ``stop_at``."""
+    seen: list[list[int]] = []
+    step = make_step(_batches_of(seen))
+    step = accumulate(step, micro_batches=k) if k > 1 else step
+    torch.manual_seed(1)
+    state = _state()
+    if stop_at is None:
+        return seen, run(step, state, make_data(), max_steps=total, **run_kwargs)
+    state = run(step, state, make_data(), max_steps=stop_at, **run_kwargs)
+    rngs = _global_state()  # what a checkpoint records
+    torch.manual_seed(12345)  # a new process
+    _set_global_state(rngs)  # what load_checkpoint restores
+    state = run(step, state, make_data(), max_steps=total, **run_kwargs)
+    return seen, state
+
+
+def _assert_same(make_data: Callable[[], Any], total: int, stop_at: int, k: int = 1) -> None:
+    expected, reference = _train(make_data, total, None, k)
+    got, resumed = _train(make_data, total, stop_at, k)
+    assert got == expected
+    for p, q in zip(reference.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(p, q)
+
+
+def _loader(**kwargs) -> Callable[[], DataLoader]:
+    return lambda: DataLoader(Numbered(40), batch_size=4, **kwargs)
+
+
+SEEDED = {"shuffle": True, "generator": None}  # the generator is made per loader, below
+
+
+def _seeded(**kwargs) -> Callable[[], DataLoader]:
+    def make() -> DataLoader:
+        return DataLoader(
+            Numbered(40),
+            batch_size=4,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(7),
+            **kwargs,
+        )
+
+    return make
+
+
+@pytest.mark.parametrize("stop_at", [3, 10, 13, 20])  # mid-epoch, at an epoch's end, later
+def test_a_seeded_shuffle_resumes_exactly(stop_at: int) -> None:
+    _assert_same(_seeded(), total=26, stop_at=stop_at)
+
+
+def test_an_unseeded_shuffle_resumes_exactly_too() -> None:
+    # RandomSampler without a generator draws from the global RNG, recorded at the pass start.
+    _assert_same(_loader(shuffle=True), total=26, stop_at=13)
+
+
+@pytest.mark.slow
+def test_worker_processes_resume_exactly() -> None:
+    _assert_same(_seeded(num_workers=2), total=16, stop_at=7)
+
+
+def test_accumulation_windows_resume_at_their_boundary() -> None:
+    _assert_same(_seeded(), total=9, stop_at=4, k=3)
+
+
+def test_a_distributed_sampler_resumes_exactly() -> None:
+    def make() -> DataLoader:
+        data = Numbered(40)
+        sampler = DistributedSampler(data, num_replicas=2, rank=1, shuffle=True, seed=3)
+        return DataLoader(data, batch_size=4, sampler=sampler)
+
+    _assert_same(make, total=12, stop_at=7)
+
+
+def test_lists_resume_exactly() -> None:
+    def make() -> list:
+        return [(torch.tensor([i]), torch.full((1, 3), i / 10)) for i in range(10)]
+
+    _assert_same(make, total=25, stop_at=13)
+
+
+def test_seen_batches_are_not_read_again() -> None:
+    # Resuming at batch 10,000 of an epoch reads only what it trains on.
+    data = Numbered(20_000)
+    loader = DataLoader(
+        data, batch_size=1, shuffle=True, generator=torch.Generator().manual_seed(0)
+    )
+    state = _state().replace(batches_seen=10_000)
+    state = state.replace(
+        data_state={"torch": torch.get_rng_state(), "python": [3, [0] * 625, None]}
+    )
+    step = make_step(lambda m, b: m(b[1]).square().mean())
+    run(step, state, loader, max_steps=5)
+    assert data.reads == 5
+
+
+def test_an_iterable_dataset_without_a_length_is_taken() -> None:
+    # Before: run() called len(data), and DataLoader.__len__ raised TypeError.
+    loader = DataLoader(Stream(10), batch_size=2)
+    seen: list[list[int]] = []
+    state = run(make_step(_batches_of(seen)), _state(), loader, epochs=2)
+    assert state.step == 10 and seen[:5] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+
+
+def test_an_iterable_dataset_resumes_by_reading_again_with_a_warning() -> None:
+    with pytest.warns(RuntimeWarning, match="resuming a DataLoader over an IterableDataset, "):
+        _assert_same(lambda: DataLoader(Stream(10), batch_size=2), total=8, stop_at=3)
+
+
+def test_a_generator_is_taken_and_its_resume_warns() -> None:
+    def make() -> Iterator:
+        return ((torch.tensor([i]), torch.full((1, 3), i / 10)) for i in range(20))
+
+    with pytest.warns(RuntimeWarning, match="resuming a one-shot iterator: its first 3 batches"):
+        _assert_same(make, total=8, stop_at=3)
+
+
+def test_iter_of_a_loader_is_taken() -> None:
+    seen: list[list[int]] = []
+    run(make_step(_batches_of(seen)), _state(), iter(_seeded()()), max_steps=4)
+    expected: list[list[int]] = []
+    run(make_step(_batches_of(expected)), _state(), _seeded()(), max_steps=4)
+    assert seen == expected
+
+
+def test_persistent_workers_are_not_resumed_exactly_and_say_so() -> None:
+    make = _seeded(num_workers=1, persistent_workers=True)
+    with pytest.warns(RuntimeWarning, match="persistent_workers=True draws from its generator"):
+        _train(make, total=6, stop_at=3)
+
+
+def test_a_state_without_a_record_of_the_pass_warns() -> None:
+    state = _state().replace(batches_seen=2)  # made by hand: no data_state
+    with pytest.warns(RuntimeWarning, match=r"carries no record of the randomness"):
+        run(make_step(lambda m, b: m(b[1]).square().mean()), state, _seeded()(), max_steps=1)
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")  # torchdata import
+def test_stateful_dataloader_restores_its_own_position() -> None:
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    sampler_module = pytest.importorskip("torchdata.stateful_dataloader.sampler")
+    from toolkit._data import position
+
+    def make() -> Any:
+        data = Numbered(40)
+        sampler = sampler_module.RandomSampler(data, generator=torch.Generator().manual_seed(5))
+        return stateful.StatefulDataLoader(data, batch_size=4, sampler=sampler)
+
+    expected, _ = _train(make, 26, None)
+    seen: list[list[int]] = []
+    step = make_step(_batches_of(seen))
+    torch.manual_seed(1)
+    loader = make()
+    state = run(step, _state(), loader, max_steps=13)
+    state = state.replace(data_state=position(loader, state.data_state))  # what a save records
+    fresh = make()
+    before = fresh.dataset.reads
+    run(step, state, fresh, max_steps=26)
+    assert seen == expected
+    assert fresh.dataset.reads - before == 13 * 4  # the 3 seen batches of epoch 1 not read
+
+
+def test_skipping_an_index_sampler_keeps_its_length() -> None:
+    from toolkit._data import _SkipFirst
+
+    skipper = _SkipFirst([[0, 1], [2, 3], [4, 5]], 2)
+    assert len(skipper) == 1 and list(skipper) == [[4, 5]]
+    assert list(itertools.islice(_SkipFirst([[0]], 5), 3)) == []

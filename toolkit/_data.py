@@ -1,0 +1,253 @@
+"""Where a pass over the data stands, and how a resumed pass skips what was seen unread.
+
+run() takes a :func:`snapshot` of the randomness just before it starts each fresh pass
+(``iter(data)``): the global torch, Python and NumPy RNG states and the states of the
+loader's own generators. A pass resumed ``seen`` batches in (:func:`unseen`) puts that
+randomness back, creates the iterator as the original pass did (so the DataLoader draws its
+base seed and the sampler its permutation from the same states, in the same order), skips
+the seen *index* batches without loading their samples, and then restores the RNG states
+the training had, so dropout and augmentation continue their own streams.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import random
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+__all__ = ["batches_per_epoch", "is_stateful", "position", "snapshot", "unseen"]
+
+# Where a DataLoader keeps the generators its passes draw from.
+_ROLES = ("generator", "sampler.generator", "batch_sampler.sampler.generator")
+
+
+def batches_per_epoch(data: Any) -> int | None:
+    """``len(data)``, or None when it has no length (a DataLoader over an IterableDataset)."""
+    try:
+        return len(data)
+    except (TypeError, NotImplementedError):  # no __len__, or one that refuses
+        return None
+
+
+def is_stateful(data: Any) -> bool:
+    """A source that saves its own position (torchdata's StatefulDataLoader)."""
+    return callable(getattr(data, "state_dict", None)) and callable(
+        getattr(data, "load_state_dict", None)
+    )
+
+
+def position(data: Any, data_state: Any) -> dict[str, Any]:
+    """``data_state`` with a stateful source's own position (its ``state_dict()``) added.
+
+    Taken when a checkpoint is written: the source's position moves with every batch, so
+    run() does not record it per batch.
+    """
+    if not is_stateful(data):
+        return dict(data_state)
+    return {**data_state, "loader": data.state_dict()}
+
+
+def snapshot(data: Any) -> dict[str, Any]:
+    """The randomness a fresh pass over ``data`` draws from, taken just before ``iter(data)``.
+
+    A tree of tensors and JSON values (it goes into checkpoints with the state).
+    """
+    snap: dict[str, Any] = {"torch": torch.get_rng_state(), "python": _python_state()}
+    numpy_state = _numpy_state()
+    if numpy_state is not None:
+        snap["numpy"] = numpy_state
+    for role in _ROLES:
+        generator = _attr(data, role)
+        if isinstance(generator, torch.Generator):
+            snap[role] = generator.get_state()
+    return snap
+
+
+def unseen(data: Any, seen: int, snap: Any) -> tuple[Iterator[Any], str | None]:
+    """An iterator over the current pass of ``data`` after its first ``seen`` batches.
+
+    Returns it with a warning text when the resume is not exact or must read the seen
+    batches again (None when it is exact and reads nothing twice).
+    """
+    if isinstance(data, Sequence):  # in memory already: skipping reads nothing
+        return itertools.islice(iter(data), seen, None), _unless_snapshot(snap)
+    training_state = _global_state()
+    if snap:
+        _restore(snap, data)
+    try:
+        if _skippable(data):
+            loader, skipper = _skipping_copy(data, seen)
+            iterator = iter(loader)  # draws the base seed, as the original pass did
+            skipper.prime()  # then the sampler's permutation, and skips `seen` index batches
+            why = _persistent(data) or _unless_snapshot(snap)
+            return iterator, why
+        # Nothing to skip with: the seen batches are read again and dropped, under the
+        # pass's own starting randomness.
+        iterator = iter(data)
+        for _ in range(seen):
+            next(iterator, None)
+        return iterator, _reads_again(data, seen)
+    finally:
+        _set_global_state(training_state)
+
+
+class _SkipFirst:
+    """A batch sampler yielding ``inner``'s index batches after the first ``n``.
+
+    Its iterator is lazy, as samplers are (a RandomSampler draws its permutation at the first
+    ``next``); :meth:`prime` makes it draw and skip now, under the randomness of the pass.
+    """
+
+    def __init__(self, inner: Any, n: int) -> None:
+        self.inner, self.n = inner, n
+        self._iterator: Iterator[Any] | None = None
+        self._primed = False
+
+    def prime(self) -> None:
+        # Once: with worker processes the DataLoader starts this iterator inside iter(),
+        # and a second inner iterator would draw another permutation from the generator.
+        if not self._primed:
+            self._primed = True
+            self._iterator = iter(self.inner)
+            for _ in range(self.n):
+                if next(self._iterator, None) is None:
+                    break
+
+    def __iter__(self) -> Iterator[Any]:
+        self.prime()
+        iterator, self._iterator = self._iterator, iter(())
+        assert iterator is not None
+        yield from iterator
+
+    def __len__(self) -> int:
+        return max(len(self.inner) - self.n, 0)
+
+
+def _skippable(data: Any) -> bool:
+    return isinstance(data, DataLoader) and not isinstance(data.dataset, IterableDataset)
+
+
+def _skipping_copy(loader: DataLoader, seen: int) -> tuple[DataLoader, _SkipFirst]:
+    """A shallow copy of ``loader`` whose index sampler skips the first ``seen`` batches.
+
+    DataLoader refuses to change its sampler once built; the copy is the resumed pass's
+    loader only, and the original stays as it was for the passes after it.
+    """
+    clone = copy.copy(loader)
+    clone._iterator = None  # not the original's persistent workers
+    batched = loader.batch_sampler is not None
+    skipper = _SkipFirst(loader.batch_sampler if batched else loader.sampler, seen)
+    object.__setattr__(clone, "batch_sampler" if batched else "sampler", skipper)
+    return clone, skipper
+
+
+def _persistent(data: Any) -> str | None:
+    if getattr(data, "persistent_workers", False) and getattr(data, "num_workers", 0) > 0:
+        return (
+            "a DataLoader with persistent_workers=True draws from its generator when it "
+            "creates its workers, which a resumed process does at another epoch than the "
+            "original run, so the order of this and later epochs differs; use "
+            "persistent_workers=False (the default) for an exact resume"
+        )
+    return None
+
+
+def _unless_snapshot(snap: Any) -> str | None:
+    if snap:
+        return None
+    return (
+        "the state carries no record of the randomness this pass started from "
+        "(state.data_state is empty: a state made by hand, or by an older toolkit), so the "
+        "order is exact only if it does not depend on randomness; resume from a state that "
+        "run() made"
+    )
+
+
+def _reads_again(data: Any, seen: int) -> str:
+    if isinstance(data, Iterator):
+        what, fix = "a one-shot iterator", "pass the re-iterable source (the DataLoader) to run()"
+    elif isinstance(data, DataLoader):
+        what = "a DataLoader over an IterableDataset, which has no position to restore"
+        fix = "use torchdata's StatefulDataLoader, which saves its position"
+    else:
+        what = f"a {type(data).__name__}, which has no way to skip batches unread"
+        fix = "give run() a DataLoader over a map-style dataset, a list, or a source with "
+        fix += "state_dict() and load_state_dict()"
+    return (
+        f"resuming {what}: its first {seen} batches of this pass were read again and "
+        f"dropped, and any randomness they used was drawn anew; {fix}"
+    )
+
+
+def _attr(obj: Any, path: str) -> Any:
+    for name in path.split("."):
+        obj = getattr(obj, name, None)
+    return obj
+
+
+def _restore(snap: dict[str, Any], data: Any) -> None:
+    torch.set_rng_state(snap["torch"])
+    random.setstate(_python_tuple(snap["python"]))
+    if "numpy" in snap and "numpy" in sys.modules:
+        _set_numpy_state(snap["numpy"])
+    for role in _ROLES:
+        generator = _attr(data, role)
+        if role in snap and isinstance(generator, torch.Generator):
+            generator.set_state(snap[role])
+
+
+def _global_state() -> tuple[Any, Any, Any]:
+    numpy = sys.modules.get("numpy")
+    return (
+        torch.get_rng_state(),
+        random.getstate(),
+        numpy.random.get_state() if numpy is not None else None,
+    )
+
+
+def _set_global_state(state: tuple[Any, Any, Any]) -> None:
+    torch.set_rng_state(state[0])
+    random.setstate(state[1])
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and state[2] is not None:
+        numpy.random.set_state(state[2])
+
+
+def _python_state() -> list[Any]:
+    """random.getstate() as JSON values: [version, [625 ints], gauss_next]."""
+    version, internal, gauss = random.getstate()
+    return [version, list(internal), gauss]
+
+
+def _python_tuple(state: Any) -> tuple[Any, ...]:
+    version, internal, gauss = state
+    return (version, tuple(internal), gauss)
+
+
+def _numpy_state() -> dict[str, Any] | None:
+    """NumPy's legacy global RNG state as a tensor and JSON values, when NumPy is loaded."""
+    numpy = sys.modules.get("numpy")
+    if numpy is None:
+        return None
+    kind, keys, position, has_gauss, cached = numpy.random.get_state()
+    return {
+        "kind": kind,
+        "keys": torch.from_numpy(keys.astype("int64")),
+        "position": int(position),
+        "has_gauss": int(has_gauss),
+        "cached": float(cached),
+    }
+
+
+def _set_numpy_state(state: dict[str, Any]) -> None:
+    numpy = sys.modules["numpy"]
+    keys = state["keys"].numpy().astype(numpy.uint32)
+    numpy.random.set_state(
+        (state["kind"], keys, state["position"], state["has_gauss"], state["cached"])
+    )
