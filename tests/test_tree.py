@@ -473,7 +473,7 @@ def test_mapping_in_one_record_and_value_in_another() -> None:
     with pytest.raises(
         ValueError,
         match=r"\['val'\]\['acc'\] is a nested mapping in records\[0\] but a value in "
-        r"records\[2\]\. Expected the same structure",
+        r"records\[2\]; give every record the same structure",
     ):
         key_average([{"val": {"acc": {"top1": 1.0}}}, {}, {"val": {"acc": 0.5}}])
     with pytest.raises(ValueError, match=r"\['acc'\] is a value in records\[0\] but a nested"):
@@ -481,7 +481,10 @@ def test_mapping_in_one_record_and_value_in_another() -> None:
 
 
 def test_records_that_are_not_a_sequence_of_mappings() -> None:
-    with pytest.raises(TypeError, match=r"got a single dict\. Pass a list of records"):
+    with pytest.raises(
+        TypeError,
+        match=r"expected a sequence of records, got a single dict; pass key_average\(\[record\]\)",
+    ):
         key_average({"loss": 1.0})  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"records\[1\] is a list; expected a mapping"):
         key_average([{"loss": 1.0}, [1.0]])  # type: ignore[list-item]

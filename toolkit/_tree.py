@@ -6,12 +6,12 @@ import dataclasses
 import math
 import numbers
 from collections import defaultdict
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
 
-from toolkit._host import to_host
+from toolkit._weighted import columns, weighted_sums
 
 __all__ = ["key_average", "map_nested_tensor"]
 
@@ -96,9 +96,6 @@ def map_nested_tensor(fn: Callable[[torch.Tensor], Any], tree: T) -> T:
 
 
 _Path = tuple[Hashable, ...]
-# One occurrence of a leaf: (record index, python number or None, index into the synced
-# tensors or None).
-_Leaf = tuple[int, numbers.Real | None, int | None]
 
 
 def key_average(
@@ -112,10 +109,13 @@ def key_average(
     Each record is a nested mapping whose leaves are numbers or 0-d tensors (the ``records``
     of a :class:`toolkit.StepOutput`, for instance). The result has the union of the keys of
     all records, nested the same way, and each leaf is the mean of that leaf over the records
-    that contain it, as a python ``float``. All 0-d tensors (values and weights) are copied
-    to the host together: at most one host sync per call, whatever the number of records
-    (on the CPU, with nothing to wait for, each value is read directly). Sums are exact
-    (``math.fsum``), so the result does not depend on record order.
+    that contain it, as a python ``float``. Sums are exact (``math.fsum``), so the result
+    does not depend on record order.
+
+    Host syncs: all 0-d tensors (values and weights) are copied to the host together, at
+    most one host sync per call whatever the number of records; on the CPU, with nothing to
+    wait for, each value is read directly. ``log_metrics``, ``progress`` and ``validate``
+    read their values back the same way, once per publish, refresh or evaluation.
 
     Args:
         records: a sequence (or other iterable) of mappings; nested mappings are averaged
@@ -153,56 +153,36 @@ def key_average(
     """
     if isinstance(records, (Mapping, str, bytes)):
         raise TypeError(
-            "key_average: expected a sequence of record mappings, got a single "
-            f"{type(records).__name__}. Pass a list of records, e.g. key_average([record])."
+            f"key_average: expected a sequence of records, got a single "
+            f"{type(records).__name__}; pass key_average([record])."
         )
     records = list(records)
-    weight_list = None if weights is None else _check_weights(weights, len(records))
-
-    # path -> "mapping" | "leaf" and the record that first gave it that kind, in pre-order
-    # (a parent before its children), so the result can be built in one pass.
-    kinds: dict[_Path, tuple[str, int]] = {}
-    leaves: dict[_Path, list[_Leaf]] = {}
-    tensors: list[torch.Tensor] = []
+    weight_list = [1] * len(records) if weights is None else _check_weights(weights, len(records))
+    # Every path, in pre-order (a parent before its children): whether it holds a mapping,
+    # and the record that first gave it that kind.
+    kinds: dict[_Path, tuple[bool, int]] = {}
+    flat: list[dict[Hashable, Any]] = []  # each record's leaves by path
     for index, record in enumerate(records):
         if not isinstance(record, Mapping):
             raise TypeError(
                 f"key_average: records[{index}] is a {type(record).__name__}; expected a "
-                "mapping (a dict of numbers, 0-d tensors or nested dicts)."
+                "mapping of numbers, 0-d tensors or nested mappings."
             )
-        _collect(record, (), index, kinds, leaves, tensors)
-
-    # Weights that are tensors join the same stack, so values and weights cost one sync.
-    weight_slots: list[int] = []
-    if weight_list is not None:
-        for position, weight in enumerate(weight_list):
-            if isinstance(weight, torch.Tensor):
-                weight_slots.append(position)
-                tensors.append(weight)
-    synced = to_host(tensors)
-    if weight_list is not None:
-        for offset, position in enumerate(weight_slots, start=len(tensors) - len(weight_slots)):
-            weight_list[position] = synced[offset]
-        _check_weight_values(weight_list)
-
+        flat.append({})
+        _collect(record, (), index, kinds, flat[-1])
+    reduced = weighted_sums(columns(flat), weight_list, exclude_nan=exclude_nan)
+    if weights is not None:
+        _check_weight_values(reduced.weights)
     result: dict[Hashable, Any] = {}
-    for path, (kind, _) in kinds.items():
+    for path, (nested, _) in kinds.items():
         parent = result
         for key in path[:-1]:
             parent = parent[key]
-        if kind == "mapping":
+        if nested:
             parent[path[-1]] = {}
-            continue
-        values = []
-        value_weights = []
-        for index, value, slot in leaves[path]:
-            number = float(synced[slot] if slot is not None else value)  # type: ignore[arg-type]
-            weight = 1.0 if weight_list is None else float(weight_list[index])
-            if weight == 0.0 or (exclude_nan and math.isnan(number)):
-                continue
-            values.append(number)
-            value_weights.append(weight)
-        parent[path[-1]] = _weighted_mean(values, value_weights)
+        else:
+            total, weight = reduced.sums[path]
+            parent[path[-1]] = float(total / weight) if weight else math.nan
     return result
 
 
@@ -210,53 +190,36 @@ def _collect(
     mapping: Mapping[Hashable, Any],
     prefix: _Path,
     index: int,
-    kinds: dict[_Path, tuple[str, int]],
-    leaves: dict[_Path, list[_Leaf]],
-    tensors: list[torch.Tensor],
+    kinds: dict[_Path, tuple[bool, int]],
+    leaves: dict[Hashable, Any],
 ) -> None:
     for key, value in mapping.items():
         path = (*prefix, key)
-        kind = "mapping" if isinstance(value, Mapping) else "leaf"
-        seen = kinds.setdefault(path, (kind, index))
-        if seen[0] != kind:
+        nested = isinstance(value, Mapping)
+        seen = kinds.setdefault(path, (nested, index))
+        if seen[0] != nested:
             raise ValueError(
                 f"key_average: {_name(path)} is a {_describe(seen[0])} in records[{seen[1]}] "
-                f"but a {_describe(kind)} in records[{index}]. Expected the same structure "
-                "in every record; rename one of the keys."
+                f"but a {_describe(nested)} in records[{index}]; give every record the same "
+                "structure."
             )
-        if kind == "mapping":
-            _collect(value, path, index, kinds, leaves, tensors)
+        if nested:
+            _collect(value, path, index, kinds, leaves)
             continue
         if isinstance(value, torch.Tensor):
             if value.ndim != 0 or value.is_complex():
                 raise TypeError(
                     f"key_average: records[{index}]{_name(path)} is a tensor of shape "
                     f"{tuple(value.shape)} and dtype {value.dtype}; expected a 0-d real "
-                    "tensor or a number. Reduce it first (e.g. .mean() or .sum())."
+                    "tensor; reduce it first (.mean(), .sum())."
                 )
-            tensors.append(value.detach())
-            leaves.setdefault(path, []).append((index, None, len(tensors) - 1))
-        elif isinstance(value, numbers.Real):
-            leaves.setdefault(path, []).append((index, value, None))
-        else:
+            value = value.detach()
+        elif not isinstance(value, numbers.Real):
             raise TypeError(
                 f"key_average: records[{index}]{_name(path)} is a {type(value).__name__} "
-                f"({value!r:.60}); expected a real number, a 0-d tensor or a nested mapping. "
-                "Leave non-numeric entries out of the records."
+                f"({value!r:.60}); expected a real number, a 0-d tensor or a mapping."
             )
-
-
-def _weighted_mean(values: list[float], weights: list[float]) -> float:
-    total = math.fsum(weights)
-    if not values or total == 0.0:
-        return math.nan
-    products = [w * v for w, v in zip(weights, values)]
-    try:
-        return math.fsum(products) / total
-    except (ValueError, OverflowError):
-        # fsum refuses inf - inf (the answer is NaN) and overflowing partial sums (inf);
-        # plain summation gives those IEEE results.
-        return sum(products) / total
+        leaves[path] = value
 
 
 def _check_weights(weights: Iterable[Any], count: int) -> list[Any]:
@@ -264,16 +227,15 @@ def _check_weights(weights: Iterable[Any], count: int) -> list[Any]:
     if isinstance(weights, (Mapping, str, bytes)) or (
         isinstance(weights, torch.Tensor) and weights.ndim != 1
     ):
-        shape = f" of shape {tuple(weights.shape)}" if isinstance(weights, torch.Tensor) else ""
         raise TypeError(
-            f"key_average: weights is a {type(weights).__name__}{shape}; expected a sequence "
-            "of numbers or 0-d tensors, one per record."
+            f"key_average: weights is a {type(weights).__name__}{_shape(weights)}; expected "
+            "a sequence of numbers or 0-d tensors, one per record."
         )
     weight_list = list(weights)
     if len(weight_list) != count:
         raise ValueError(
             f"key_average: got {len(weight_list)} weights for {count} records; expected one "
-            "weight per record (or weights=None for a plain mean)."
+            "weight per record (or weights=None)."
         )
     for position, weight in enumerate(weight_list):
         if isinstance(weight, torch.Tensor):
@@ -281,26 +243,28 @@ def _check_weights(weights: Iterable[Any], count: int) -> list[Any]:
         else:
             valid = isinstance(weight, numbers.Real)
         if not valid:
-            shape = f" of shape {tuple(weight.shape)}" if isinstance(weight, torch.Tensor) else ""
             raise TypeError(
-                f"key_average: weights[{position}] is a {type(weight).__name__}{shape}; "
-                "expected a real number or a 0-d real tensor."
+                f"key_average: weights[{position}] is a {type(weight).__name__}"
+                f"{_shape(weight)}; expected a real number or a 0-d real tensor."
             )
     return weight_list
 
 
-def _check_weight_values(weights: list[Any]) -> None:
+def _check_weight_values(weights: Sequence[Any]) -> None:
     for position, weight in enumerate(weights):
         if not (math.isfinite(weight) and weight >= 0):
             raise ValueError(
-                f"key_average: weights[{position}] is {weight!r}; expected a finite number "
-                ">= 0 (a count or a share of the total)."
+                f"key_average: weights[{position}] is {weight!r}; expected a finite number >= 0."
             )
+
+
+def _shape(value: Any) -> str:
+    return f" of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else ""
 
 
 def _name(path: _Path) -> str:
     return "".join(f"[{key!r}]" for key in path)
 
 
-def _describe(kind: str) -> str:
-    return "nested mapping" if kind == "mapping" else "value"
+def _describe(nested: bool) -> str:
+    return "nested mapping" if nested else "value"

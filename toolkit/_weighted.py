@@ -1,0 +1,165 @@
+"""Count-weighted sums of records: the one reduction behind key_average, log_metrics, validate.
+
+A record is a flat mapping of numbers or 0-d tensors with one weight. :func:`columns` turns
+records into one column per key; :func:`weighted_sums` gives, per key, the weighted sum and
+the total weight over the records that have the key, reading every tensor (values, weights
+and the caller's own) back in one :func:`toolkit._host.to_host` call. A record of weight 0
+contributes nothing, not even a NaN; sums are exact (``math.fsum``).
+:func:`sum_over_ranks` adds such sums over the data-parallel ranks in one collective.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import zlib
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any, NamedTuple, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from toolkit._distributed import is_distributed
+from toolkit._host import to_host
+
+__all__ = ["Column", "Sums", "columns", "sum_over_ranks", "weighted_sums"]
+
+K = TypeVar("K", bound=Hashable)
+
+
+class Column(NamedTuple):
+    """One key's values (numbers or 0-d tensors) and the record index of each.
+
+    ``rows=None`` means value ``i`` belongs to record ``i`` (every record has the key).
+    ``tensors`` says, when the caller knows, that every value is a tensor (True) or none is
+    (False); None looks at each value's type.
+    """
+
+    values: Sequence[Any]
+    rows: Sequence[int] | None
+    tensors: bool | None = None
+
+
+class Sums(NamedTuple):
+    """Per key ``(weighted sum, weight)``; the weights and the ``also`` tensors as numbers."""
+
+    sums: dict[Any, tuple[float, float]]  # by the keys of the columns
+    weights: Sequence[Any]
+    also: list[Any]
+
+
+def columns(records: Sequence[Mapping[K, Any]]) -> dict[K, Column]:
+    """The columns of flat records, keys in order of first appearance."""
+    values: dict[K, list[Any]] = {}
+    rows: dict[K, list[int]] = {}
+    for row, record in enumerate(records):
+        for key, value in record.items():
+            if key not in values:
+                values[key], rows[key] = [], []
+            values[key].append(value)
+            rows[key].append(row)
+    return {key: Column(values[key], rows[key]) for key in values}
+
+
+def weighted_sums(
+    cols: Mapping[Any, Column],
+    weights: Sequence[Any] | Column,
+    also: Sequence[torch.Tensor] = (),
+    *,
+    exclude_nan: bool = False,
+) -> Sums:
+    """Per key, ``sum(w * v)`` and ``sum(w)`` over its values; one host read for all tensors.
+
+    ``weights`` has one number or 0-d tensor per record (a :class:`Column` when the caller
+    knows whether they are tensors). With ``exclude_nan`` a NaN value is left out with its
+    weight.
+    """
+    # Whole columns at a time (map, slices, no isinstance per value unless needed): a publish
+    # every few updates reads a few dozen values, and each python step per value shows.
+    if not isinstance(weights, Column):
+        weights = Column(weights, None)
+    found = [_tensors(column) for column in cols.values()]
+    weight_tensors = _tensors(weights)
+    tensors: list[torch.Tensor] = []
+    for ts in found:
+        tensors += ts
+    tensors += weight_tensors
+    tensors += also
+    read = to_host(tensors)
+    start = len(read) - len(also) - len(weight_tensors)
+    numbers = _substitute(weights.values, weight_tensors, read[start : start + len(weight_tensors)])
+    sums: dict[Any, tuple[float, float]] = {}
+    end = 0
+    for (key, column), ts in zip(cols.items(), found):
+        begin, end = end, end + len(ts)
+        values = _substitute(column.values, ts, read[begin:end])
+        rows = column.rows
+        picked = numbers if rows is None else list(map(numbers.__getitem__, rows))
+        sums[key] = _sum(values, picked, exclude_nan)
+    return Sums(sums, numbers, read[start + len(weight_tensors) :])
+
+
+def _tensors(column: Column) -> Sequence[torch.Tensor]:
+    """The tensors among a column's values: all of them, none, or a filtered list."""
+    if column.tensors is not None:
+        return column.values if column.tensors else ()
+    kinds = {*map(type, column.values)}
+    tensor_kinds = [kind for kind in kinds if issubclass(kind, torch.Tensor)]
+    if not tensor_kinds:
+        return ()
+    if len(tensor_kinds) == len(kinds):
+        return column.values
+    return [v for v in column.values if isinstance(v, torch.Tensor)]
+
+
+def _substitute(values: Sequence[Any], tensors: Sequence[Any], read: list[Any]) -> Sequence[Any]:
+    """``values`` with each of its ``tensors`` replaced by its host value from ``read``."""
+    if not tensors:
+        return values
+    if len(tensors) == len(values):
+        return read
+    taken = iter(read)
+    return [next(taken) if isinstance(v, torch.Tensor) else v for v in values]
+
+
+def _sum(values: Sequence[Any], weights: Sequence[Any], exclude_nan: bool) -> tuple[float, float]:
+    if exclude_nan or 0 in weights:
+        kept = [(v, w) for v, w in zip(values, weights) if w != 0 and not (exclude_nan and v != v)]
+        values, weights = [v for v, _ in kept], [w for _, w in kept]
+    products = list(map(operator.mul, values, weights))
+    try:
+        total = math.fsum(products)
+    except (ValueError, OverflowError):
+        # fsum refuses inf - inf (the answer is NaN) and overflowing partial sums (inf); plain
+        # summation gives those IEEE results.
+        total = sum(products)
+    weight = sum(weights)  # exact for integer weights (counts), the usual case
+    return total, weight if type(weight) is int else math.fsum(weights)
+
+
+def sum_over_ranks(
+    who: str, sums: Mapping[str, tuple[float, float]], extra: Sequence[float] = ()
+) -> tuple[dict[str, tuple[float, float]], list[float]]:
+    """``sums`` and ``extra`` added over the data-parallel ranks: one collective, if any.
+
+    Raises:
+        ValueError: the ranks hold different keys (the sums travel as one vector).
+    """
+    if not is_distributed():
+        return dict(sums), list(extra)
+    keys = sorted(sums)
+    layout = float(zlib.crc32("\0".join(keys).encode()))
+    flat = [v for key in keys for v in sums[key]] + [*extra, layout]
+    device = torch.device("cpu")
+    if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    reduced = torch.tensor(flat, dtype=torch.float64, device=device)
+    dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
+    values = reduced.tolist()
+    if values[-1] != layout * dist.get_world_size():
+        raise ValueError(
+            f"{who}: the data-parallel ranks reported different keys (this rank: {keys}); "
+            "every rank must report the same ones."
+        )
+    pairs = {key: (values[2 * i], values[2 * i + 1]) for i, key in enumerate(keys)}
+    return pairs, values[2 * len(keys) : -1]
