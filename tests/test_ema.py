@@ -205,7 +205,12 @@ def test_resume_keeps_the_average():
     }
     fresh = _model(seed=5)
     fresh.load_state_dict(saved)
-    resumed = _state(fresh).replace(step=state.step, batches_seen=state.batches_seen, extras=extras)
+    resumed = _state(fresh).replace(
+        step=state.step,
+        batches_seen=state.batches_seen,
+        data_state=state.data_state,  # where in the data the first run stopped
+        extras=extras,
+    )
     later: list = []
     resumed = run(
         make_step(_loss),
@@ -261,8 +266,9 @@ def test_names_are_those_of_the_unwrapped_model():
     from torch.optim.swa_utils import AveragedModel
 
     inner = _model()
-    wrapped = AveragedModel(inner)  # a .module wrapper that toolkit.unwrap peels
-    state = TrainState(model=wrapped, optimizer=torch.optim.SGD(inner.parameters(), lr=0.1))
+    wrapped = AveragedModel(inner)  # a .module wrapper (of a copy) that toolkit.unwrap peels
+    optimizer = torch.optim.SGD(wrapped.module.parameters(), lr=0.1)
+    state = TrainState(model=wrapped, optimizer=optimizer)
     step = make_step(lambda m, b: _loss(m.module, b))
     state = run(step, state, _data(3), max_steps=3, plugins=[ema(0.9)])
     assert set(state.extras["ema"]["params"]) == {n for n, _ in inner.named_parameters()}
@@ -291,7 +297,7 @@ def test_step_without_start_initialises_lazily():
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"decay": 1.0}, ValueError, r"decay must be a number in \[0, 1\); got 1.0"),
+        ({"decay": 1.0}, ValueError, r"decay must be a number in \[0, 1\), e.g. 0.999; got 1.0"),
         ({"decay": -0.1}, ValueError, r"decay must be"),
         ({"decay": "0.9"}, ValueError, r"decay must be"),
         ({"every": 0}, ValueError, r"every must be an int >= 1"),

@@ -77,11 +77,10 @@ def out(
         samples,
         updated,
         updated if closed is None else closed,
-        False,
-        nonfinite,
-        overflow,
-        None if grad_norm is None else torch.tensor(grad_norm),
-        lr,
+        nonfinite=nonfinite,
+        overflow=overflow,
+        grad_norm=None if grad_norm is None else torch.tensor(grad_norm),
+        lr=lr,
     )
 
 
@@ -374,8 +373,9 @@ def test_one_host_sync_per_publish_and_none_per_micro_batch(
 
 def test_a_long_interval_is_folded_every_fold_updates(monkeypatch: pytest.MonkeyPatch) -> None:
     read_as_on_an_accelerator(monkeypatch)
-    # Memory stays bounded: with _FOLD = 3, the losses of 10 updates of 2 micro-batches are
-    # read back after updates 3, 6 and 9; the end reads the last 2 and the 10 grad norms.
+    # Memory stays bounded: with _FOLD = 3, the losses and grad norms of 10 updates of 2
+    # micro-batches are read back after updates 3, 6 and 9 (2 losses + 1 norm each), and the
+    # end reads the last update's.
     tolists = count_tolists(monkeypatch)
     rows, _, sink = recorder()
     outs = [
@@ -384,7 +384,7 @@ def test_a_long_interval_is_folded_every_fold_updates(monkeypatch: pytest.Monkey
     ]
     with mock.patch.object(_metrics, "_FOLD", 3):
         drive(log_metrics(10**6, sinks=[sink]), outs)
-    assert tolists == [6, 6, 6, 2 + 10]
+    assert tolists == [9, 9, 9, 3]
     assert rows[0][1]["train/loss"] == sum(range(20)) / 20
 
 
@@ -586,7 +586,7 @@ def _distributed_worker(rank: int, store: str, path: str) -> None:
         try:
             drive(plugin, [out(1.0, records={f"key{rank}": 1.0})], end=False)
         except ValueError as exc:
-            assert "different record keys" in str(exc)
+            assert f"different keys (this rank: ['key{rank}', 'loss'])" in str(exc)
         else:
             raise AssertionError("mismatched record keys were not detected")
 
@@ -625,8 +625,13 @@ def test_sinks_must_be_sinks(sinks: Any) -> None:
 @pytest.mark.parametrize(
     ("records", "error", "match"),
     [
-        ({"acc": torch.ones(3)}, ValueError, r"record 'acc' is a tensor of shape \(3,\)"),
-        ({"a": {"b": "x"}}, TypeError, r"record 'a/b' is a str; records must be numbers"),
+        (
+            {"acc": torch.ones(3)},
+            ValueError,
+            r"record 'acc' is a tensor of shape \(3,\); expected a number or a 0-d tensor; "
+            r"reduce it first",
+        ),
+        ({"a": {"b": "x"}}, TypeError, r"record 'a/b' is a str; expected a number, a 0-d"),
         ({"loss": 1.0}, ValueError, r"\['loss'\] would overwrite the published train/loss"),
     ],
 )

@@ -1,12 +1,13 @@
 """Plugins for :func:`toolkit.run`: plain functions ``plugin(event) -> TrainState | None``."""
 
+from toolkit.plugins._early_stop import early_stop
 from toolkit.plugins._ema import ema, ema_model
 from toolkit.plugins._memory import peak_memory
 from toolkit.plugins._metrics import log_metrics
 from toolkit.plugins._profiling import profile
 from toolkit.plugins._progress import progress
 from toolkit.plugins._sinks import Sink, jsonl, tensorboard, wandb
-from toolkit.plugins._validation import early_stop, validate
+from toolkit.plugins._validation import validate
 
 __all__ = [
     "Sink",

@@ -3,28 +3,25 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from toolkit import unwrap
 from toolkit._checks import check_count, check_key
 from toolkit._loop import Event, Plugin
 from toolkit._state import TrainState
+from toolkit._unwrap import unwrap
+from toolkit.plugins._shared import due
 
 __all__ = ["ema", "ema_model"]
 
 
 def _check_args(decay: Any, warmup: Any, every: Any, buffers: Any, key: Any) -> None:
     if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 <= decay < 1:
-        raise ValueError(
-            f"ema: decay must be a number in [0, 1); got {decay!r}. Typical values are 0.999 "
-            "or 0.9999 (a larger decay averages over more updates)."
-        )
-    check_count(
-        "ema", "every", every, 1, "update the average every that many applied optimizer updates"
-    )
+        raise ValueError(f"ema: decay must be a number in [0, 1), e.g. 0.999; got {decay!r}.")
+    check_count("ema", "every", every, 1, "applied updates between averages")
     for name, value in (("warmup", warmup), ("buffers", buffers)):
         if not isinstance(value, bool):
             raise TypeError(f"ema: {name} must be True or False; got {value!r}.")
@@ -52,15 +49,14 @@ def _check_names(kind: str, held: Mapping[str, Any], live: Mapping[str, Any], ke
 
 
 def _adopt(entry: Mapping[str, Any], model: torch.nn.Module, buffers: bool, key: str) -> dict:
-    """Check a resumed entry against the model; move its tensors next to the weights."""
+    """Check an existing entry against the model; move its tensors next to the weights."""
     live_params = dict(model.named_parameters())
     live_bufs = dict(model.named_buffers()) if buffers else {}
     _check_names("params", entry["params"], live_params, key)
     _check_names("buffers", entry["buffers"], live_bufs, key)
 
     def place(held: Mapping[str, torch.Tensor], live: Mapping[str, torch.Tensor]) -> dict:
-        # A checkpoint loaded on the CPU lands here with CPU tensors; the average must live on
-        # the weights' device for the fused update.
+        # The average must live on the weights' device for the fused update.
         return {n: t.to(device=live[n].device, dtype=live[n].dtype) for n, t in held.items()}
 
     return {
@@ -94,14 +90,13 @@ def ema(
     initialisation. With ``warmup=False``, ``d_n = decay`` always.
 
     The average lives in ``state.extras[key]`` as ``{"step": state.step of the last EMA
-    update, "num_updates": n, "params": {name: tensor}, "buffers": {name: tensor}}``, so a
-    checkpoint of the state carries it. Names are those of the unwrapped model (no
-    ``torch.compile``/DDP prefixes); tensors have the weights' device and dtype and are
-    updated in place with fused ``torch._foreach_lerp_`` kernels, without a host sync. On
-    ``"start"`` the entry is created from the current weights when absent; an existing entry
-    (a resumed state) is kept and moved to the weights' device, so put the plugin that loads
-    a checkpoint before ``ema`` in the plugin list, and ``ema`` before ``validate`` when
-    validation should see the new average.
+    update, "num_updates": n, "params": {name: tensor}, "buffers": {name: tensor}}``. Names
+    are those of the unwrapped model (no ``torch.compile``/DDP prefixes); tensors have the
+    weights' device and dtype and are updated in place with fused ``torch._foreach_lerp_``
+    kernels, without a host sync. On ``"start"`` the entry is created from the current
+    weights when absent; an entry already in the state (from an earlier run) is kept,
+    checked against the model and moved to the weights' device. Put ``ema`` before
+    ``validate`` when validation should see the new average.
 
     Args:
         decay: the decay in ``[0, 1)``; the average spans roughly ``1 / (1 - decay)`` updates.
@@ -117,7 +112,7 @@ def ema(
 
     Raises:
         ValueError: ``decay`` outside ``[0, 1)``, ``every < 1``, an empty ``key``; at
-            ``"start"``, a resumed entry whose names do not match the model.
+            ``"start"``, an existing entry whose names do not match the model.
         TypeError: ``warmup`` or ``buffers`` not a bool.
 
     Example:
@@ -136,28 +131,7 @@ def ema(
     """
     _check_args(decay, warmup, every, buffers, key)
     decay = float(decay)
-    # The tensor lists of the fused update, rebuilt only when the model or the entry changes.
-    cache: dict[str, Any] = {}
-
-    def lists(model: torch.nn.Module, entry: Mapping[str, Any]) -> tuple[list, ...]:
-        if cache.get("model") is model and cache.get("entry") is entry["params"]:
-            return cache["lists"]
-        bare = unwrap(model)
-        params, held = entry["params"], entry["buffers"]
-        live_p = [p for _, p in bare.named_parameters()]
-        ema_p = [params[name] for name, _ in bare.named_parameters()]
-        live_b, ema_b, live_c, ema_c = [], [], [], []
-        if buffers:
-            for name, b in bare.named_buffers():
-                if b.is_floating_point() or b.is_complex():
-                    live_b.append(b)
-                    ema_b.append(held[name])
-                else:
-                    live_c.append(b)
-                    ema_c.append(held[name])
-        result = (ema_p + ema_b, live_p + live_b, ema_c, live_c)
-        cache.update(model=model, entry=entry["params"], lists=result)
-        return result
+    cache = _Lists()
 
     def fresh(state: TrainState) -> TrainState:
         """The state with a new average: a copy of the current weights."""
@@ -172,24 +146,55 @@ def ema(
                 return fresh(state)
             entry = _adopt(entry, unwrap(state.model), buffers, key)
             return state.replace(extras={**state.extras, key: entry})
-        if event.out is None or not event.out.updated or state.step % every:
+        if not due(event, every):
             return None
         entry = state.extras.get(key)
         if entry is None:  # called outside run(), or "start" was not delivered
             return fresh(state)
         n = entry["num_updates"]
         d = min(decay, (1 + n) / (10 + n)) if warmup else decay
-        averaged, live, copied, sources = lists(state.model, entry)
+        cache.update(state.model, entry, buffers)
         with torch.no_grad():
-            if averaged:
+            if cache.averaged:
                 # lerp(ema, p, 1 - d) = d * ema + (1 - d) * p, one fused kernel per device/dtype.
-                torch._foreach_lerp_(averaged, live, 1.0 - d)
-            if copied:
-                torch._foreach_copy_(copied, sources)
+                torch._foreach_lerp_(cache.averaged, cache.live, 1.0 - d)
+            if cache.copied:
+                torch._foreach_copy_(cache.copied, cache.sources)
         new = {**entry, "step": state.step, "num_updates": n + 1}
         return state.replace(extras={**state.extras, key: new})
 
     return plugin
+
+
+@dataclasses.dataclass(slots=True)
+class _Lists:
+    """ema's memory: the tensor lists of the fused update, for one model and one entry."""
+
+    model: Any = None
+    params: Any = None  # the entry's "params" mapping the lists were built from
+    averaged: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    live: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    copied: list[torch.Tensor] = dataclasses.field(default_factory=list)  # integer buffers
+    sources: list[torch.Tensor] = dataclasses.field(default_factory=list)
+
+    def update(self, model: torch.nn.Module, entry: Mapping[str, Any], buffers: bool) -> None:
+        """Rebuild the lists when the model or the entry changed."""
+        if self.model is model and self.params is entry["params"]:
+            return
+        bare = unwrap(model)
+        params, held = entry["params"], entry["buffers"]
+        self.live = [p for _, p in bare.named_parameters()]
+        self.averaged = [params[name] for name, _ in bare.named_parameters()]
+        self.copied, self.sources = [], []
+        if buffers:
+            for name, b in bare.named_buffers():
+                if b.is_floating_point() or b.is_complex():
+                    self.live.append(b)
+                    self.averaged.append(held[name])
+                else:
+                    self.sources.append(b)
+                    self.copied.append(held[name])
+        self.model, self.params = model, entry["params"]
 
 
 def ema_model(state: TrainState, key: str = "ema") -> torch.nn.Module:
@@ -224,8 +229,8 @@ def ema_model(state: TrainState, key: str = "ema") -> torch.nn.Module:
     entry = state.extras.get(key)
     if entry is None:
         raise KeyError(
-            f"ema_model: state.extras has no {key!r} entry (keys: {sorted(state.extras)}). Add "
-            f"ema(key={key!r}) to run()'s plugins, or pass the key that ema() used."
+            f"ema_model: state.extras has no {key!r} entry (keys: {sorted(state.extras)}); "
+            f"add ema(key={key!r}) to run()'s plugins, or pass the key that ema() used."
         )
     source = unwrap(state.model)
     copy_ = copy.deepcopy(source)

@@ -10,6 +10,7 @@ import torch
 from toolkit._checks import check_count, check_key
 from toolkit._loop import Event, Plugin
 from toolkit._state import TrainState
+from toolkit.plugins._shared import due
 
 __all__ = ["peak_memory"]
 
@@ -67,7 +68,7 @@ def peak_memory(every: int = 10, *, key: str = "memory") -> Plugin:
         >>> state.extras["memory"]["step"], state.extras["memory"]["metrics"]["peak_gib"] > 0
         (4, True)
     """
-    check_count("peak_memory", "every", every, 1, "record every that many applied updates")
+    check_count("peak_memory", "every", every, 1, "applied updates between records")
     check_key("peak_memory", key)
 
     def plugin(event: Event) -> TrainState | None:
@@ -77,7 +78,7 @@ def peak_memory(every: int = 10, *, key: str = "memory") -> Plugin:
             if device is not None:
                 torch.cuda.reset_peak_memory_stats(device)
             return None
-        if event.out is None or not event.out.updated or state.step % every:
+        if not due(event, every):
             return None
         device = _cuda_device(state.model)
         if device is not None:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity
@@ -84,11 +84,10 @@ def profile(
     if not isinstance(record_shapes, bool):
         raise TypeError(f"profile: record_shapes must be True or False; got {record_shapes!r}.")
     folder = Path(out_dir)
-    # One run at a time: the live profiler and the step that names the next trace.
-    live: dict[str, Any] = {}
+    live = _Live()
 
     def export(prof: torch.profiler.profile) -> None:
-        prof.export_chrome_trace(str(folder / f"trace_step{live['step']}.json"))
+        prof.export_chrome_trace(str(folder / f"trace_step{live.step}.json"))
 
     def plugin(event: Event) -> TrainState | None:
         if event.kind == "start":
@@ -106,14 +105,14 @@ def profile(
                 on_trace_ready=export,
                 record_shapes=record_shapes,
             )
-            live.update(prof=prof, step=event.state.step)
+            live.prof, live.step = prof, event.state.step
             prof.start()
             return None
-        running = live.get("prof")
+        running = live.prof
         if running is None:
             return None
         if event.out is not None and event.out.updated:
-            live["step"] = event.state.step
+            live.step = event.state.step
             try:
                 with warnings.catch_warnings():
                     # Each cycle is exported on its own, which is what this warning is about.
@@ -123,17 +122,25 @@ def profile(
                     # Every cycle is written: stop now rather than pay a profiler step (tens
                     # of microseconds) per update for the rest of the run.
                     running.stop()
-                    live.clear()
+                    live.prof = None
             except BaseException:
                 # A profiler that failed mid-transition crashes the process in stop() (torch
                 # 2.13); dropping it is the only safe way out.
-                live.clear()
+                live.prof = None
                 raise
         elif event.kind == "end":
             try:
                 running.stop()  # writes the window being recorded, if any
             finally:
-                live.clear()
+                live.prof = None
         return None
 
     return plugin
+
+
+@dataclasses.dataclass(slots=True)
+class _Live:
+    """profile's memory: the running profiler (one run at a time), the step of its trace."""
+
+    prof: torch.profiler.profile | None = None
+    step: int = 0

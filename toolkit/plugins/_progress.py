@@ -2,24 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import rich
 import rich.console
 import rich.progress
-import torch
 
 from toolkit._checks import check_count
 from toolkit._distributed import is_rank_zero
-from toolkit._host import to_host
 from toolkit._loop import Event
 from toolkit._state import TrainState
 from toolkit._step import StepOutput
-from toolkit.plugins._entries import metric_entry
-from toolkit.plugins._weighting import columns, weigh
+from toolkit.plugins._interval import Interval, read
+from toolkit.plugins._shared import due, metric_entry
 
 __all__ = ["progress"]
 
@@ -33,37 +32,22 @@ def _check(
 ) -> None:
     if not isinstance(show, tuple) or not all(isinstance(name, str) for name in show):
         raise TypeError(
-            f"progress: show must be a sequence of state.extras entry names; got {show!r}. "
-            'Example: progress(show=("val", "memory")).'
+            f"progress: show must be a sequence of state.extras entry names, e.g. ('val',); "
+            f"got {show!r}."
         )
     if not isinstance(counts, str) or not counts:
-        raise TypeError(
-            f"progress: counts must be a non-empty str such as 'tokens'; got {counts!r}."
-        )
-    check_count(
-        "progress", "every", every, 1, "updates between refreshes", "Example: progress(every=10)."
-    )
-    check_count(
-        "progress",
-        "warmup",
-        warmup,
-        0,
-        "updates left out of the ETA",
-        "Example: progress(every=10, warmup=5).",
-    )
-    if (
-        isinstance(min_interval, bool)
-        or not isinstance(min_interval, (int, float))
-        or not min_interval >= 0
-    ):
+        raise TypeError(f"progress: counts must be a non-empty str, e.g. 'tokens'; got {counts!r}.")
+    check_count("progress", "every", every, 1, "updates between refreshes")
+    check_count("progress", "warmup", warmup, 0, "updates left out of the ETA")
+    number = isinstance(min_interval, (int, float)) and not isinstance(min_interval, bool)
+    if not (number and min_interval >= 0):
         raise ValueError(
-            f"progress: min_interval must be a number of seconds >= 0; got {min_interval!r}. "
-            "Example: progress(every=10, min_interval=0.1); 0 refreshes at every multiple."
+            f"progress: min_interval must be a number of seconds >= 0; got {min_interval!r}."
         )
     if console is not None and not isinstance(console, rich.console.Console):
         raise TypeError(
             f"progress: console must be a rich.console.Console or None; got "
-            f"{type(console).__name__}. Example: progress(console=Console(stderr=True))."
+            f"{type(console).__name__}."
         )
     if not callable(clock):
         raise TypeError(
@@ -111,10 +95,9 @@ def progress(
 
         step 20/100 | loss 0.4312 | lr 1.00e-03 | grad_norm 0.53 | 1234 samples/s | eta 0:00:12
 
-    The live bar is stopped at ``"end"``, also when training raised. Values are synced to
-    the host only at a refresh, once (one ``.tolist()``; on the CPU each value is read
-    directly, with nothing to wait for). Only rank 0 shows anything (and
-    does any work); the loss shown is rank 0's.
+    The live bar is stopped at ``"end"``, also when training raised. Each refresh reads its
+    values back at once, as :func:`toolkit.key_average` does (one host sync), and nothing
+    in between. Only rank 0 shows anything (and does any work); the loss shown is rank 0's.
 
     Args:
         every: updates between refreshes (>= 1).
@@ -124,8 +107,7 @@ def progress(
         clock: a function returning seconds (default ``time.perf_counter``), for the ETA
             and throughput; tests pass a fake clock for deterministic output.
         show: names of ``state.extras`` entries (of the ``{"step", "metrics"}`` form plugins
-            publish) whose metrics are shown as ``name/metric``; ``memory`` is shown
-            without the prefix.
+            publish) whose metrics are shown as ``name/metric``, e.g. ``memory/peak_gib``.
         counts: what the loss's target counts are, for the rate label (``"tokens"``,
             ``"targets"``, ``"pixels"``...).
         min_interval: seconds (by ``clock``) that must have passed since the previous
@@ -162,148 +144,136 @@ def progress(
         tuple(show) if isinstance(show, Iterable) and not isinstance(show, str) else show
     )
     _check(every, warmup, console, clock, shown_entries, counts, min_interval)
-
-    # The outputs of each window since the last refresh (the last one closes it), read at
-    # the refresh: per update the plugin only appends and compares, since code run between
-    # two steps finds cold caches. Not the events: their states may hold large extras.
-    windows: list[tuple[StepOutput, ...]] = []
-    live: dict[str, Any] = {}
-    run: dict[str, Any] = {}
-    due_at = [-1]  # state.step of the warm-up's end, while the ETA clock has not started
+    memory = _Memory()
 
     def start(event: Event) -> None:
-        windows.clear()
         shown = console if console is not None else rich.get_console()
         now = clock()
-        run.update(
-            console=shown,
-            total=event.loop.total_steps,
-            lr=None,
-            warm_at=now if warmup == 0 else None,
-            warm_from=event.state.step + warmup,
-            last_time=now,
-            shown_step=event.state.step,
-        )
-        due_at[0] = event.state.step + warmup if warmup else -1
+        step = event.state.step
+        memory.console, memory.total, memory.lr = shown, event.loop.total_steps, None
+        memory.warm_step = step + warmup if warmup else -1
+        memory.warm_from, memory.warm_at = step + warmup, now if warmup == 0 else None
+        memory.last_time, memory.shown_step = now, step
         if shown.is_terminal:
-            bar = rich.progress.Progress(
+            memory.bar = rich.progress.Progress(
                 rich.progress.TextColumn("{task.fields[head]}"),
                 rich.progress.BarColumn(),
                 rich.progress.TextColumn("{task.fields[info]}"),
                 console=shown,
                 auto_refresh=False,  # redrawn at refreshes only: no thread competing with training
             )
-            live["bar"] = bar
-            live["task"] = bar.add_task(
-                "train",
-                total=run["total"],
-                completed=event.state.step,
-                head=_head(event.state.step, run["total"]),
-                info="",
+            memory.task = memory.bar.add_task(
+                "train", total=memory.total, completed=step, head=_head(step, memory.total), info=""
             )
-            bar.start()
+            memory.bar.start()
 
     def refresh(state: TrainState, now: float, open_window: Sequence[StepOutput] = ()) -> None:
-        # Windows the guard rejected are left out: their losses are not training's.
-        outs = [o for window in windows if not window[-1].nonfinite for o in window]
-        outs += open_window
-        applied = [window[-1] for window in windows if window[-1].updated]
-        windows.clear()
-        norms = [o.grad_norm for o in applied if o.grad_norm is not None]
-        if applied:
-            run["lr"] = applied[-1].lr
-        lr = run["lr"]
-        lr_tensor = [lr.reshape(())] if isinstance(lr, torch.Tensor) else []
-        cols = columns(outs)
-        values = to_host([*cols.tensors, *norms, *lr_tensor])  # the one host sync of a refresh
-        sums = weigh(cols, values)
-        own = values[len(cols.tensors) :]  # the norms, then the LR
-        elapsed = now - run["last_time"]
-        run["last_time"] = now
-
+        interval = Interval()
+        read(interval, memory.windows, open_window)  # the one host sync of a refresh
+        memory.windows.clear()
+        if interval.lr is not None:
+            memory.lr = interval.lr
+        elapsed, memory.last_time = now - memory.last_time, now
         parts = []
-        if sums.weight:
-            parts.append(f"loss {sums.loss / sums.weight:.4g}")
-        if lr is not None:
-            parts.append(f"lr {(own[-1] if lr_tensor else float(lr)):.2e}")
-        if norms:
-            parts.append(f"grad_norm {sum(own[: len(norms)]) / len(norms):.3g}")
-        if elapsed > 0 and sums.samples is not None:
-            parts.append(f"{_rate(sums.samples / elapsed)} samples/s")
-        if elapsed > 0 and sums.targets is not None:
-            parts.append(f"{_rate(sums.targets / elapsed)} {counts}/s")
+        total, weight = interval.sums["loss"]
+        if weight:
+            parts.append(f"loss {total / weight:.4g}")
+        if memory.lr is not None:
+            parts.append(f"lr {float(memory.lr):.2e}")
+        if interval.norms:
+            parts.append(f"grad_norm {interval.norm_total / interval.norms:.3g}")
+        if elapsed > 0 and interval.samples is not None:
+            parts.append(f"{_rate(interval.samples / elapsed)} samples/s")
+        if elapsed > 0 and interval.targets is not None:
+            parts.append(f"{_rate(interval.targets / elapsed)} {counts}/s")
         for entry_name in shown_entries:
             parsed = metric_entry(state.extras.get(entry_name))
             if parsed is not None:
-                prefix = "" if entry_name == "memory" else f"{entry_name}/"
                 for name, value in parsed[1].items():
                     if isinstance(value, (int, float)):
-                        parts.append(f"{prefix}{name} {value:.4g}")
-        eta = _eta(run, now, state.step)
+                        parts.append(f"{entry_name}/{name} {value:.4g}")
+        eta = _eta(memory, now, state.step)
         if eta is not None:
             parts.append(f"eta {eta}")
-        run["shown_step"] = state.step
+        memory.shown_step = state.step
         display(state.step, " | ".join(parts))
 
     def display(step: int, info: str) -> None:
-        head = _head(step, run["total"])
-        bar = live.get("bar")
-        if bar is None:
+        head = _head(step, memory.total)
+        if memory.bar is None:
             # A plain line straight to the console's file: rendering it through rich would
             # cost ~100x more, for nothing to style in a log.
-            file = run["console"].file
+            file = memory.console.file  # type: ignore[union-attr]
             file.write(f"{head} | {info}\n" if info else f"{head}\n")
             file.flush()
         else:
-            bar.update(live["task"], completed=step, head=head, info=info)
-            bar.refresh()
+            memory.bar.update(memory.task, completed=step, head=head, info=info)
+            memory.bar.refresh()
 
-    def due(state: TrainState) -> None:
-        """An applied update made ``state.step`` the warm-up's end or a multiple of every."""
-        if state.step == due_at[0]:
-            run["warm_at"] = clock()
-            due_at[0] = -1
-        if state.step % every == 0:
-            now = clock()
-            if now - run["last_time"] >= min_interval:
-                refresh(state, now)
+    def warm_up(event: Event) -> None:
+        """Start the ETA clock after the update that ends the warm-up."""
+        if event.state.step == memory.warm_step and event.out.updated:  # type: ignore[union-attr]
+            memory.warm_at, memory.warm_step = clock(), -1
 
     def plugin(event: Event) -> None:
         kind = event.kind
         if kind == "step":
-            if run:  # empty off rank 0 and outside a run
-                windows.append(event.outs)
-                step = event.state.step
-                if (step % every == 0 or step == due_at[0]) and event.out.updated:  # type: ignore[union-attr]
-                    due(event.state)
+            if memory.console is not None:  # None off rank 0 and outside a run
+                memory.windows.append(event.outs)
+                if memory.warm_step >= 0:
+                    warm_up(event)
+                if due(event, every):
+                    now = clock()
+                    if now - memory.last_time >= min_interval:
+                        refresh(event.state, now)
         elif kind == "start":
-            run.clear()
-            windows.clear()
+            stop()
             if is_rank_zero():
                 start(event)
-        elif kind == "end" and run:
+        elif kind == "end" and memory.console is not None:
             try:
-                if event.error is None and event.state.step != run["shown_step"]:
+                if event.error is None and event.state.step != memory.shown_step:
                     refresh(event.state, clock(), event.outs)
             finally:
-                windows.clear()
-                bar = live.pop("bar", None)
-                if bar is not None:
-                    bar.stop()
-                run.clear()
+                stop()
         return None
 
+    def stop() -> None:
+        memory.windows.clear()
+        memory.console = None
+        bar, memory.bar = memory.bar, None
+        if bar is not None:
+            bar.stop()
+
     return plugin
+
+
+@dataclasses.dataclass(slots=True)
+class _Memory:
+    """progress's memory during a run on rank 0; ``console`` is None outside one."""
+
+    console: rich.console.Console | None = None
+    total: int | None = None  # updates in the run, when known
+    # The outputs of each window since the last refresh, read at the refresh. Not the
+    # events: their states may hold large extras.
+    windows: list[tuple[StepOutput, ...]] = dataclasses.field(default_factory=list)
+    lr: Any = None  # the last applied update's learning rate, once read
+    warm_step: int = -1  # state.step that ends the warm-up; -1 once the ETA clock runs
+    warm_from: int = 0  # state.step from which updates are timed for the ETA
+    warm_at: float | None = None  # clock() at that step
+    last_time: float = 0.0  # clock() at the last refresh
+    shown_step: int = 0  # state.step of the last line
+    bar: rich.progress.Progress | None = None
+    task: Any = None
 
 
 def _head(step: int, total: int | None) -> str:
     return f"step {step}/{total}" if total is not None else f"step {step}"
 
 
-def _eta(run: Mapping[str, Any], now: float, step: int) -> str | None:
-    timed = step - run["warm_from"]  # updates since the ETA clock started
-    if run["warm_at"] is None or run["total"] is None or timed <= 0:
+def _eta(memory: _Memory, now: float, step: int) -> str | None:
+    timed = step - memory.warm_from  # updates since the ETA clock started
+    if memory.warm_at is None or memory.total is None or timed <= 0:
         return None
-    per_update = (now - run["warm_at"]) / timed
-    seconds = per_update * max(run["total"] - step, 0)
+    seconds = (now - memory.warm_at) / timed * max(memory.total - step, 0)
     return str(datetime.timedelta(seconds=round(seconds)))

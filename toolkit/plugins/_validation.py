@@ -1,4 +1,4 @@
-"""validate and early_stop: periodic evaluation with best-score tracking, and stopping on it."""
+"""validate: periodic evaluation with count-weighted means and best-score tracking."""
 
 from __future__ import annotations
 
@@ -7,43 +7,26 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from toolkit._checks import check_count, check_key
-from toolkit._distributed import all_reduce_
 from toolkit._loop import Event, Plugin
 from toolkit._state import TrainState
 from toolkit._step import _leading_dim
-from toolkit.plugins._entries import metric_entry
+from toolkit._weighted import columns, sum_over_ranks, weighted_sums
+from toolkit.plugins._shared import better, check_mode, due
 
-__all__ = ["early_stop", "validate"]
-
-_MODES = ("min", "max")
-
-
-def _check_mode(who: str, mode: Any) -> None:
-    if mode not in _MODES:
-        raise ValueError(
-            f"{who}: mode must be 'min' (lower is better, e.g. a loss) or 'max' (higher is "
-            f"better, e.g. an accuracy); got {mode!r}."
-        )
-
-
-def _better(value: float, best: float | None, mode: str, margin: float = 0.0) -> bool:
-    if best is None or math.isnan(best):
-        return not math.isnan(value)
-    return value < best - margin if mode == "min" else value > best + margin
+__all__ = ["validate"]
 
 
 def _bad_result(result: Any, why: str) -> TypeError:
     return TypeError(
-        f"validate: eval_fn returned {type(result).__name__}: {why}. Expected a mapping of "
-        "metric name -> number or 0-d tensor, e.g. {'loss': loss, 'acc': acc}, or (mapping, "
-        "count) where count weights this batch in the mean."
+        f"validate: eval_fn returned {type(result).__name__}: {why}; expected a mapping of "
+        "metric name -> number or 0-d tensor, or (mapping, count)."
     )
 
 
 def _parse(result: Any, batch: Any) -> tuple[Mapping[str, Any], Any]:
+    """``eval_fn``'s metrics (one-element tensors made 0-d) and the batch's weight."""
     if isinstance(result, Mapping):
         metrics, count = result, None
     elif isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], Mapping):
@@ -52,90 +35,55 @@ def _parse(result: Any, batch: Any) -> tuple[Mapping[str, Any], Any]:
             raise _bad_result(result, "its count is None; give a number or a 0-d tensor")
     else:
         raise _bad_result(result, "not a mapping of metrics")
+    flat = {}
     for name, value in metrics.items():
         if isinstance(value, torch.Tensor):
             if value.numel() != 1:
                 raise _bad_result(
                     result, f"metric {name!r} is a tensor of shape {tuple(value.shape)}"
                 )
+            value = value.reshape(()) if value.ndim else value
         elif isinstance(value, bool) or not isinstance(value, (int, float)):
             raise _bad_result(result, f"metric {name!r} is a {type(value).__name__}")
+        flat[name] = value
     if count is None:
         samples = _leading_dim(batch)
         count = 1 if samples is None else samples
-    return metrics, count
-
-
-def _float64(value: Any) -> Any:
-    """A tensor as a 0-d float64 tensor (sums stay on its device); a number as it is."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().reshape(()).to(torch.float64)
-    return value
-
-
-def _device(model: torch.nn.Module, found: torch.device | None) -> torch.device:
-    if found is not None:
-        return found
-    # The collective backend (NCCL) needs tensors on the model's device.
-    param = next(model.parameters(), None)
-    return param.device if param is not None else torch.device("cpu")
-
-
-def _modes(model: torch.nn.Module) -> list[tuple[torch.nn.Module, bool]]:
-    # Per submodule: a model in train mode may hold frozen parts in eval mode on purpose.
-    return [(m, m.training) for m in model.modules()]
+    elif isinstance(count, torch.Tensor) and count.ndim:
+        count = count.reshape(())
+    return flat, count
 
 
 def _evaluate(
     eval_fn: Callable[[torch.nn.Module, Any], Any], model: torch.nn.Module, data: Iterable[Any]
 ) -> dict[str, float]:
     """Count-weighted means of ``eval_fn``'s metrics over ``data`` (see :func:`validate`)."""
-    modes = _modes(model)
-    sums: dict[str, Any] = {}
-    weights: dict[str, Any] = {}
-    device: torch.device | None = None
-    batches = 0
+    # Per submodule: a model in train mode may hold frozen parts in eval mode on purpose.
+    modes = [(module, module.training) for module in model.modules()]
+    records, weights = [], []
     model.eval()
     try:
         with torch.no_grad():
             for batch in data:
-                batches += 1
                 metrics, count = _parse(eval_fn(model, batch), batch)
-                weight = _float64(count)
-                for name, value in metrics.items():
-                    if device is None and isinstance(value, torch.Tensor):
-                        device = value.device
-                    sums[name] = sums.get(name, 0.0) + _float64(value) * weight
-                    weights[name] = weights.get(name, 0.0) + weight
+                records.append(metrics)
+                weights.append(count)
+            # The batches' tensors are read back once, at the end: one host sync.
+            reduced = weighted_sums(columns(records), weights)
     finally:
         for module, training in modes:
             module.training = training
-    if not batches:
+    if not records:
         raise ValueError(
-            "validate: the validation data yielded no batches. Pass a non-empty, re-iterable "
-            "source (a DataLoader or a list of batches)."
+            "validate: the validation data yielded no batches; pass a non-empty, re-iterable "
+            "source (a DataLoader, a list of batches)."
         )
-    names = sorted(sums)
-    if not names:
-        return {}
-    dev = _device(model, device)
-    packed = torch.stack(
-        [torch.as_tensor(x, dtype=torch.float64, device=dev).reshape(()) for x in sums.values()]
-        + [
-            torch.as_tensor(x, dtype=torch.float64, device=dev).reshape(())
-            for x in weights.values()
-        ]
-    )
-    packed = all_reduce_(packed, dist.ReduceOp.SUM)  # a no-op in one process
-    values = packed.tolist()  # the one host sync of the evaluation
-    k = len(sums)
-    by_name = dict(zip(sums, zip(values[:k], values[k:])))
+    sums, _ = sum_over_ranks("validate", reduced.sums)  # type: ignore[arg-type]
     # A metric whose weights sum to 0 (e.g. batches without tokens) has no mean: NaN.
-    return {name: _ratio(*by_name[name]) for name in names}
-
-
-def _ratio(total: float, weight: float) -> float:
-    return total / weight if weight else math.nan
+    return {
+        name: total / weight if weight else math.nan
+        for name, (total, weight) in sorted(sums.items())
+    }
 
 
 def validate(
@@ -158,11 +106,12 @@ def validate(
     metric name -> number or 0-d tensor, or ``(mapping, count)`` where ``count`` weights the
     batch; by default the weight is the leading dimension of the batch's first tensor (1
     when it has none). Each metric is the count-weighted mean over the batches that reported
-    it, so unequal batch sizes give the exact mean over samples (NaN when its weights sum to
-    0). Sums stay tensors until the
-    end of the evaluation (one host sync); with ``torch.distributed`` initialised, the sums
-    and weights are all-reduced over ranks first, so each rank should evaluate its own shard
-    and every rank must return the same metric names.
+    it, so unequal batch sizes give the exact mean over samples (a batch of weight 0 counts
+    for nothing; NaN when a metric's weights sum to 0). The batches' values are read back
+    at the end of the evaluation, at once, as :func:`toolkit.key_average` does (one host
+    sync); with ``torch.distributed`` initialised, the sums and weights are then all-reduced
+    over the ranks in one collective, so each rank should evaluate its own shard and every
+    rank must return the same metric names.
 
     The result goes to ``state.extras[key] = {"step": state.step, "epoch": state.epoch,
     "metrics": {name: float}, "best": float, "best_step": int}``, where ``best`` is the best
@@ -193,7 +142,7 @@ def validate(
     Raises:
         ValueError: none of ``every``, ``per_epoch`` and ``at_end``, ``every < 1``, a bad
             ``mode``, an empty ``key``, a one-shot iterator as ``data``; during the run,
-            validation data without batches.
+            validation data without batches, or ranks returning different metric names.
         TypeError: ``eval_fn`` not callable; during the run, an ``eval_fn`` result that is
             not a mapping of scalars.
         KeyError: during the run, ``eval_fn`` never returned ``monitor`` (the message lists
@@ -225,15 +174,14 @@ def validate(
     check_key("validate", key)
     if every is None and not per_epoch and not at_end:
         raise ValueError(
-            "validate: give every=N (evaluate every N applied updates), per_epoch=True "
-            "(after each epoch) and/or at_end=True (once at the end); with none it would "
-            "never run."
+            "validate: expected every=N, per_epoch=True and/or at_end=True; got none of "
+            "them, so it would never run."
         )
-    _check_mode("validate", mode)
+    check_mode("validate", mode)
     if isinstance(data, Iterator):
         raise ValueError(
-            f"validate: data must be re-iterable (a DataLoader, a list of batches) because it "
-            f"is read at every evaluation; got a one-shot iterator ({type(data).__name__})."
+            f"validate: data must be re-iterable (a DataLoader, a list), read at every "
+            f"evaluation; got a one-shot iterator ({type(data).__name__})."
         )
     if model is not None and not callable(model):
         raise TypeError(
@@ -246,14 +194,14 @@ def validate(
         metrics = _evaluate(eval_fn, pick(state) if pick is not None else state.model, data)
         if monitor not in metrics:
             raise KeyError(
-                f"validate: eval_fn returned no {monitor!r} metric to monitor; it returned "
-                f"{sorted(metrics)}. Pass monitor=<one of them>, or return {monitor!r}."
+                f"validate: eval_fn returned no {monitor!r} metric to monitor, only "
+                f"{sorted(metrics)}; pass monitor=<one of them>, or return {monitor!r}."
             )
         previous = state.extras.get(key)
         best = previous.get("best") if isinstance(previous, Mapping) else None
         best_step = previous.get("best_step") if isinstance(previous, Mapping) else None
         value = metrics[monitor]
-        if _better(value, best, mode):
+        if better(value, best, mode):
             best, best_step = value, state.step
         entry = {
             "step": state.step,
@@ -267,146 +215,16 @@ def validate(
     def plugin(event: Event) -> TrainState | None:
         state = event.state
         if event.kind == "step":
-            out = event.out
-            due = every is not None and out is not None and out.updated and state.step % every == 0
+            evaluate = every is not None and due(event, every)
         elif event.kind == "end":
-            due = at_end and event.error is None
+            evaluate = at_end and event.error is None
         else:
-            due = per_epoch and event.kind == "epoch_end"
-        if not due:
+            evaluate = per_epoch and event.kind == "epoch_end"
+        if not evaluate:
             return None
         previous = state.extras.get(key)
         if isinstance(previous, Mapping) and previous.get("step") == state.step:
             return None
         return run_eval(state)
-
-    return plugin
-
-
-def early_stop(
-    metric: str = "val/loss",
-    *,
-    patience: int = 5,
-    min_delta: float = 0.0,
-    mode: str = "min",
-) -> Plugin:
-    """A plugin that asks the loop to stop when a metric has stopped improving.
-
-    ``metric="NAME/m"`` reads ``state.extras[NAME]["metrics"][m]`` (the entry that
-    :func:`validate` with ``key=NAME`` writes) each time ``state.extras[NAME]["step"]``
-    changes, so each evaluation counts once. An evaluation improves when it beats the best
-    so far by more than ``min_delta`` (below ``best - min_delta`` for ``mode="min"``, above
-    ``best + min_delta`` for ``"max"``; a NaN never improves); the first one always does.
-    After ``patience`` evaluations in a row without improvement the plugin returns the
-    state with ``stop`` set to the reason, e.g. ``"early_stop: val/loss did not improve by
-    more than 0 for 5 evaluations (best 0.1234 at step 400)"``. Its counters live in
-    ``state.extras["early_stop"]`` (``{"metric", "seen_step", "best", "best_step",
-    "bad"}``), so a resumed run keeps them; use one ``early_stop`` per run. Put it after
-    ``validate`` in the plugin list.
-
-    When a run that did not raise ends and ``state.extras`` never got a ``NAME`` entry, the
-    plugin raises a ``KeyError`` at ``"end"`` naming the keys that exist: a misspelt
-    metric or a missing/late ``validate`` would otherwise fail silently. (A run too short to
-    reach the first evaluation therefore raises too; validate once at the end of such a run,
-    e.g. ``per_epoch=True``, or leave ``early_stop`` out of it.)
-
-    Args:
-        metric: ``"NAME/metric"``, e.g. ``"val/loss"`` or ``"val/acc"``.
-        patience: evaluations without improvement before stopping (>= 1).
-        min_delta: the margin an evaluation must beat the best by to count as an
-            improvement (>= 0).
-        mode: ``"min"`` (lower is better) or ``"max"`` (higher is better).
-
-    Returns:
-        The plugin, ``plugin(event) -> TrainState | None``.
-
-    Raises:
-        ValueError: ``metric`` without ``"/"``, ``patience < 1``, a negative ``min_delta``,
-            a bad ``mode``.
-        KeyError: during the run, an entry ``NAME`` that holds no metrics or no metric
-            ``m``; at the end of a run, no ``NAME`` entry at all.
-
-    Example:
-        >>> import torch
-        >>> from toolkit import TrainState, make_step, run
-        >>> from toolkit.plugins import early_stop, validate
-        >>> model = torch.nn.Linear(2, 1)
-        >>> state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0))
-        >>> train, val = [torch.ones(4, 2)] * 100, [torch.ones(4, 2)]
-        >>> def eval_fn(m, b):
-        ...     return {"loss": m(b).square().mean()}
-        >>> plugins = [validate(eval_fn, val, every=10), early_stop("val/loss", patience=2)]
-        >>> step = make_step(lambda m, b: m(b).square().mean())
-        >>> state = run(step, state, train, max_steps=100, plugins=plugins)
-        >>> state.step  # lr=0: no improvement after the first evaluation at step 10
-        30
-        >>> state.stop.startswith("early_stop: val/loss did not improve by more than 0 for 2")
-        True
-    """
-    if not isinstance(metric, str) or "/" not in metric:
-        raise ValueError(
-            f"early_stop: metric must be 'NAME/metric', the state.extras entry and the metric "
-            f"in it, e.g. 'val/loss' for validate(key='val') returning 'loss'; got {metric!r}."
-        )
-    name, _, sub = metric.partition("/")
-    check_count(
-        "early_stop", "patience", patience, 1, "evaluations without improvement before stopping"
-    )
-    if isinstance(min_delta, bool) or not isinstance(min_delta, (int, float)) or not min_delta >= 0:
-        raise ValueError(f"early_stop: min_delta must be a number >= 0; got {min_delta!r}.")
-    _check_mode("early_stop", mode)
-    margin = float(min_delta)
-
-    def plugin(event: Event) -> TrainState | None:
-        state = event.state
-        if event.kind == "end":
-            if event.error is None and name not in state.extras:
-                raise KeyError(
-                    f"early_stop: state.extras never got a {name!r} entry to read {metric!r} "
-                    f"from during this run (entries: {sorted(state.extras)}). Check the name, "
-                    f"and that validate(..., key={name!r}) comes before early_stop in plugins "
-                    "and evaluates at least once within the run."
-                )
-            return None
-        if event.kind == "start":
-            return None
-        entry = state.extras.get(name)
-        if entry is None:
-            return None
-        parsed = metric_entry(entry)
-        if parsed is None:
-            raise KeyError(
-                f"early_stop: state.extras[{name!r}] holds no metrics (an entry of the form "
-                "{'step': ..., 'metrics': {...}} that validate or peak_memory write). Give "
-                "the key of such a plugin, e.g. early_stop('val/loss')."
-            )
-        step, metrics = parsed
-        counters = state.extras.get("early_stop")
-        if counters is None or counters.get("metric") != metric:
-            counters = dict(metric=metric, seen_step=None, best=None, best_step=None, bad=0)
-        if step == counters["seen_step"]:
-            return None
-        if sub not in metrics:
-            raise KeyError(
-                f"early_stop: state.extras[{name!r}]['metrics'] has no {sub!r} (it has "
-                f"{sorted(metrics)}). Use early_stop('{name}/<one of them>')."
-            )
-        value = float(metrics[sub])
-        if _better(value, counters["best"], mode, margin):
-            counters = {**counters, "best": value, "best_step": step, "bad": 0}
-        else:
-            counters = {**counters, "bad": counters["bad"] + 1}
-        counters["seen_step"] = step
-        state = state.replace(extras={**state.extras, "early_stop": counters})
-        if counters["bad"] >= patience:
-            best = counters["best"]
-            best_text = f"{best:.4g}" if best is not None else "none"
-            reason = (
-                f"early_stop: {metric} did not improve by more than {margin:g} for "
-                f"{counters['bad']} evaluations (best {best_text} at step "
-                f"{counters['best_step']})"
-            )
-            state = state.replace(stop=reason)
-        return state
 
     return plugin

@@ -1,0 +1,139 @@
+"""early_stop: ask the loop to stop when a validation metric has stopped improving."""
+
+from __future__ import annotations
+
+from toolkit._checks import check_count
+from toolkit._loop import Event, Plugin
+from toolkit._state import TrainState
+from toolkit.plugins._shared import better, check_mode, metric_entry
+
+__all__ = ["early_stop"]
+
+
+def early_stop(
+    metric: str = "val/loss",
+    *,
+    patience: int = 5,
+    min_delta: float = 0.0,
+    mode: str = "min",
+) -> Plugin:
+    """A plugin that asks the loop to stop when a metric has stopped improving.
+
+    ``metric="NAME/m"`` reads ``state.extras[NAME]["metrics"][m]`` (the entry that
+    :func:`validate` with ``key=NAME`` writes) each time ``state.extras[NAME]["step"]``
+    changes, so each evaluation counts once. An evaluation improves when it beats the best
+    so far by more than ``min_delta`` (below ``best - min_delta`` for ``mode="min"``, above
+    ``best + min_delta`` for ``"max"``; a NaN never improves); the first one always does.
+    After ``patience`` evaluations in a row without improvement the plugin returns the
+    state with ``stop`` set to the reason, e.g. ``"early_stop: val/loss did not improve by
+    more than 0 for 5 evaluations (best 0.1234 at step 400)"``. Its counters live in
+    ``state.extras["early_stop"]`` (``{"metric", "seen_step", "best", "best_step",
+    "bad"}``), so a resumed run keeps them; use one ``early_stop`` per run. Put it after
+    ``validate`` in the plugin list.
+
+    When a run that did not raise ends and ``state.extras`` never got a ``NAME`` entry, the
+    plugin raises a ``KeyError`` at ``"end"`` naming the keys that exist (which
+    :func:`toolkit.run` reports as a ``RuntimeWarning``): a misspelt metric or a missing or
+    late ``validate`` would otherwise fail silently. (A run too short to reach the first
+    evaluation therefore raises too; validate once at the end of such a run, e.g.
+    ``per_epoch=True``, or leave ``early_stop`` out of it.)
+
+    Args:
+        metric: ``"NAME/metric"``, e.g. ``"val/loss"`` or ``"val/acc"``.
+        patience: evaluations without improvement before stopping (>= 1).
+        min_delta: the margin an evaluation must beat the best by to count as an
+            improvement (>= 0).
+        mode: ``"min"`` (lower is better) or ``"max"`` (higher is better).
+
+    Returns:
+        The plugin, ``plugin(event) -> TrainState | None``.
+
+    Raises:
+        ValueError: ``metric`` without ``"/"``, ``patience < 1``, a negative ``min_delta``,
+            a bad ``mode``.
+        KeyError: during the run, an entry ``NAME`` that holds no metrics or no metric
+            ``m``; at the end of a run, no ``NAME`` entry at all.
+
+    Example:
+        >>> import torch
+        >>> from toolkit import TrainState, make_step, run
+        >>> from toolkit.plugins import early_stop, validate
+        >>> model = torch.nn.Linear(2, 1)
+        >>> state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0))
+        >>> train, val = [torch.ones(4, 2)] * 100, [torch.ones(4, 2)]
+        >>> def eval_fn(m, b):
+        ...     return {"loss": m(b).square().mean()}
+        >>> plugins = [validate(eval_fn, val, every=10), early_stop("val/loss", patience=2)]
+        >>> step = make_step(lambda m, b: m(b).square().mean())
+        >>> state = run(step, state, train, max_steps=100, plugins=plugins)
+        >>> state.step  # lr=0: no improvement after the first evaluation at step 10
+        30
+        >>> state.stop.startswith("early_stop: val/loss did not improve by more than 0 for 2")
+        True
+    """
+    if not isinstance(metric, str) or "/" not in metric:
+        raise ValueError(
+            f"early_stop: metric must be 'NAME/metric' (state.extras entry / metric in it), "
+            f"e.g. 'val/loss'; got {metric!r}."
+        )
+    name, _, sub = metric.partition("/")
+    check_count(
+        "early_stop", "patience", patience, 1, "evaluations without improvement before stopping"
+    )
+    if isinstance(min_delta, bool) or not isinstance(min_delta, (int, float)) or not min_delta >= 0:
+        raise ValueError(f"early_stop: min_delta must be a number >= 0; got {min_delta!r}.")
+    check_mode("early_stop", mode)
+    margin = float(min_delta)
+
+    def plugin(event: Event) -> TrainState | None:
+        state = event.state
+        if event.kind == "end":
+            if event.error is None and name not in state.extras:
+                raise KeyError(
+                    f"early_stop: state.extras never got a {name!r} entry to read {metric!r} "
+                    f"from during this run (entries: {sorted(state.extras)}). Check the name, "
+                    f"and that validate(..., key={name!r}) comes before early_stop in plugins "
+                    "and evaluates at least once within the run."
+                )
+            return None
+        if event.kind == "start":
+            return None
+        entry = state.extras.get(name)
+        if entry is None:
+            return None
+        parsed = metric_entry(entry)
+        if parsed is None:
+            raise KeyError(
+                f"early_stop: state.extras[{name!r}] holds no metrics (expected an entry "
+                "{'step': ..., 'metrics': {...}} as validate writes), e.g. early_stop('val/loss')."
+            )
+        step, metrics = parsed
+        counters = state.extras.get("early_stop")
+        if counters is None or counters.get("metric") != metric:
+            counters = dict(metric=metric, seen_step=None, best=None, best_step=None, bad=0)
+        if step == counters["seen_step"]:
+            return None
+        if sub not in metrics:
+            raise KeyError(
+                f"early_stop: state.extras[{name!r}]['metrics'] has no {sub!r} (it has "
+                f"{sorted(metrics)}). Use early_stop('{name}/<one of them>')."
+            )
+        value = float(metrics[sub])
+        if better(value, counters["best"], mode, margin):
+            counters = {**counters, "best": value, "best_step": step, "bad": 0}
+        else:
+            counters = {**counters, "bad": counters["bad"] + 1}
+        counters["seen_step"] = step
+        state = state.replace(extras={**state.extras, "early_stop": counters})
+        if counters["bad"] >= patience:
+            best = counters["best"]
+            best_text = f"{best:.4g}" if best is not None else "none"
+            reason = (
+                f"early_stop: {metric} did not improve by more than {margin:g} for "
+                f"{counters['bad']} evaluations (best {best_text} at step "
+                f"{counters['best_step']})"
+            )
+            state = state.replace(stop=reason)
+        return state
+
+    return plugin

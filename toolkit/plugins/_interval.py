@@ -1,0 +1,130 @@
+"""What progress and log_metrics read of the updates since their last refresh or publish.
+
+Each micro-batch's loss is weighted by its target count when the loss function reports one
+(:class:`toolkit.LossSum`), else by its number of samples, else by 1, so that the mean over
+micro-batches of different sizes is the exact mean over targets (or samples). Skipped
+micro-batches (no loss) and the windows :func:`toolkit.guard_nonfinite` rejected are left
+out. The plugins keep each window's outputs as they come and read them here, once per
+refresh or publish: per update they only append and compare.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import operator
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from itertools import chain, compress
+from typing import Any
+
+import torch
+
+from toolkit._step import StepOutput
+from toolkit._weighted import Column, columns, weighted_sums
+
+__all__ = ["Interval", "read"]
+
+
+@dataclasses.dataclass(slots=True)
+class Interval:
+    """Sums over the windows read so far.
+
+    ``sums`` maps ``"loss"`` (and each flattened record) to ``(weighted sum, weight)``;
+    ``targets`` is None while no loss reported counts, ``samples`` while no micro-batch had
+    a sample count; ``lr`` is the last applied update's learning rate, None before one.
+    """
+
+    sums: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    targets: float | None = None
+    samples: int | None = None
+    norm_total: float = 0.0
+    norms: int = 0
+    lr: Any = None
+    updates: int = 0
+    nonfinite: int = 0
+    overflow: int = 0
+
+
+def read(
+    interval: Interval,
+    windows: Sequence[tuple[StepOutput, ...]],
+    open_window: Sequence[StepOutput] = (),
+    flatten: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None,
+) -> None:
+    """Add ``windows`` (each ending with its closing output) to ``interval``: one host read.
+
+    ``flatten`` turns a micro-batch's records into flat ones (log_metrics); without it
+    records are not read (progress).
+    """
+    # Each field is taken out of all outputs at once (zip), not by a python loop per field:
+    # python steps per output show in the overhead of a refresh every few updates.
+    closing = _fields(map(_LAST, windows))
+    if any(closing.nonfinite):
+        outs: Iterable[StepOutput] = [o for w in windows if not w[-1].nonfinite for o in w]
+    else:
+        outs = chain.from_iterable(windows)
+    fields = _fields(chain(outs, open_window))
+    if any(fields.skipped):  # outputs without a loss are left out
+        rows = [row for row, skipped in zip(zip(*fields), fields.skipped) if not skipped]
+        fields = _fields(map(StepOutput._make, rows))
+    counts, samples = fields.count, fields.samples
+    # counts[0], then `==` on the tuple: `None in counts` would compare every tensor with
+    # None, which costs ~20 us each.
+    counted = bool(counts) and (counts[0] is not None or counts != _nones(len(counts)))
+    try:
+        sized: int | None = sum(samples)
+        numbers: Sequence[Any] = samples
+    except TypeError:  # some micro-batches have no sample count
+        known = [s for s in samples if s is not None]
+        sized = sum(known) if known else None
+        numbers = [1 if s is None else s for s in samples]
+    if counted:
+        weights: Sequence[Any] | Column = [
+            (c if c.ndim == 0 else c.reshape(())) if isinstance(c, torch.Tensor)
+            else c if c is not None else 1 if s is None else s
+            for c, s in zip(counts, samples)
+        ]  # fmt: skip
+    else:
+        weights = Column(numbers, None, tensors=False)
+    cols: dict[Any, Column] = {}
+    if flatten is not None and any(fields.records):
+        cols = columns([flatten(r) for r in fields.records])
+    cols["loss"] = Column(fields.loss, None, tensors=True)  # skipped ones are out
+    applied = list(compress(closing.lr, closing.updated))
+    norms = [n for n in compress(closing.grad_norm, closing.updated) if n is not None]
+    lr = applied[-1] if applied else None
+    lr_tensor = [lr.reshape(())] if isinstance(lr, torch.Tensor) else []
+    got = weighted_sums(cols, weights, [*norms, *lr_tensor])
+
+    sums = interval.sums
+    for key, (total, weight) in got.sums.items():
+        before = sums.get(key)
+        sums[key] = (total, weight) if before is None else (before[0] + total, before[1] + weight)
+    if counted:
+        targets = sum([w for w, c in zip(got.weights, counts) if c is not None])
+        interval.targets = targets + (interval.targets or 0.0)
+    if sized is not None and samples:
+        interval.samples = sized + (interval.samples or 0)
+    if norms:
+        interval.norm_total += sum(got.also[: len(norms)])
+        interval.norms += len(norms)
+    if applied:
+        interval.lr = got.also[-1] if lr_tensor else lr
+        interval.updates += len(applied)
+    interval.nonfinite += sum(closing.nonfinite)
+    interval.overflow += sum(closing.overflow)
+
+
+def _fields(outs: Iterable[StepOutput]) -> Any:
+    """The outputs as one StepOutput whose fields are tuples: a column per field."""
+    taken = tuple(zip(*outs))
+    return StepOutput._make(taken) if taken else _NO_OUTPUTS
+
+
+@functools.cache
+def _nones(n: int) -> tuple[None, ...]:
+    return (None,) * n
+
+
+_LAST = operator.itemgetter(-1)
+_NO_OUTPUTS = StepOutput._make(() for _ in StepOutput._fields)
