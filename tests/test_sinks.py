@@ -74,7 +74,10 @@ def test_jsonl_non_finite_values_round_trip(tmp_path: Path) -> None:
 def test_jsonl_bad_paths(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match=r"jsonl: path must be a path .*got int"):
         jsonl(3)  # type: ignore[arg-type]
-    with pytest.raises(IsADirectoryError, match="is a directory; give a file path inside it"):
+    with pytest.raises(
+        IsADirectoryError,
+        match=r"jsonl: path must be a file, e.g. '.*metrics.jsonl'; got the directory",
+    ):
         jsonl(tmp_path)
 
 

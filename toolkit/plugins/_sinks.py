@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -40,10 +41,34 @@ class Sink(NamedTuple):
 def _check_path(fn: str, name: str, value: Any) -> pathlib.Path:
     if not isinstance(value, (str, os.PathLike)):
         raise TypeError(
-            f"{fn}: {name} must be a path (str or os.PathLike); got {type(value).__name__}. "
-            f'Example: {fn}("runs/exp1/{"metrics.jsonl" if fn == "jsonl" else "tb"}").'
+            f"{fn}: {name} must be a path (str or os.PathLike); got {type(value).__name__}."
         )
     return pathlib.Path(value)
+
+
+@dataclasses.dataclass(slots=True)
+class _Lazy:
+    """A sink's target (file, writer, run), opened at the first write and after a close."""
+
+    open: Callable[[int], Any]  # called with the number of earlier opens
+    put: Callable[[Any, int, dict[str, float]], None]
+    shut: Callable[[Any], None]
+    target: Any = None
+    opens: int = 0
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        if self.target is None:
+            self.target = self.open(self.opens)
+            self.opens += 1
+        self.put(self.target, step, metrics)
+
+    def close(self) -> None:
+        target, self.target = self.target, None
+        if target is not None:
+            self.shut(target)
+
+    def sink(self) -> Sink:
+        return Sink(self.write, self.close)
 
 
 def jsonl(path: str | os.PathLike[str], *, mode: str = "a") -> Sink:
@@ -84,32 +109,24 @@ def jsonl(path: str | os.PathLike[str], *, mode: str = "a") -> Sink:
     file_path = _check_path("jsonl", "path", path)
     if file_path.is_dir():
         raise IsADirectoryError(
-            f"jsonl: {str(file_path)!r} is a directory; give a file path inside it, e.g. "
-            f"jsonl({str(file_path / 'metrics.jsonl')!r})."
+            f"jsonl: path must be a file, e.g. {str(file_path / 'metrics.jsonl')!r}; got the "
+            f"directory {str(file_path)!r}."
         )
     if mode not in ("a", "w"):
         raise ValueError(f"jsonl: mode must be 'a' (append) or 'w' (replace); got {mode!r}.")
-    handle: Any = None
-    open_mode = mode
 
-    def write(step: int, metrics: dict[str, float]) -> None:
-        nonlocal handle, open_mode
-        if handle is None:
-            file_path.parent.mkdir(parents=True, exist_ok=True)
-            # Unbuffered bytes: each line reaches the operating system in one write call.
-            handle = open(file_path, open_mode + "b", buffering=0)  # noqa: SIM115 (closed by close)
-            open_mode = "a"  # replaced once; this sink's own lines are kept from then on
+    def open_file(opens: int) -> Any:
+        file_path.parent.mkdir(parents=True, exist_ok=True)
+        # Replaced at the first open only: this sink's own lines are kept from then on.
+        # Unbuffered bytes: each line reaches the operating system in one write call.
+        return open(file_path, ("a" if opens else mode) + "b", buffering=0)
+
+    def put(handle: Any, step: int, metrics: dict[str, float]) -> None:
         data = (json.dumps({"step": step, **metrics}) + "\n").encode()
         while data:  # a regular file takes it all at once; a short write is retried
             data = data[handle.write(data) :]
 
-    def close() -> None:
-        nonlocal handle
-        if handle is not None:
-            handle.close()
-            handle = None
-
-    return Sink(write, close)
+    return _Lazy(open_file, put, lambda handle: handle.close()).sink()
 
 
 def tensorboard(log_dir: str | os.PathLike[str]) -> Sink:
@@ -146,27 +163,17 @@ def tensorboard(log_dir: str | os.PathLike[str]) -> Sink:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as exc:
         raise ImportError(
-            "tensorboard(): the TensorBoard sink needs the tensorboard package, which is not "
-            "installed. Install it with `pip install tensorboard` (or `pip install "
-            '"toolkit[loggers]"`), or log with jsonl(path), which needs nothing.'
+            "tensorboard(): needs the tensorboard package: pip install tensorboard (or pip "
+            'install "toolkit[loggers]"), or log with jsonl(path), which needs nothing.'
         ) from exc
-    writer: Any = None
 
-    def write(step: int, metrics: dict[str, float]) -> None:
-        nonlocal writer
-        if writer is None:
-            writer = SummaryWriter(log_dir=str(directory))
+    def put(writer: Any, step: int, metrics: dict[str, float]) -> None:
         for key, value in metrics.items():
             writer.add_scalar(key, value, step)
         writer.flush()
 
-    def close() -> None:
-        nonlocal writer
-        if writer is not None:
-            writer.close()
-            writer = None
-
-    return Sink(write, close)
+    opened = _Lazy(lambda _: SummaryWriter(log_dir=str(directory)), put, lambda w: w.close())
+    return opened.sink()
 
 
 def wandb(**init_kwargs: Any) -> Sink:
@@ -201,22 +208,11 @@ def wandb(**init_kwargs: Any) -> Sink:
         import wandb as wandb_module
     except ImportError as exc:
         raise ImportError(
-            "wandb(): the Weights & Biases sink needs the wandb package, which is not "
-            "installed. Install it with `pip install wandb` (or `pip install "
-            '"toolkit[loggers]"`), or log with jsonl(path), which needs nothing.'
+            'wandb(): needs the wandb package: pip install wandb (or pip install "toolkit[loggers]'
+            '"), or log with jsonl(path), which needs nothing.'
         ) from exc
-    run: Any = None
-
-    def write(step: int, metrics: dict[str, float]) -> None:
-        nonlocal run
-        if run is None:
-            run = wandb_module.init(**init_kwargs)
-        run.log(metrics, step=step)
-
-    def close() -> None:
-        nonlocal run
-        if run is not None:
-            run.finish()
-            run = None
-
-    return Sink(write, close)
+    return _Lazy(
+        lambda _: wandb_module.init(**init_kwargs),
+        lambda run, step, metrics: run.log(metrics, step=step),
+        lambda run: run.finish(),
+    ).sink()
