@@ -7,13 +7,11 @@ from typing import Any
 __all__ = ["check_count", "check_key"]
 
 
-def check_count(
-    who: str, name: str, value: Any, least: int, meaning: str = "", example: str = ""
-) -> None:
+def check_count(who: str, name: str, value: Any, least: int, meaning: str = "") -> None:
     """Raise ValueError unless ``value`` is an int (not a bool) >= ``least``.
 
-    The message reads ``"{who}: {name} must be an int >= {least} ({meaning}); got {value!r}.
-    {example}"``, the parts in parentheses only when given.
+    The message reads ``"{who}: {name} must be an int >= {least} ({meaning}); got {value!r}."``,
+    the part in parentheses only when given.
 
     Example:
         >>> check_count("progress", "every", 0, 1, "updates between refreshes")
@@ -23,8 +21,7 @@ def check_count(
     """
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
         what = f" ({meaning})" if meaning else ""
-        then = f" {example}" if example else ""
-        raise ValueError(f"{who}: {name} must be an int >= {least}{what}; got {value!r}.{then}")
+        raise ValueError(f"{who}: {name} must be an int >= {least}{what}; got {value!r}.")
 
 
 def check_key(who: str, key: Any) -> None:

@@ -33,10 +33,8 @@ def to_host(tensors: Sequence[torch.Tensor]) -> list[float]:
     if not tensors:
         return []
     if _all_on_cpu(tensors):
-        # Nothing to wait for on the CPU: reading each value is cheaper than stacking them
-        # (no view per tensor, no new tensor), and exact for every dtype.
         return list(map(torch.Tensor.item, tensors))
-    if len({t.dtype for t in tensors}) == 1:  # a set, not all(genexpr): cheaper per tensor
+    if len({t.dtype for t in tensors}) == 1:
         try:
             return torch.stack(list(tensors)).tolist()  # type: ignore[no-any-return]
         except RuntimeError:
