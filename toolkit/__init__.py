@@ -2,8 +2,10 @@
 
 from toolkit._accumulation import accumulate
 from toolkit._amp import amp_wrap
+from toolkit._checkpoint import load_checkpoint, save_checkpoint
 from toolkit._clipping import clip
 from toolkit._decorating import compose
+from toolkit._export import export_model
 from toolkit._guards import guard_nonfinite
 from toolkit._loop import Event, LoopInfo, run
 from toolkit._phases import LossScaleError, NonFiniteError
@@ -30,11 +32,14 @@ __all__ = [
     "amp_wrap",
     "clip",
     "compose",
+    "export_model",
     "guard_nonfinite",
     "key_average",
+    "load_checkpoint",
     "make_step",
     "map_nested_tensor",
     "run",
+    "save_checkpoint",
     "transform_grads",
     "unwrap",
 ]

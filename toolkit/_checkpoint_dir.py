@@ -1,0 +1,433 @@
+"""A folder of checkpoints: listing, verifying, the newest intact one, pointer, cleanup, pruning.
+
+The folder (e.g. ``runs/a/ckpt/``) holds one sub-folder per checkpoint (any visible name;
+the checkpoints plugin uses ``step_000100``), a ``latest`` pointer file naming the newest,
+and, after a crash, hidden leftovers: ``.tmp-<name>-<pid>-<hex>`` (a save that did not
+finish: never loaded, removed by :func:`clean_temporaries`), ``.old-<name>-...`` (a
+checkpoint being replaced by a new one of the same name: put back when the new one never
+got its name) and ``.del-<name>-...`` (a pruned checkpoint not yet fully removed).
+Everything here reads the disk (the manifests), never a memory of earlier calls, so it
+gives the same answers after a restart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from toolkit._checkpoint import load_checkpoint
+from toolkit._files import fsync_dir, replace_file, temp_name, write_bytes
+from toolkit._manifest import MANIFEST, DamagedCheckpointError, file_problems, read_manifest
+from toolkit._retention import Retention, retain, retention_from_document
+from toolkit._state import TrainState
+
+__all__ = [
+    "POINTER",
+    "CheckpointInfo",
+    "clean_temporaries",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_latest",
+    "prune_checkpoints",
+    "read_pointer",
+    "verify_checkpoint",
+    "write_pointer",
+]
+
+POINTER = "latest"
+_HIDDEN_KINDS = ("tmp", "old", "del")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointInfo:
+    """One checkpoint folder as found on disk.
+
+    Attributes:
+        path: the checkpoint folder.
+        step: the saved ``state.step``, or ``None`` when the manifest cannot be read.
+        time: save time (seconds since the epoch), or ``None``.
+        size: bytes of the files the manifest lists (0 when unreadable).
+        metrics: the metrics recorded at save time.
+        rules: the retention rules recorded at save time, or ``None``.
+        problems: what is wrong with it (each line starts with a path); empty when intact
+            as far as it was checked (see ``checksums`` of :func:`list_checkpoints`).
+
+    Example:
+        >>> from pathlib import Path
+        >>> from toolkit.checkpoints import CheckpointInfo
+        >>> info = CheckpointInfo(Path("ckpt/step_1"), 1, 0.0, 10, {}, None, ())
+        >>> info.name, info.intact
+        ('step_1', True)
+    """
+
+    path: Path
+    step: int | None
+    time: float | None
+    size: int
+    metrics: Mapping[str, float]
+    rules: Retention | None
+    problems: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        """The folder's name."""
+        return self.path.name
+
+    @property
+    def intact(self) -> bool:
+        """True when no problem was found."""
+        return not self.problems
+
+
+def _info(folder: Path, checksums: bool) -> CheckpointInfo:
+    try:
+        manifest = read_manifest(folder)
+    except DamagedCheckpointError as error:
+        return CheckpointInfo(folder, None, None, 0, {}, None, error.problems)
+    except ValueError as error:  # another format or a newer version: not ours to judge
+        return CheckpointInfo(folder, None, None, 0, {}, None, (str(error),))
+    problems = tuple(file_problems(manifest, checksums=checksums))
+    try:
+        rules = retention_from_document(manifest.rules) if manifest.rules is not None else None
+    except (TypeError, ValueError) as error:
+        rules, problems = None, (*problems, f"{folder / MANIFEST}: bad rules ({error})")
+    return CheckpointInfo(
+        folder, manifest.step, manifest.time, manifest.size, manifest.metrics, rules, problems
+    )
+
+
+def list_checkpoints(
+    root: str | os.PathLike[str], *, checksums: bool = False
+) -> list[CheckpointInfo]:
+    """Every checkpoint folder in ``root``, oldest first, damaged ones included.
+
+    A checkpoint folder is any visible sub-folder (hidden leftovers of interrupted saves
+    are not checkpoints). Each is checked: the manifest, the listed files' presence and
+    sizes, and with ``checksums=True`` their checksums (this reads every byte).
+
+    Args:
+        root: the folder of checkpoints; a missing folder has none.
+        checksums: also verify every file's checksum.
+
+    Returns:
+        One :class:`CheckpointInfo` each, sorted by step (unreadable ones first), then name.
+
+    Raises:
+        NotADirectoryError: ``root`` exists and is not a folder.
+
+    Example:
+        >>> import torch
+        >>> from toolkit import TrainState, save_checkpoint
+        >>> from toolkit.checkpoints import list_checkpoints
+        >>> state = TrainState(model=torch.nn.Linear(1, 1))
+        >>> for step in (1, 2):
+        ...     _ = save_checkpoint(state.replace(step=step), f"ckpt/step_{step:06d}")
+        >>> [(c.name, c.step, c.intact) for c in list_checkpoints("ckpt")]
+        [('step_000001', 1, True), ('step_000002', 2, True)]
+    """
+    root = Path(root)
+    if not root.exists():
+        return []
+    if not root.is_dir():
+        raise NotADirectoryError(f"list_checkpoints: {root} is not a folder of checkpoints.")
+    infos = [
+        _info(entry, checksums)
+        for entry in root.iterdir()
+        if not entry.name.startswith(".") and entry.is_dir() and not entry.is_symlink()
+    ]
+    return sorted(infos, key=lambda c: (-1 if c.step is None else c.step, c.name))
+
+
+def verify_checkpoint(path: str | os.PathLike[str]) -> list[str]:
+    """Check one checkpoint folder completely: manifest, sizes and every checksum.
+
+    Args:
+        path: the checkpoint folder.
+
+    Returns:
+        The problems found, one line each starting with the path concerned; empty when
+        the checkpoint is intact.
+
+    Raises:
+        Nothing for damage (it is returned); OSError only if ``path`` cannot be listed.
+
+    Example:
+        >>> import torch
+        >>> from toolkit import TrainState, save_checkpoint
+        >>> from toolkit.checkpoints import verify_checkpoint
+        >>> path = save_checkpoint(TrainState(model=torch.nn.Linear(1, 1)), "ckpt/step_000000")
+        >>> verify_checkpoint(path)
+        []
+        >>> (path / "model.safetensors").write_bytes(b"oops")
+        4
+        >>> verify_checkpoint(path)  # doctest: +ELLIPSIS
+        ['ckpt/step_000000/model.safetensors: 4 bytes, the manifest says ... (truncated)']
+    """
+    return list(_info(Path(path), checksums=True).problems)
+
+
+def _warn_damaged(info: CheckpointInfo, stacklevel: int) -> None:
+    lines = "\n  ".join(info.problems)
+    warnings.warn(
+        f"checkpoint {info.path} is damaged and skipped:\n  {lines}", stacklevel=stacklevel
+    )
+
+
+def latest_checkpoint(root: str | os.PathLike[str], *, checksums: bool = True) -> Path | None:
+    """The newest intact checkpoint of ``root`` (highest step), warning about damaged newer ones.
+
+    Args:
+        root: the folder of checkpoints.
+        checksums: verify checksums too (reads every byte of the newest intact one and of
+            any newer damaged ones); with ``False`` only manifests and sizes are checked, and
+            :func:`load_checkpoint` verifies the rest (see :func:`load_latest`).
+
+    Returns:
+        The folder's path, or ``None`` when ``root`` holds no intact checkpoint.
+
+    Raises:
+        NotADirectoryError: ``root`` exists and is not a folder.
+
+    Example:
+        >>> import torch
+        >>> from toolkit import TrainState, save_checkpoint
+        >>> from toolkit.checkpoints import latest_checkpoint
+        >>> state = TrainState(model=torch.nn.Linear(1, 1))
+        >>> for step in (5, 10):
+        ...     _ = save_checkpoint(state.replace(step=step), f"ckpt/step_{step:06d}")
+        >>> latest_checkpoint("ckpt").name
+        'step_000010'
+    """
+    for info in reversed(list_checkpoints(root)):
+        if info.intact and checksums:
+            info = _info(info.path, checksums=True)
+        if info.intact:
+            return info.path
+        _warn_damaged(info, stacklevel=3)
+    return None
+
+
+def load_latest(
+    root: str | os.PathLike[str],
+    like: TrainState,
+    *,
+    objects: Mapping[str, Any] | None = None,
+    rng: bool = True,
+) -> tuple[TrainState, Path] | None:
+    """Load the newest checkpoint of ``root`` that is intact, falling back past damaged ones.
+
+    Newest first (by step), each candidate is loaded with :func:`load_checkpoint`, which
+    verifies every checksum once; a damaged one is skipped with a warning that names its
+    files. A checkpoint that does not fit the template is *not* skipped: that error is
+    raised, since an older checkpoint would not fit either.
+
+    Args:
+        root: the folder of checkpoints.
+        like: the template state (see :func:`load_checkpoint`).
+        objects: extra stateful objects, as for :func:`load_checkpoint`.
+        rng: restore the RNG states.
+
+    Returns:
+        ``(state, path)`` of the checkpoint loaded, or ``None`` when ``root`` holds no
+        checkpoint folder at all (a fresh start).
+
+    Raises:
+        DamagedCheckpointError: every checkpoint in ``root`` is damaged (the newest's).
+        ValueError: the newest intact checkpoint does not fit the template.
+
+    Example:
+        >>> import torch
+        >>> from toolkit import TrainState, save_checkpoint
+        >>> from toolkit.checkpoints import load_latest
+        >>> state = TrainState(model=torch.nn.Linear(1, 1))
+        >>> _ = save_checkpoint(state.replace(step=3), "ckpt/step_000003")
+        >>> loaded, path = load_latest("ckpt", like=state)
+        >>> loaded.step, path.name
+        (3, 'step_000003')
+        >>> load_latest("empty", like=state) is None
+        True
+    """
+    found = list_checkpoints(root)
+    first_error: DamagedCheckpointError | None = None
+    for info in reversed(found):
+        if info.intact:
+            try:
+                return load_checkpoint(info.path, like, objects=objects, rng=rng), info.path
+            except DamagedCheckpointError as error:
+                info = dataclasses.replace(info, problems=error.problems)
+        first_error = first_error or DamagedCheckpointError(info.path, info.problems)
+        _warn_damaged(info, stacklevel=3)
+    if first_error is not None:
+        raise first_error
+    return None
+
+
+def write_pointer(root: str | os.PathLike[str], checkpoint: str | os.PathLike[str]) -> Path:
+    """Atomically point ``root/latest`` at ``checkpoint`` (a text file holding its name).
+
+    Args:
+        root: the folder of checkpoints.
+        checkpoint: a checkpoint folder inside ``root`` (or its name).
+
+    Returns:
+        The pointer file's path.
+
+    Raises:
+        ValueError: ``checkpoint`` is not a folder directly inside ``root``.
+
+    Example:
+        >>> import torch
+        >>> from toolkit import TrainState, save_checkpoint
+        >>> from toolkit.checkpoints import read_pointer, write_pointer
+        >>> path = save_checkpoint(TrainState(model=torch.nn.Linear(1, 1)), "ckpt/step_000000")
+        >>> write_pointer("ckpt", path).read_text()
+        'step_000000\\n'
+        >>> read_pointer("ckpt").name
+        'step_000000'
+    """
+    root = Path(root)
+    name = Path(checkpoint).name
+    if not (root / name).is_dir() or name.startswith("."):
+        raise ValueError(
+            f"write_pointer: {checkpoint} is not a checkpoint folder inside {root}; point at "
+            "a folder that save_checkpoint wrote there."
+        )
+    pointer = root / POINTER
+    replace_file(pointer, lambda temp: write_bytes(temp, f"{name}\n".encode()))
+    return pointer
+
+
+def read_pointer(root: str | os.PathLike[str]) -> Path | None:
+    """The checkpoint folder ``root/latest`` names, or ``None`` (no pointer, or a bad one).
+
+    Args:
+        root: the folder of checkpoints.
+
+    Returns:
+        ``root / name`` when the pointer holds a plain name; the folder may be damaged or
+        pruned since: check it (the newest intact checkpoint is what
+        :func:`latest_checkpoint` finds, whatever the pointer says).
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> from toolkit.checkpoints import read_pointer
+        >>> read_pointer("nowhere") is None
+        True
+    """
+    try:
+        name = (Path(root) / POINTER).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    if not name or name != os.path.basename(name) or name.startswith("."):
+        return None
+    return Path(root) / name
+
+
+def _hidden(name: str) -> tuple[str, str] | None:
+    """``(kind, checkpoint name)`` of a leftover ``.{kind}-{name}-{pid}-{hex}``, else None."""
+    for kind in _HIDDEN_KINDS:
+        prefix = f".{kind}-"
+        if name.startswith(prefix):
+            parts = name[len(prefix) :].rsplit("-", 2)
+            if len(parts) == 3:
+                return kind, parts[0]
+    return None
+
+
+def clean_temporaries(root: str | os.PathLike[str]) -> list[Path]:
+    """Remove what interrupted saves and prunes left in ``root``; call it before a run starts.
+
+    ``.tmp-*`` (an unfinished save) and ``.del-*`` (an unfinished prune) are deleted, and so
+    are ``.tmp-*`` files of an interrupted pointer update. An ``.old-<name>-*`` folder (a
+    checkpoint being replaced) is renamed back to ``<name>`` when no ``<name>`` exists (the
+    replacement never got its name), and deleted otherwise. Do not call it while a save
+    into ``root`` may be running (e.g. from another process): it would delete that save's
+    temporary folder.
+
+    Args:
+        root: the folder of checkpoints (a missing one has nothing to clean).
+
+    Returns:
+        The paths removed (restored ``.old-`` folders are not listed).
+
+    Raises:
+        OSError: a leftover could not be removed.
+
+    Example:
+        >>> from pathlib import Path
+        >>> from toolkit.checkpoints import clean_temporaries
+        >>> Path("ckpt/.tmp-step_000009-123-abcd1234").mkdir(parents=True)
+        >>> [p.name for p in clean_temporaries("ckpt")]
+        ['.tmp-step_000009-123-abcd1234']
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    removed = []
+    for entry in sorted(root.iterdir()):
+        parsed = _hidden(entry.name)
+        if parsed is None:
+            continue
+        kind, name = parsed
+        if kind == "old" and not (root / name).exists():
+            os.rename(entry, root / name)
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+        removed.append(entry)
+    fsync_dir(root)
+    return removed
+
+
+def prune_checkpoints(
+    root: str | os.PathLike[str], rules: Retention, *, dry_run: bool = False
+) -> list[Path]:
+    """Delete the checkpoints of ``root`` that no retention rule keeps.
+
+    The decision is :func:`retain` over the checkpoints whose manifest can be read (step
+    and metrics from disk); folders with an unreadable manifest are never deleted. Call it
+    only after a save succeeded. Each folder is first renamed to a hidden ``.del-`` name,
+    so a prune cut short never leaves a half-deleted folder that looks like a checkpoint.
+
+    Args:
+        root: the folder of checkpoints.
+        rules: the retention rules.
+        dry_run: only return what would be deleted.
+
+    Returns:
+        The checkpoint folders deleted (or that would be), oldest first.
+
+    Raises:
+        OSError: a folder could not be removed.
+
+    Example:
+        >>> import torch
+        >>> from toolkit import TrainState, save_checkpoint
+        >>> from toolkit.checkpoints import Retention, prune_checkpoints
+        >>> state = TrainState(model=torch.nn.Linear(1, 1))
+        >>> for step in (1, 2, 3):
+        ...     _ = save_checkpoint(state.replace(step=step), f"ckpt/step_{step:06d}")
+        >>> [p.name for p in prune_checkpoints("ckpt", Retention(keep_last=2))]
+        ['step_000001']
+    """
+    root = Path(root)
+    readable = [c for c in list_checkpoints(root) if c.step is not None]
+    keep = retain([(c.name, c.step, c.metrics) for c in readable], rules)  # type: ignore[misc]
+    doomed = [c.path for c in readable if not keep[c.name]]
+    if dry_run:
+        return doomed
+    for path in doomed:
+        hidden = root / temp_name("del", path.name)
+        os.rename(path, hidden)
+        fsync_dir(root)
+        shutil.rmtree(hidden)
+    return doomed

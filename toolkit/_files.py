@@ -1,0 +1,113 @@
+"""Durable files: fsync'ed writes, atomic replacement, fast checksums.
+
+A file or folder is only durable once its data *and* the directory entry naming it reach
+the disk: ``fsync`` the file, then the folder holding it (after a rename, the parent).
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import uuid
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+from safetensors.torch import save_file
+
+__all__ = [
+    "CHECKSUM",
+    "checksum",
+    "fsync_dir",
+    "read_json",
+    "replace_file",
+    "temp_name",
+    "to_json",
+    "write_bytes",
+    "write_json",
+    "write_tensors",
+]
+
+CHECKSUM = "xxh3_128"  # ~20 GB/s here; the standard library's crc32 made loads 1.3-2.5x slower
+
+
+def checksum(path: Path) -> str:
+    """The file's xxh3-128 digest (hex), read through a memory map (no copy into Python)."""
+    with open(path, "rb") as file:
+        size = os.fstat(file.fileno()).st_size
+        if size == 0:  # mmap refuses empty files
+            return xxhash.xxh3_128_hexdigest(b"")
+        with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as view:
+            return xxhash.xxh3_128_hexdigest(view)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the entries of folder ``path`` (new, renamed or removed names) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_bytes(path: Path, data: bytes) -> None:
+    """Write a new file and fsync it."""
+    with open(path, "xb") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def to_json(document: Any) -> bytes:
+    """JSON text of ``document``; NaN and inf are refused (the codec tags them)."""
+    return json.dumps(document, allow_nan=False, ensure_ascii=False, indent=1).encode()
+
+
+def write_json(path: Path, document: Any) -> None:
+    """Write ``document`` as a new JSON file and fsync it."""
+    write_bytes(path, to_json(document))
+
+
+def read_json(path: Path) -> Any:
+    """Parse a JSON file (UTF-8); the only reader of non-tensor data on the load path."""
+    return json.loads(path.read_bytes().decode())
+
+
+def write_tensors(
+    path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> None:
+    """Write CPU tensors as a new safetensors file and fsync it."""
+    save_file(dict(tensors), path, metadata=dict(metadata) if metadata else None)
+    _fsync_file(path)
+
+
+def temp_name(kind: str, name: str) -> str:
+    """A hidden sibling name, unique per process and call: ``.{kind}-{name}-{pid}-{hex}``."""
+    return f".{kind}-{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def replace_file(path: Path, write: Callable[[Path], None]) -> None:
+    """Replace ``path`` atomically: readers see the old content or the new, never a mix.
+
+    ``write(temp)`` creates the new content (durably: the writers here fsync) in a hidden
+    sibling, which then takes the name.
+    """
+    temp = path.parent / temp_name("tmp", path.name)
+    try:
+        write(temp)
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)

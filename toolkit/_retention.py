@@ -1,0 +1,152 @@
+"""Retention: which checkpoints to keep, as a pure function of what is on disk.
+
+The kept set is the union of the rules (keep the last N, every M-th step, explicit steps,
+the best K by a metric); the newest checkpoint is always kept. The input is each
+checkpoint's name, step and manifest metrics, read from disk, so the decision is the same
+after a restart as before it; the rules go into every manifest so that the shell tool can
+say which rule keeps which checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+__all__ = ["RULE_NAMES", "Retention", "retain", "retention_from_document"]
+
+RULE_NAMES = ("newest", "keep_last", "keep_every", "keep_steps", "keep_best")
+
+
+@dataclasses.dataclass(frozen=True)
+class Retention:
+    """Retention rules; a checkpoint is kept when any rule keeps it.
+
+    Attributes:
+        keep_last: keep the ``keep_last`` checkpoints with the highest steps (0: none by
+            this rule; the newest is kept anyway).
+        keep_every: keep every checkpoint whose step is a multiple of it (``None``: off).
+        keep_steps: keep the checkpoints of these steps.
+        keep_best: keep the ``keep_best`` checkpoints with the best ``metric`` (0: off);
+            checkpoints whose manifest lacks the metric, or holds NaN, never count as best.
+        metric: the manifest metric ``keep_best`` ranks by (a key of ``metrics=`` given to
+            ``save_checkpoint``).
+        mode: ``"min"`` (lower is better) or ``"max"``.
+
+    Example:
+        >>> from toolkit.checkpoints import Retention
+        >>> Retention(keep_last=2, keep_best=1, metric="val/loss").describe()
+        'keep_last=2, keep_best=1 by val/loss (min)'
+    """
+
+    keep_last: int = 1
+    keep_every: int | None = None
+    keep_steps: tuple[int, ...] = ()
+    keep_best: int = 0
+    metric: str | None = None
+    mode: str = "min"
+
+    def __post_init__(self) -> None:
+        for name in ("keep_last", "keep_best"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"Retention: {name} must be an int >= 0; got {value!r}.")
+        every = self.keep_every
+        if every is not None and (
+            isinstance(every, bool) or not isinstance(every, int) or every < 1
+        ):
+            raise ValueError(f"Retention: keep_every must be an int >= 1 or None; got {every!r}.")
+        steps = self.keep_steps
+        if isinstance(steps, (str, bytes)) or not all(
+            isinstance(s, int) and not isinstance(s, bool) for s in steps
+        ):
+            raise ValueError(f"Retention: keep_steps must be a sequence of ints; got {steps!r}.")
+        object.__setattr__(self, "keep_steps", tuple(sorted(set(steps))))
+        if self.mode not in ("min", "max"):
+            raise ValueError(f"Retention: mode must be 'min' or 'max'; got {self.mode!r}.")
+        if self.keep_best and not (isinstance(self.metric, str) and self.metric):
+            raise ValueError(
+                f"Retention: keep_best={self.keep_best} needs metric='<name>', the manifest "
+                f"metric to rank by (e.g. 'val/loss'); got {self.metric!r}."
+            )
+
+    def to_document(self) -> dict[str, Any]:
+        """The rules as a JSON object (as recorded in each manifest)."""
+        return {**dataclasses.asdict(self), "keep_steps": list(self.keep_steps)}
+
+    def describe(self) -> str:
+        """The active rules in one line, e.g. ``keep_last=2, keep_every=1000``."""
+        parts = [f"keep_last={self.keep_last}"]
+        if self.keep_every is not None:
+            parts.append(f"keep_every={self.keep_every}")
+        if self.keep_steps:
+            parts.append(f"keep_steps={list(self.keep_steps)}")
+        if self.keep_best:
+            parts.append(f"keep_best={self.keep_best} by {self.metric} ({self.mode})")
+        return ", ".join(parts)
+
+
+def retention_from_document(document: Mapping[str, Any]) -> Retention:
+    """The :class:`Retention` a manifest recorded (unknown keys are an error)."""
+    fields = {f.name for f in dataclasses.fields(Retention)}
+    unknown = set(document) - fields
+    if unknown:
+        raise ValueError(f"Retention: unknown rule(s) {sorted(unknown)} in a manifest.")
+    values = dict(document)
+    if "keep_steps" in values:
+        values["keep_steps"] = tuple(values["keep_steps"])
+    return Retention(**values)
+
+
+def retain(
+    checkpoints: Iterable[tuple[str, int, Mapping[str, float]]], rules: Retention
+) -> dict[str, tuple[str, ...]]:
+    """Which checkpoints the rules keep, and why.
+
+    Args:
+        checkpoints: ``(name, step, metrics)`` of each checkpoint on disk, in any order.
+        rules: the retention rules.
+
+    Returns:
+        ``{name: reasons}`` for every checkpoint, where ``reasons`` are the names of the
+        rules that keep it (from ``"newest"``, ``"keep_last"``, ``"keep_every"``,
+        ``"keep_steps"``, ``"keep_best"``, in that order); an empty tuple means the
+        checkpoint may be deleted. Ties in step are broken by name, ties in the metric by
+        the higher step (the later checkpoint of equal score is preferred).
+
+    Example:
+        >>> from toolkit.checkpoints import Retention, retain
+        >>> on_disk = [("a", 100, {"loss": 0.2}), ("b", 200, {"loss": 0.5}), ("c", 300, {})]
+        >>> retain(on_disk, Retention(keep_last=1, keep_best=1, metric="loss"))
+        {'a': ('keep_best',), 'b': (), 'c': ('newest', 'keep_last')}
+    """
+    items = [(name, step, metrics) for name, step, metrics in checkpoints]
+    reasons: dict[str, list[str]] = {name: [] for name, _, _ in items}
+    if not items:
+        return {}
+    by_step = sorted(items, key=lambda item: (item[1], item[0]), reverse=True)
+    newest_step = by_step[0][1]
+    for name, step, _ in items:
+        if step == newest_step:
+            reasons[name].append("newest")
+    for name, _, _ in by_step[: rules.keep_last]:
+        reasons[name].append("keep_last")
+    for name, step, _ in items:
+        if rules.keep_every is not None and step % rules.keep_every == 0:
+            reasons[name].append("keep_every")
+        if step in rules.keep_steps:
+            reasons[name].append("keep_steps")
+    metric = rules.metric
+    if rules.keep_best and metric is not None:
+        scored = [
+            (float(metrics[metric]), step, name)
+            for name, step, metrics in items
+            if metric in metrics and not math.isnan(float(metrics[metric]))
+        ]
+        sign = 1.0 if rules.mode == "min" else -1.0
+        scored.sort(key=lambda row: (sign * row[0], -row[1], row[2]))
+        for _, _, name in scored[: rules.keep_best]:
+            reasons[name].append("keep_best")
+    order = {rule: i for i, rule in enumerate(RULE_NAMES)}
+    return {name: tuple(sorted(reasons[name], key=order.__getitem__)) for name, _, _ in items}

@@ -1,0 +1,68 @@
+"""The process's random number generators as a tree of tensors and JSON values.
+
+Python's ``random``, NumPy's legacy global generator (``np.random.seed``/``rand``; when
+NumPy is installed), torch's CPU generator and, when CUDA is available, every CUDA
+device's generator. Explicit ``torch.Generator`` objects (e.g. a DataLoader's) are the
+data position's business, not this module's.
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+from typing import Any
+
+import torch
+
+__all__ = ["capture_rng", "restore_rng"]
+
+
+def _numpy() -> Any:
+    try:
+        import numpy
+    except ImportError:  # an optional dependency
+        return None
+    return numpy
+
+
+def capture_rng() -> dict[str, Any]:
+    """Every global generator's state (see the module docstring)."""
+    states: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    numpy = _numpy()
+    if numpy is not None:
+        name, key, pos, has_gauss, gauss = numpy.random.get_state(legacy=True)
+        states["numpy"] = {
+            "bit_generator": str(name),
+            "key": [int(k) for k in key],
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "gauss": float(gauss),
+        }
+    if torch.cuda.is_available():
+        states["cuda"] = list(torch.cuda.get_rng_state_all())
+    return states
+
+
+def restore_rng(states: dict[str, Any]) -> None:
+    """Set the generators from :func:`capture_rng`'s result (as a checkpoint returns it)."""
+    random.setstate(states["python"])
+    torch.set_rng_state(states["torch"].cpu())
+    numpy = _numpy()
+    saved = states.get("numpy")
+    if numpy is not None and saved is not None:
+        key = numpy.asarray(saved["key"], dtype=numpy.uint32)
+        numpy.random.set_state(
+            (saved["bit_generator"], key, saved["pos"], saved["has_gauss"], saved["gauss"])
+        )
+    cuda = states.get("cuda")
+    if cuda and torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        if count != len(cuda):
+            warnings.warn(
+                f"load_checkpoint: the checkpoint holds the RNG states of {len(cuda)} CUDA "
+                f"device(s), this process sees {count}; restoring the first "
+                f"{min(count, len(cuda))} only.",
+                stacklevel=3,
+            )
+        for index, state in enumerate(cuda[:count]):
+            torch.cuda.set_rng_state(state.cpu(), index)
