@@ -328,6 +328,14 @@ def test_guard_rejected_windows_are_left_out_of_the_loss() -> None:
     assert s == 4 and m["train/loss"] == pytest.approx(2.5) and m["train/nonfinite"] == 1.0
 
 
+def test_a_micro_batch_without_targets_counts_for_nothing() -> None:
+    # A LossSum count of 0 makes the micro-batch's mean loss 0/0: it must not poison the
+    # interval's mean, which is over targets.
+    rows, _, sink = recorder()
+    drive(log_metrics(1, sinks=[sink]), [out(math.nan, count=0, updated=False), out(2.0, count=3)])
+    assert rows[0][1]["train/loss"] == 2.0
+
+
 def test_loss_stays_nan_without_a_guard_to_reject_it() -> None:
     rows, _, sink = recorder()
     run(
