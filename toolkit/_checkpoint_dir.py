@@ -203,7 +203,11 @@ def latest_checkpoint(root: str | os.PathLike[str], *, checksums: bool = True) -
         >>> latest_checkpoint("ckpt").name
         'step_000010'
     """
-    for info in reversed(list_checkpoints(root)):
+    found = list_checkpoints(root)
+    for info in found:  # no step known: it might be the newest, so say so
+        if info.step is None:
+            _warn_damaged(info, stacklevel=3)
+    for info in reversed([c for c in found if c.step is not None]):
         if info.intact and checksums:
             info = _info(info.path, checksums=True)
         if info.intact:
@@ -237,7 +241,8 @@ def load_latest(
         checkpoint folder at all (a fresh start).
 
     Raises:
-        DamagedCheckpointError: every checkpoint in ``root`` is damaged (the newest's).
+        DamagedCheckpointError: every checkpoint in ``root`` is damaged (the error of the
+            oldest; each was warned about).
         ValueError: the newest intact checkpoint does not fit the template.
 
     Example:
@@ -254,13 +259,17 @@ def load_latest(
     """
     found = list_checkpoints(root)
     first_error: DamagedCheckpointError | None = None
-    for info in reversed(found):
+    for info in found:  # no step known: it might be the newest, so say so
+        if info.step is None:
+            first_error = DamagedCheckpointError(info.path, info.problems)
+            _warn_damaged(info, stacklevel=3)
+    for info in reversed([c for c in found if c.step is not None]):
         if info.intact:
             try:
                 return load_checkpoint(info.path, like, objects=objects, rng=rng), info.path
             except DamagedCheckpointError as error:
                 info = dataclasses.replace(info, problems=error.problems)
-        first_error = first_error or DamagedCheckpointError(info.path, info.problems)
+        first_error = DamagedCheckpointError(info.path, info.problems)
         _warn_damaged(info, stacklevel=3)
     if first_error is not None:
         raise first_error
