@@ -11,6 +11,7 @@ import torch
 
 from toolkit import (
     Step,
+    StepOutput,
     TrainState,
     accumulate,
     amp_wrap,
@@ -321,3 +322,14 @@ def test_amp_device_type_is_the_autocast_device() -> None:
 
 
 _X_4 = torch.randn(3, 4)
+
+
+def test_the_fast_output_of_an_open_window_is_the_keyword_built_one() -> None:
+    # _open_output builds StepOutput positionally for speed; a reordered or added field
+    # must not shift its flags.
+    from toolkit._step import _open_output
+
+    loss, records = torch.tensor(0.5), {"acc": 1.0}
+    fast = _open_output(loss, records, 3, 8)
+    slow = StepOutput(loss=loss, records=records, count=3, samples=8, updated=False, closed=False)
+    assert fast == slow and type(fast) is StepOutput and len(fast) == len(StepOutput._fields)

@@ -102,17 +102,35 @@ class StepOutput(NamedTuple):
 
 _NO_RECORDS: Mapping[str, Any] = types.MappingProxyType({})
 _FP16 = torch.float16
+# The fields after samples of an output whose window stays open: updated, closed, skipped,
+# nonfinite, overflow, empty, grad_norm, lr (see StepOutput).
+_OPEN_FLAGS = (False, False, False, False, False, False, None, None)
 _ON_METRIC = torch.optim.lr_scheduler.ReduceLROnPlateau
 _tuple_new = tuple.__new__
 _SKIPPED = StepOutput(None, _NO_RECORDS, None, None, updated=False, closed=False, skipped=True)
 
 
+def _samples(batch: Any) -> int | None:
+    """_leading_dim, with the common (inputs, targets) batch handled without a call."""
+    first = batch[0] if type(batch) is tuple and batch else None
+    if type(first) is torch.Tensor and first.ndim:
+        return first.shape[0]  # type: ignore[no-any-return]
+    return _leading_dim(batch)
+
+
+def _open_output(
+    loss: torch.Tensor, records: Mapping[str, Any], count: Any, samples: int | None
+) -> StepOutput:
+    """StepOutput(loss=, records=, count=, samples=, updated=False, closed=False).
+
+    Built without namedtuple's generated __new__ and its keyword matching: it runs on
+    every micro-batch that does not close its window.
+    """
+    return _tuple_new(StepOutput, (loss, records, count, samples, *_OPEN_FLAGS))
+
+
 def _leading_dim(batch: Any) -> int | None:
     # Cheap, no tree flattening: the first tensor found depth-first in common containers.
-    if type(batch) is tuple and batch:  # the common (inputs, targets) batch, first
-        first = batch[0]
-        if type(first) is torch.Tensor:
-            return first.shape[0] if first.ndim else None
     while True:
         if isinstance(batch, torch.Tensor):
             return int(batch.shape[0]) if batch.ndim else None
@@ -316,17 +334,9 @@ class Step:
                 _tuple_new(WindowState, (window.micro_step + 1, window_count, window_loss, k))
             )
             state.__dict__["_consumed"] = True  # a mark, past the frozen __setattr__
-            out = StepOutput(
-                loss=detached,
-                records=records,
-                count=count,
-                samples=_leading_dim(batch),
-                updated=False,
-                closed=False,
-            )
-            return new, out
+            return new, _open_output(detached, records, count, _samples(batch))
         new, out = self._close_window(
-            state, scaler, window_count, window_loss, detached, records, count, _leading_dim(batch)
+            state, scaler, window_count, window_loss, detached, records, count, _samples(batch)
         )
         state.__dict__["_consumed"] = True
         return new, out
