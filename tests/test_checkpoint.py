@@ -980,3 +980,55 @@ def test_export_errors(tmp_path: Path) -> None:
         "train with the ema(key='ema') plugin, or export weights='model'."
     )
     assert not (tmp_path / "m.safetensors").exists()
+
+
+# ----------------------------------------------------------------------------------------
+# Writing in the background.
+
+
+def test_a_background_save_holds_the_state_of_the_call(tmp_path: Path) -> None:
+    # Bug caught: the writer thread reading live tensors (training changed them in place
+    # meanwhile), or the RNG state of a later moment.
+    from toolkit.checkpoints import save_in_background
+
+    state, step, plugins = build("adam_ema", seed=0)
+    state = run(step, state, batches(2), epochs=1, plugins=plugins)
+    expected_weight = state.model.inp.weight.detach().clone()
+    expected_moment = state.optimizer.state[state.model.inp.weight]["exp_avg"].clone()
+    expected_ema = state.extras["ema"]["params"]["inp.weight"].clone()
+    expected_rng = torch.get_rng_state()
+    pending = save_in_background(state, tmp_path / "c", metrics={"loss": 1.0})
+    with torch.no_grad():  # training goes on, in place
+        state.model.inp.weight.add_(1.0)
+        state.optimizer.state[state.model.inp.weight]["exp_avg"].add_(1.0)
+        state.extras["ema"]["params"]["inp.weight"].add_(1.0)
+    torch.rand(100)
+    path = pending.result(timeout=60)
+    assert path == tmp_path / "c" and read_manifest(path).metrics == {"loss": 1.0}
+    loaded = load_checkpoint(path, like=build("adam_ema", seed=1)[0])
+    assert torch.equal(loaded.model.inp.weight, expected_weight)
+    assert torch.equal(loaded.optimizer.state[loaded.model.inp.weight]["exp_avg"], expected_moment)
+    assert torch.equal(loaded.extras["ema"]["params"]["inp.weight"], expected_ema)
+    assert torch.equal(torch.get_rng_state(), expected_rng)
+
+
+def test_a_background_save_reports_its_failure_on_result(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from toolkit.checkpoints import save_in_background
+
+    def full_disk(path: Path, *args: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint_module, "write_tensors", full_disk)
+    pending = save_in_background(TrainState(model=nn.Linear(1, 1)), tmp_path / "c")
+    with pytest.raises(OSError, match=f"could not write the checkpoint {tmp_path / 'c'}"):
+        pending.result(timeout=60)
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(ValueError, match="the accumulation window is open"):
+        model = nn.Linear(2, 1)
+        state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        state, _ = accumulate(make_step(lambda m, b: m(b).mean()), micro_batches=2)(
+            state, torch.ones(1, 2)
+        )
+        save_in_background(state, tmp_path / "d")

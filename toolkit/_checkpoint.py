@@ -23,8 +23,10 @@ import dataclasses
 import os
 import re
 import shutil
+import threading
 import time
 from collections.abc import Mapping
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +66,14 @@ from toolkit._rng import capture_rng, restore_rng
 from toolkit._state import TrainState
 from toolkit._unwrap import unwrap
 
-__all__ = ["load_checkpoint", "read_model", "read_tree", "save_checkpoint", "verified_manifest"]
+__all__ = [
+    "load_checkpoint",
+    "read_model",
+    "read_tree",
+    "save_checkpoint",
+    "save_in_background",
+    "verified_manifest",
+]
 
 HANDLES = ("model", "optimizer", "scheduler", "scaler")
 _OWN_FILE = ("extras",)  # TrainState fields with a component of their own
@@ -313,6 +322,79 @@ def save_checkpoint(
         >>> sorted(load_file(path / "model.safetensors"))
         ['bias', 'weight']
     """
+    path = Path(path)
+    return _write_snapshot(_prepare(state, path, objects, metrics, rules, copy=False), path)
+
+
+def save_in_background(
+    state: TrainState,
+    path: str | os.PathLike[str],
+    *,
+    objects: Mapping[str, Any] | None = None,
+    metrics: Mapping[str, float] | None = None,
+    rules: Retention | None = None,
+) -> Future[Path]:
+    """Like :func:`toolkit.save_checkpoint`, but write the files in a background thread.
+
+    The caller is blocked only while the state is copied to host memory (every tensor,
+    plus the JSON values and RNG states, as they are at the call); training can then go on
+    and change the model in place while the copy is written, fsync'ed and renamed exactly
+    as ``save_checkpoint`` does. The copy costs host memory the size of the checkpoint
+    until the write ends. The thread is not a daemon: a normal interpreter exit waits for
+    the write. Wait for one save (``future.result()``) before starting the next into the
+    same folder, and prune old checkpoints or move a pointer only once it has succeeded.
+
+    Args:
+        state: the state to save, at an update boundary.
+        path: the checkpoint folder to create.
+        objects: extra stateful objects by name (their ``state_dict()`` is taken now).
+        metrics: flat ``{name: number}`` recorded in the manifest.
+        rules: the retention rules in force, recorded in the manifest.
+
+    Returns:
+        A ``concurrent.futures.Future`` whose ``result()`` is the checkpoint's path, or
+        raises what the write raised (e.g. an ``OSError`` naming ``path``).
+
+    Raises:
+        ValueError, TypeError: at the call, as :func:`toolkit.save_checkpoint` (nothing is
+            written then).
+
+    Example:
+        >>> import torch
+        >>> from toolkit import TrainState, load_checkpoint
+        >>> from toolkit.checkpoints import save_in_background
+        >>> state = TrainState(model=torch.nn.Linear(1, 1))
+        >>> pending = save_in_background(state.replace(step=3), "ckpt/step_000003")
+        >>> with torch.no_grad():
+        ...     _ = state.model.weight.add_(1.0)  # training goes on; the copy is already taken
+        >>> load_checkpoint(pending.result(), like=state).step
+        3
+    """
+    path = Path(path)
+    snapshot = _prepare(state, path, objects, metrics, rules, copy=True)
+    future: Future[Path] = Future()
+
+    def write() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(_write_snapshot(snapshot, path))
+        except BaseException as error:  # handed to whoever waits on the future
+            future.set_exception(error)
+
+    threading.Thread(target=write, name=f"save_checkpoint {path}").start()
+    return future
+
+
+def _prepare(
+    state: TrainState,
+    path: Path,
+    objects: Mapping[str, Any] | None,
+    metrics: Mapping[str, float] | None,
+    rules: Retention | None,
+    copy: bool,
+) -> _Snapshot:
+    """Check the arguments and gather everything in memory; nothing is written yet."""
     who = "save_checkpoint"
     if not isinstance(state, TrainState):
         raise TypeError(f"{who}: expected a TrainState, got {type(state).__name__}.")
@@ -324,16 +406,12 @@ def save_checkpoint(
         )
     if rules is not None and not isinstance(rules, Retention):
         raise TypeError(f"{who}: rules must be a Retention or None; got {type(rules).__name__}.")
-    path = Path(path)
     if path.exists() and not (path / MANIFEST).is_file():
         raise ValueError(
             f"{who}: {path} exists and is not a checkpoint folder (no {MANIFEST}); refusing "
             "to replace it. Pick another path or remove it."
         )
-    snapshot = _snapshot(
-        state, _check_objects(objects, who), check_metrics(metrics), rules, copy=False
-    )
-    return _write_snapshot(snapshot, path)
+    return _snapshot(state, _check_objects(objects, who), check_metrics(metrics), rules, copy)
 
 
 def _write_snapshot(snapshot: _Snapshot, path: Path) -> Path:

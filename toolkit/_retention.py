@@ -115,6 +115,9 @@ def retain(
         checkpoint may be deleted. Ties in step are broken by name, ties in the metric by
         the higher step (the later checkpoint of equal score is preferred).
 
+    Raises:
+        Nothing: the rules were checked when the :class:`Retention` was made.
+
     Example:
         >>> from toolkit.checkpoints import Retention, retain
         >>> on_disk = [("a", 100, {"loss": 0.2}), ("b", 200, {"loss": 0.5}), ("c", 300, {})]

@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from toolkit._checkpoint import save_in_background
 from toolkit._checkpoint_dir import (
     POINTER,
     CheckpointInfo,
@@ -51,6 +52,7 @@ __all__ = [
     "prune_checkpoints",
     "read_pointer",
     "retain",
+    "save_in_background",
     "verify_checkpoint",
     "write_pointer",
 ]
