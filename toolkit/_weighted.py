@@ -123,18 +123,31 @@ def _substitute(values: Sequence[Any], tensors: Sequence[Any], read: list[Any]) 
 
 
 def _sum(values: Sequence[Any], weights: Sequence[Any], exclude_nan: bool) -> tuple[float, float]:
-    if exclude_nan or 0 in weights:
-        kept = [(v, w) for v, w in zip(values, weights) if w != 0 and not (exclude_nan and v != v)]
-        values, weights = [v for v, _ in kept], [w for _, w in kept]
-    products = list(map(operator.mul, values, weights))
+    if exclude_nan:
+        values, weights = _kept(values, weights, exclude_nan)
+    total = _fsum(list(map(operator.mul, values, weights)))
+    if not math.isfinite(total) and 0 in weights:
+        # A NaN or inf of weight 0 made it so; left out, as it should be. (A finite value of
+        # weight 0 adds exactly 0, so the usual case needs no filtering.)
+        values, weights = _kept(values, weights, exclude_nan)
+        total = _fsum(list(map(operator.mul, values, weights)))
+    weight = sum(weights)  # exact for integer weights (counts), the usual case
+    return total, weight if type(weight) is int else math.fsum(weights)
+
+
+def _kept(values: Sequence[Any], weights: Sequence[Any], exclude_nan: bool) -> tuple[list, list]:
+    """The (value, weight) pairs of positive weight and, with ``exclude_nan``, no NaN value."""
+    kept = [(v, w) for v, w in zip(values, weights) if w != 0 and not (exclude_nan and v != v)]
+    return [v for v, _ in kept], [w for _, w in kept]
+
+
+def _fsum(products: list[Any]) -> float:
     try:
-        total = math.fsum(products)
+        return math.fsum(products)
     except (ValueError, OverflowError):
         # fsum refuses inf - inf (the answer is NaN) and overflowing partial sums (inf); plain
         # summation gives those IEEE results.
-        total = sum(products)
-    weight = sum(weights)  # exact for integer weights (counts), the usual case
-    return total, weight if type(weight) is int else math.fsum(weights)
+        return float(sum(products))
 
 
 def sum_over_ranks(
