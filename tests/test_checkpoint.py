@@ -87,7 +87,8 @@ CASES: dict[str, dict[str, Callable[..., Any]]] = {
     "sgd_fp16_scaler": {
         "optimizer": lambda m: torch.optim.SGD(groups(m, 0.05), lr=0.05, momentum=0.9),
         "scheduler": lambda o: None,
-        "fp16": lambda: True,
+        # growth every update: the scale at the save differs from a fresh scaler's
+        "fp16": lambda: torch.amp.GradScaler("cpu", init_scale=256.0, growth_interval=1),
     },
     "adam_ema": {
         "optimizer": lambda m: torch.optim.Adam(groups(m, 1e-2), lr=1e-2),
@@ -106,7 +107,7 @@ def build(case: str, seed: int) -> tuple[TrainState, Any, list[Any]]:
     state = TrainState(model=model, optimizer=optimizer, scheduler=spec["scheduler"](optimizer))
     step = make_step(lambda m, b: nn.functional.mse_loss(m(b[0]).float(), b[1]))
     if "fp16" in spec:
-        step = amp_wrap(step, dtype="fp16")
+        step = amp_wrap(step, dtype="fp16", scaler=spec["fp16"]())
     plugins = spec["plugins"]() if "plugins" in spec else []
     return state, step, plugins
 
@@ -171,6 +172,7 @@ def test_resumed_run_continues_bitwise_like_an_uninterrupted_one(case: str, tmp_
     assert torch.equal(torch.get_rng_state(), reference_rng)
     if case == "sgd_fp16_scaler":
         assert resumed.scaler is not None and template.scaler is None  # built from the file
+        assert first.scaler is not None and first.scaler.get_scale() > 256.0
 
 
 def test_the_rng_restore_is_what_makes_dropout_resume_exactly(tmp_path: Path) -> None:
@@ -435,6 +437,32 @@ def test_folder_holds_json_and_safetensors_listed_in_the_manifest(tmp_path: Path
     ]
 
 
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="names fds through /proc")
+def test_every_file_then_the_folder_then_its_parent_are_fsynced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Bug caught: a rename published before the data (or the folder entry) reached the
+    # disk, so a power cut could leave a complete-looking folder of empty files.
+    synced: list[str] = []
+    real = os.fsync
+
+    def record(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", record)
+    state, step, plugins = build("adam_ema", seed=0)
+    state = run(step, state, batches(2), epochs=1, plugins=plugins)
+    path = save_checkpoint(state, tmp_path / "c")
+    (temp,) = {p for p in synced if Path(p).name.startswith(".tmp-c-")}  # the folder
+    files = sorted(os.listdir(path))
+    assert sorted(Path(p).name for p in synced if Path(p).parent == Path(temp)) == files
+    last_file = max(i for i, p in enumerate(synced) if Path(p).parent == Path(temp))
+    assert synced.index(temp) > last_file  # the folder after every file in it
+    assert synced[-1] == str(tmp_path)  # the parent after the rename
+    assert synced.index(temp) < len(synced) - 1
+
+
 def test_an_open_accumulation_window_is_refused(tmp_path: Path) -> None:
     # Bug caught: saving mid-window, which loses the accumulated .grad.
     model = nn.Linear(2, 1)
@@ -449,6 +477,28 @@ def test_an_open_accumulation_window_is_refused(tmp_path: Path) -> None:
         "(when out.updated is true)."
     )
     assert not (tmp_path / "c").exists() and os.listdir(tmp_path) == []
+
+
+def test_a_state_already_passed_to_a_step_is_refused_and_a_load_gives_a_fresh_one(
+    tmp_path: Path,
+) -> None:
+    # Bugs caught: saving a stale state (its counters behind the model it holds); a loaded
+    # state inheriting the template's "consumed" mark, so the next step refuses it.
+    model = nn.Linear(2, 1)
+    state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    step = make_step(lambda m, b: m(b).mean())
+    newer, _ = step(state, torch.ones(1, 2))
+    with pytest.raises(ValueError) as error:
+        save_checkpoint(state, tmp_path / "c")
+    assert str(error.value) == (
+        "save_checkpoint: this TrainState (step 0) was passed to a train step, which returned "
+        "its successor; its counters are behind the model. Save the state the step returned: "
+        "state, out = step(state, batch)."
+    )
+    path = save_checkpoint(newer, tmp_path / "c")
+    loaded = load_checkpoint(path, like=state)  # a consumed template
+    loaded, out = step(loaded, torch.ones(1, 2))
+    assert out.updated and loaded.step == 2
 
 
 def test_extras_breaking_the_rule_are_refused_at_save_naming_the_path(tmp_path: Path) -> None:

@@ -304,8 +304,9 @@ def save_checkpoint(
         The checkpoint folder's path.
 
     Raises:
-        ValueError: the accumulation window is open (``state.window.micro_step > 0``); a
-            metric is not a number; ``path`` exists and is not a checkpoint; the optimizer
+        ValueError: the accumulation window is open (``state.window.micro_step > 0``); the
+            state was already passed to a train step (save the one it returned); a metric
+            is not a number; ``path`` exists and is not a checkpoint; the optimizer
             holds a tensor that is not a model parameter.
         TypeError: state that breaks the rule above (the message names its path), or bad
             ``objects``.
@@ -398,6 +399,12 @@ def _prepare(
     who = "save_checkpoint"
     if not isinstance(state, TrainState):
         raise TypeError(f"{who}: expected a TrainState, got {type(state).__name__}.")
+    if getattr(state, "_consumed", False):
+        raise ValueError(
+            f"{who}: this TrainState (step {state.step}) was passed to a train step, which "
+            "returned its successor; its counters are behind the model. Save the state the "
+            "step returned: state, out = step(state, batch)."
+        )
     if state.window.micro_step > 0:
         raise ValueError(
             f"{who}: the accumulation window is open (state.window.micro_step="
@@ -719,7 +726,10 @@ def load_checkpoint(
         obj.load_state_dict(saved_objects[name])
     if rng_state is not None:
         restore_rng(rng_state)
-    return like.replace(**fields, extras={**live_extras, **extras}, scaler=scaler)
+    # A new state, not like.replace(): the template may carry a train step's "consumed" mark.
+    values = {field.name: getattr(like, field.name) for field in dataclasses.fields(like)}
+    values.update(fields, extras={**live_extras, **extras}, scaler=scaler)
+    return TrainState(**values)
 
 
 def _device_type(model: torch.nn.Module) -> str:
