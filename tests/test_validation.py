@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 from pathlib import Path
 
 import pytest
@@ -132,6 +133,22 @@ def test_one_host_sync_per_evaluation(monkeypatch):
     data = [torch.ones(2, 2)] * 5
     _evaluate(lambda m, b: {"a": m(b).mean(), "b": m(b).sum()}, _model(), data)
     assert tolists == [5 * 2]  # every batch's metrics, read back at once at the end
+
+
+def test_a_metric_that_views_a_large_tensor_does_not_keep_it_alive():
+    # Each batch's metrics are kept until the end of the evaluation (one host read): a view
+    # would keep the whole tensor behind it alive, batch after batch.
+    bigs: list[weakref.ref[torch.Tensor]] = []
+    alive: list[int] = []
+
+    def eval_fn(m, b):
+        alive.extend(i for i, ref in enumerate(bigs) if ref() is not None)
+        big = torch.full((1000,), float(len(bigs)))
+        bigs.append(weakref.ref(big))
+        return {"first": big[0], "second": big[1:2]}
+
+    metrics = _evaluate(eval_fn, _model(), [torch.ones(1, 2)] * 4)
+    assert alive == [] and metrics == {"first": 1.5, "second": 1.5}
 
 
 # ---------------------------------------------------------------- eval / no_grad discipline

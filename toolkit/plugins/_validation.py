@@ -26,7 +26,7 @@ def _bad_result(result: Any, why: str) -> TypeError:
 
 
 def _parse(result: Any, batch: Any) -> tuple[Mapping[str, Any], Any]:
-    """``eval_fn``'s metrics (one-element tensors made 0-d) and the batch's weight."""
+    """``eval_fn``'s metrics (tensors made 0-d, views copied) and the batch's weight."""
     if isinstance(result, Mapping):
         metrics, count = result, None
     elif isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], Mapping):
@@ -43,6 +43,8 @@ def _parse(result: Any, batch: Any) -> tuple[Mapping[str, Any], Any]:
                     result, f"metric {name!r} is a tensor of shape {tuple(value.shape)}"
                 )
             value = value.reshape(()) if value.ndim else value
+            if value._base is not None:  # kept till the end: not the tensor it is a view of
+                value = value.clone()
         elif isinstance(value, bool) or not isinstance(value, (int, float)):
             raise _bad_result(result, f"metric {name!r} is a {type(value).__name__}")
         flat[name] = value
