@@ -18,7 +18,8 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.optim import lr_scheduler as lrs
 
-import toolkit._checkpoint as checkpoint_module
+import toolkit._components as components_module
+import toolkit._save as save_module
 from toolkit import (
     TrainState,
     accumulate,
@@ -672,12 +673,12 @@ def test_an_unknown_trainstate_field_is_refused_and_a_missing_one_keeps_the_temp
 ) -> None:
     # Forward compatibility: a field added to TrainState later is missing from older
     # checkpoints (the template's value stays); a field this version lacks is refused.
-    original = checkpoint_module._fields
+    original = components_module.fields_of
     monkeypatch.setattr(
-        checkpoint_module, "_fields", lambda s: {**original(s), "future": 1, "guard": {"x": 1}}
+        save_module, "fields_of", lambda s: {**original(s), "future": 1, "guard": {"x": 1}}
     )
     path = save_checkpoint(TrainState(model=nn.Linear(1, 1)), tmp_path / "c")
-    monkeypatch.setattr(checkpoint_module, "_fields", lambda s: {"step": original(s)["step"]})
+    monkeypatch.setattr(save_module, "fields_of", lambda s: {"step": original(s)["step"]})
     older = save_checkpoint(
         TrainState(model=nn.Linear(1, 1), epoch=0).replace(step=4), tmp_path / "old"
     )
@@ -912,7 +913,7 @@ def test_a_full_disk_during_a_save_leaves_earlier_checkpoints_intact(
     root = tmp_path / "ckpt"
     first = save_checkpoint(state, root / "step_000001")
     second = save_checkpoint(state.replace(step=2), root / "step_000002")
-    real = getattr(checkpoint_module, failing)
+    real = getattr(save_module, failing)
     calls = []
 
     def full_disk(path: Path, *args: Any) -> None:
@@ -923,7 +924,7 @@ def test_a_full_disk_during_a_save_leaves_earlier_checkpoints_intact(
             raise OSError(errno.ENOSPC, "No space left on device")
         real(path, *args)
 
-    monkeypatch.setattr(checkpoint_module, failing, full_disk)
+    monkeypatch.setattr(save_module, failing, full_disk)
     path = root / ("step_000003" if target == "new" else "step_000002")
     with pytest.raises(OSError) as error:
         save_checkpoint(state.replace(step=3), path)
@@ -1070,7 +1071,7 @@ def test_a_background_save_reports_its_failure_on_result(
     def full_disk(path: Path, *args: Any) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(checkpoint_module, "write_tensors", full_disk)
+    monkeypatch.setattr(save_module, "write_tensors", full_disk)
     pending = save_in_background(TrainState(model=nn.Linear(1, 1)), tmp_path / "c")
     with pytest.raises(OSError, match=f"could not write the checkpoint {tmp_path / 'c'}"):
         pending.result(timeout=60)

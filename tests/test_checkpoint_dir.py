@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import toolkit._checkpoint as checkpoint_module
+import toolkit._save as save_module
 from toolkit import TrainState, load_checkpoint, save_checkpoint
 from toolkit.checkpoints import (
     DamagedCheckpointError,
@@ -202,7 +202,7 @@ def test_a_crash_between_the_two_renames_of_a_replacement_keeps_the_old_findable
             raise OSError(5, "Input/output error")
         real(a, b)
 
-    monkeypatch.setattr(checkpoint_module.os, "rename", crash_on_second)
+    monkeypatch.setattr(save_module.os, "rename", crash_on_second)
     with pytest.raises(OSError, match=f"could not write the checkpoint {path}"):
         save_checkpoint(state(6), path)
     monkeypatch.undo()
@@ -215,7 +215,7 @@ def test_a_crash_between_the_two_renames_of_a_replacement_keeps_the_old_findable
 KILLED_SAVE = textwrap.dedent(
     """
     import sys, time, torch
-    import toolkit._checkpoint as module
+    import toolkit._save as module
     from toolkit import TrainState, save_checkpoint
 
     real = module.write_json

@@ -2,13 +2,14 @@
 
 from toolkit._accumulation import accumulate
 from toolkit._amp import amp_wrap
-from toolkit._checkpoint import load_checkpoint, save_checkpoint
 from toolkit._clipping import clip
 from toolkit._decorating import compose
 from toolkit._export import export_model
 from toolkit._guards import guard_nonfinite
+from toolkit._load import load_checkpoint
 from toolkit._loop import Event, LoopInfo, run
 from toolkit._phases import LossScaleError, NonFiniteError
+from toolkit._save import save_checkpoint
 from toolkit._state import GuardState, TrainState, WindowState
 from toolkit._step import LossSum, Step, StepOutput, make_step
 from toolkit._transforms import transform_grads

@@ -20,8 +20,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from toolkit._checkpoint import load_checkpoint
 from toolkit._files import fsync_dir, replace_file, temp_name, write_bytes
+from toolkit._load import load_checkpoint
 from toolkit._manifest import MANIFEST, DamagedCheckpointError, file_problems, read_manifest
 from toolkit._retention import Retention, retain, retention_from_document
 from toolkit._state import TrainState

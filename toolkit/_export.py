@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from toolkit._checkpoint import read_model, read_tree, verified_manifest
 from toolkit._codec import host_tensor, separate_shared
 from toolkit._files import replace_file, write_tensors
+from toolkit._load import read_model, read_tree, verified_manifest
 from toolkit._model_state import expand, split_aliases
 from toolkit._state import TrainState
 from toolkit._unwrap import unwrap

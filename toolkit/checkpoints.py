@@ -22,7 +22,6 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from toolkit._checkpoint import save_in_background
 from toolkit._checkpoint_dir import (
     POINTER,
     CheckpointInfo,
@@ -38,6 +37,7 @@ from toolkit._checkpoint_dir import (
 )
 from toolkit._manifest import MANIFEST, DamagedCheckpointError
 from toolkit._retention import Retention, retain
+from toolkit._save import save_in_background
 
 __all__ = [
     "POINTER",

@@ -1,0 +1,58 @@
+"""What a TrainState's checkpoint consists of: its fields by kind, and the extra objects.
+
+The handles (model, optimizer, scheduler, scaler) have components of their own; so does
+``extras``. Every other field (``dataclasses.fields(TrainState)``: step, window, guard,
+epoch, batches_seen, stop, data_state, and any field added later) goes into the ``state``
+component generically, NamedTuples as dicts of their fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from toolkit._state import TrainState
+
+__all__ = ["HANDLES", "OWN_FILE", "check_objects", "fields_of", "is_namedtuple"]
+
+HANDLES = ("model", "optimizer", "scheduler", "scaler")
+OWN_FILE = ("extras",)  # TrainState fields with a component of their own
+
+
+def is_namedtuple(value: Any) -> bool:
+    return isinstance(value, tuple) and hasattr(value, "_fields")
+
+
+def fields_of(state: TrainState) -> dict[str, Any]:
+    """TrainState's non-handle fields except those with their own file; NamedTuples as dicts."""
+    out = {}
+    for field in dataclasses.fields(state):
+        if field.name in HANDLES or field.name in OWN_FILE:
+            continue
+        value = getattr(state, field.name)
+        out[field.name] = dict(value._asdict()) if is_namedtuple(value) else value
+    return out
+
+
+def check_objects(objects: Any, who: str) -> dict[str, Any]:
+    if objects is None:
+        return {}
+    if not isinstance(objects, Mapping):
+        raise TypeError(
+            f"{who}: objects must be a mapping of name to an object with state_dict() and "
+            f"load_state_dict(), e.g. {{'loader': loader}}; got {type(objects).__name__}."
+        )
+    for name, obj in objects.items():
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"{who}: objects keys must be non-empty strings; got {name!r}.")
+        if not (
+            callable(getattr(obj, "state_dict", None))
+            and callable(getattr(obj, "load_state_dict", None))
+        ):
+            raise TypeError(
+                f"{who}: objects[{name!r}] ({type(obj).__name__}) has no state_dict() and "
+                "load_state_dict() methods; pass objects that have both (a stateful "
+                "DataLoader, a metric, ...)."
+            )
+    return dict(objects)
