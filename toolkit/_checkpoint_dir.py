@@ -429,9 +429,9 @@ def prune_checkpoints(
         ['step_000001']
     """
     root = Path(root)
-    readable = [c for c in list_checkpoints(root) if c.step is not None]
-    keep = retain([(c.name, c.step, c.metrics) for c in readable], rules)  # type: ignore[misc]
-    doomed = [c.path for c in readable if not keep[c.name]]
+    readable = [(c, c.step) for c in list_checkpoints(root) if c.step is not None]
+    keep = retain([(c.name, step, c.metrics) for c, step in readable], rules)
+    doomed = [c.path for c, _ in readable if not keep[c.name]]
     if dry_run:
         return doomed
     for path in doomed:

@@ -59,11 +59,14 @@ __all__ = [
 
 
 def _size(size: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024  # type: ignore[assignment]
-    raise AssertionError  # unreachable
+    if size < 1024:
+        return f"{size} B"
+    value = size / 1024
+    for unit in ("KiB", "MiB"):
+        if value < 1024:
+            return f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"
 
 
 def _rules(infos: Sequence[CheckpointInfo]) -> tuple[Retention | None, str]:
