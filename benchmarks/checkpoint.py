@@ -123,27 +123,29 @@ def main() -> None:
         rows.setdefault(name, []).append((base, ours))
 
     try:
-        pt, folder = root / "state.pt", root / "ckpt"
-        torch_save(state, pt)  # warm-up: first writes allocate the files' blocks
-        save_checkpoint(state, folder)
-        for _ in range(args.rounds):
-            base = timed(lambda: torch_save(state, pt))
-            ours = timed(lambda: save_checkpoint(state, folder))
+        # Each round writes new files, as a run writes new step folders; the previous
+        # round's are deleted outside the timings (pruning is not part of a save).
+        torch_save(state, root / "warmup.pt")  # first writes allocate the disk's blocks
+        save_checkpoint(state, root / "warmup")
+        for i in range(args.rounds):
+            pt, folder, background = root / f"{i}.pt", root / f"ckpt_{i}", root / f"bg_{i}"
+            base = timed(lambda pt=pt: torch_save(state, pt))
+            ours = timed(lambda folder=folder: save_checkpoint(state, folder))
             pair("save (blocks for all of it)", base, ours)
             start = time.perf_counter()
-            pending = save_in_background(state, root / "background")
+            pending = save_in_background(state, background)
             blocked = time.perf_counter() - start
             pending.result()
             written = time.perf_counter() - start
             pair("save_in_background: blocked", base, blocked)
             pair("save_in_background: written", base, written)
-            base = timed(lambda: torch_load(state, pt))
-            ours = timed(lambda: load_checkpoint(folder, like=state))
+            base = timed(lambda pt=pt: torch_load(state, pt))
+            ours = timed(lambda folder=folder: load_checkpoint(folder, like=state))
             pair("load, warm (page cache)", base, ours)
             drop_cache(pt)
-            base = timed(lambda: torch_load(state, pt))
+            base = timed(lambda pt=pt: torch_load(state, pt))
             drop_cache(folder)
-            ours = timed(lambda: load_checkpoint(folder, like=state))
+            ours = timed(lambda folder=folder: load_checkpoint(folder, like=state))
             pair("load, cold (from disk)", base, ours)
             data = b"".join(
                 (folder / name).read_bytes()
@@ -152,6 +154,9 @@ def main() -> None:
             crc = timed(lambda data=data: zlib.crc32(data))
             xxh = timed(lambda data=data: xxhash.xxh3_128_hexdigest(data))
             pair("checksum: crc32 vs xxh3_128", crc, xxh)
+            for old in root.iterdir():
+                if old.name not in (pt.name, folder.name):
+                    shutil.rmtree(old) if old.is_dir() else old.unlink()
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
