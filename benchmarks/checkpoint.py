@@ -6,7 +6,8 @@ in all. Each round times, interleaved so that machine noise hits both sides alik
 * save: ``save_checkpoint(state, dir)`` against a careful ``torch.save`` of the same state
   dicts (``{"model": ..., "optimizer": ...}``) to a temporary file, fsync'ed and renamed,
   the folder fsync'ed. Both sides fsync (a checkpoint not on disk is no checkpoint), so
-  both include the disk's write-back.
+  both include the disk's write-back. Each round writes new files, as a run writes new
+  step folders; the previous round's are deleted outside the timings.
 * load: ``load_checkpoint(dir, like=state)`` (which verifies every xxh3 checksum and
   restores model, optimizer and RNG states) against ``torch.load`` (weights_only, the
   default) followed by ``model.load_state_dict`` and ``optimizer.load_state_dict``. The
@@ -19,7 +20,8 @@ in all. Each round times, interleaved so that machine noise hits both sides alik
 * checksum: the standard library's crc32 against xxh3-128 (what the manifests use) over
   the two tensor files' bytes in memory.
 
-Printed: the median over rounds of each side's time and the median of per-round ratios.
+The two sides take turns going first (the second writer finds the disk busier). Printed:
+the median over rounds of each side's time and the median of the per-round ratios.
 
     OMP_NUM_THREADS=1 python benchmarks/checkpoint.py              # 5 rounds
     python benchmarks/checkpoint.py --rounds 9 --dir /mnt/fast     # another disk
@@ -101,6 +103,15 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
+def both(base: Callable[[], object], ours: Callable[[], object], swap: bool) -> tuple[float, float]:
+    """Time both, ``ours`` first when ``swap``; return (base time, our time)."""
+    if swap:
+        mine = timed(ours)
+        return timed(base), mine
+    first = timed(base)
+    return first, timed(ours)
+
+
 def megabytes(state: TrainState) -> float:
     tensors = list(state.model.state_dict().values())
     assert state.optimizer is not None
@@ -123,14 +134,18 @@ def main() -> None:
         rows.setdefault(name, []).append((base, ours))
 
     try:
-        # Each round writes new files, as a run writes new step folders; the previous
-        # round's are deleted outside the timings (pruning is not part of a save).
+        # New files each round; the previous round's are deleted outside the timings.
         torch_save(state, root / "warmup.pt")  # first writes allocate the disk's blocks
         save_checkpoint(state, root / "warmup")
         for i in range(args.rounds):
             pt, folder, background = root / f"{i}.pt", root / f"ckpt_{i}", root / f"bg_{i}"
-            base = timed(lambda pt=pt: torch_save(state, pt))
-            ours = timed(lambda folder=folder: save_checkpoint(state, folder))
+            # Who writes second finds the disk busier (the first's journal and write-back):
+            # take turns.
+            base, ours = both(
+                lambda pt=pt: torch_save(state, pt),
+                lambda folder=folder: save_checkpoint(state, folder),
+                swap=i % 2 == 1,
+            )
             pair("save (blocks for all of it)", base, ours)
             start = time.perf_counter()
             pending = save_in_background(state, background)
@@ -139,8 +154,11 @@ def main() -> None:
             written = time.perf_counter() - start
             pair("save_in_background: blocked", base, blocked)
             pair("save_in_background: written", base, written)
-            base = timed(lambda pt=pt: torch_load(state, pt))
-            ours = timed(lambda folder=folder: load_checkpoint(folder, like=state))
+            base, ours = both(
+                lambda pt=pt: torch_load(state, pt),
+                lambda folder=folder: load_checkpoint(folder, like=state),
+                swap=i % 2 == 1,
+            )
             pair("load, warm (page cache)", base, ours)
             drop_cache(pt)
             base = timed(lambda pt=pt: torch_load(state, pt))
