@@ -215,7 +215,8 @@ def save_checkpoint(
     The files go to a hidden temporary sibling ``.tmp-<name>-<pid>-<hex>`` and are fsync'ed,
     then the folder is renamed to ``path`` and the parent fsync'ed. An existing checkpoint at
     ``path`` is replaced so that a crash at any point leaves the old or the new one (see
-    :func:`toolkit.checkpoints.clean_temporaries`).
+    :func:`toolkit.checkpoints.clean_temporaries`). The caller waits for all of it;
+    :func:`toolkit.checkpoints.save_in_background` waits only for a host copy.
 
     Args:
         state: the state to save, at an update boundary (no open accumulation window).
