@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 from toolkit import TrainState, accumulate, make_step, run
-from toolkit._data import _global_state, _set_global_state
+from toolkit._rng import capture_rng, restore_rng
 
 
 class Numbered(Dataset):
@@ -73,9 +73,9 @@ def _train(
     if stop_at is None:
         return seen, run(step, state, make_data(), max_steps=total, **run_kwargs)
     state = run(step, state, make_data(), max_steps=stop_at, **run_kwargs)
-    rngs = _global_state()  # what a checkpoint records
+    rngs = capture_rng()  # what a checkpoint records
     torch.manual_seed(12345)  # a new process
-    _set_global_state(rngs)  # what load_checkpoint restores
+    restore_rng(rngs)  # what load_checkpoint restores
     state = run(step, state, make_data(), max_steps=total, **run_kwargs)
     return seen, state
 
@@ -150,9 +150,7 @@ def test_seen_batches_are_not_read_again() -> None:
         data, batch_size=1, shuffle=True, generator=torch.Generator().manual_seed(0)
     )
     state = _state().replace(batches_seen=10_000)
-    state = state.replace(
-        data_state={"torch": torch.get_rng_state(), "python": [3, [0] * 625, None]}
-    )
+    state = state.replace(data_state={"rng": capture_rng()})
     step = make_step(lambda m, b: m(b[1]).square().mean())
     run(step, state, loader, max_steps=5)
     assert data.reads == 5

@@ -1,8 +1,8 @@
 """Where a pass over the data stands, and how a resumed pass skips what was seen unread.
 
 run() takes a :func:`snapshot` of the randomness just before it starts each fresh pass
-(``iter(data)``): the global torch, Python and NumPy RNG states and the states of the
-loader's own generators. A pass resumed ``seen`` batches in (:func:`unseen`) puts that
+(``iter(data)``): the global RNG states (``toolkit._rng``) and the states of the loader's
+own generators. A pass resumed ``seen`` batches in (:func:`unseen`) puts that
 randomness back, creates the iterator as the original pass did (so the DataLoader draws its
 base seed and the sampler its permutation from the same states, in the same order), skips
 the seen *index* batches without loading their samples, and then restores the RNG states
@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import copy
 import itertools
-import random
-import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
+
+from toolkit._rng import capture_rng, restore_rng
 
 __all__ = ["batches_per_epoch", "is_stateful", "position", "snapshot", "unseen"]
 
@@ -58,10 +58,7 @@ def snapshot(data: Any) -> dict[str, Any]:
 
     A tree of tensors and JSON values (it goes into checkpoints with the state).
     """
-    snap: dict[str, Any] = {"torch": torch.get_rng_state(), "python": _python_state()}
-    numpy_state = _numpy_state()
-    if numpy_state is not None:
-        snap["numpy"] = numpy_state
+    snap: dict[str, Any] = {"rng": capture_rng()}
     for role in _ROLES:
         generator = _attr(data, role)
         if isinstance(generator, torch.Generator):
@@ -77,7 +74,7 @@ def unseen(data: Any, seen: int, snap: Any) -> tuple[Iterator[Any], str | None]:
     """
     if isinstance(data, Sequence):  # in memory already: skipping reads nothing
         return itertools.islice(iter(data), seen, None), _unless_snapshot(snap)
-    training_state = _global_state()
+    training_state = capture_rng()
     if snap:
         _restore(snap, data)
     try:
@@ -94,7 +91,7 @@ def unseen(data: Any, seen: int, snap: Any) -> tuple[Iterator[Any], str | None]:
             next(iterator, None)
         return iterator, _reads_again(data, seen)
     finally:
-        _set_global_state(training_state)
+        restore_rng(training_state)
 
 
 class _SkipFirst:
@@ -191,63 +188,9 @@ def _attr(obj: Any, path: str) -> Any:
     return obj
 
 
-def _restore(snap: dict[str, Any], data: Any) -> None:
-    torch.set_rng_state(snap["torch"])
-    random.setstate(_python_tuple(snap["python"]))
-    if "numpy" in snap and "numpy" in sys.modules:
-        _set_numpy_state(snap["numpy"])
+def _restore(snap: Mapping[str, Any], data: Any) -> None:
+    restore_rng(snap["rng"])
     for role in _ROLES:
         generator = _attr(data, role)
         if role in snap and isinstance(generator, torch.Generator):
             generator.set_state(snap[role])
-
-
-def _global_state() -> tuple[Any, Any, Any]:
-    numpy = sys.modules.get("numpy")
-    return (
-        torch.get_rng_state(),
-        random.getstate(),
-        numpy.random.get_state() if numpy is not None else None,
-    )
-
-
-def _set_global_state(state: tuple[Any, Any, Any]) -> None:
-    torch.set_rng_state(state[0])
-    random.setstate(state[1])
-    numpy = sys.modules.get("numpy")
-    if numpy is not None and state[2] is not None:
-        numpy.random.set_state(state[2])
-
-
-def _python_state() -> list[Any]:
-    """random.getstate() as JSON values: [version, [625 ints], gauss_next]."""
-    version, internal, gauss = random.getstate()
-    return [version, list(internal), gauss]
-
-
-def _python_tuple(state: Any) -> tuple[Any, ...]:
-    version, internal, gauss = state
-    return (version, tuple(internal), gauss)
-
-
-def _numpy_state() -> dict[str, Any] | None:
-    """NumPy's legacy global RNG state as a tensor and JSON values, when NumPy is loaded."""
-    numpy = sys.modules.get("numpy")
-    if numpy is None:
-        return None
-    kind, keys, position, has_gauss, cached = numpy.random.get_state()
-    return {
-        "kind": kind,
-        "keys": torch.from_numpy(keys.astype("int64")),
-        "position": int(position),
-        "has_gauss": int(has_gauss),
-        "cached": float(cached),
-    }
-
-
-def _set_numpy_state(state: dict[str, Any]) -> None:
-    numpy = sys.modules["numpy"]
-    keys = state["keys"].numpy().astype(numpy.uint32)
-    numpy.random.set_state(
-        (state["kind"], keys, state["position"], state["has_gauss"], state["cached"])
-    )
