@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from toolkit._checks import check_count
-from toolkit._loop import Event, Plugin
+from toolkit._loop import Event, Plugin, plugin_factory
 from toolkit._state import TrainState
 from toolkit.plugins._shared import better, check_mode, metric_entry
 
 __all__ = ["early_stop"]
 
 
+@plugin_factory
 def early_stop(
     metric: str = "val/loss",
     *,

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from toolkit._checks import check_count, check_key
-from toolkit._loop import Event, Plugin
+from toolkit._loop import Event, Plugin, plugin_factory
 from toolkit._state import TrainState
 from toolkit._unwrap import unwrap
 from toolkit.plugins._shared import due
@@ -66,6 +66,7 @@ def _adopt(entry: Mapping[str, Any], model: torch.nn.Module, buffers: bool, key:
     }
 
 
+@plugin_factory
 def ema(
     decay: float = 0.999,
     *,

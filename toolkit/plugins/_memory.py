@@ -8,7 +8,7 @@ import sys
 import torch
 
 from toolkit._checks import check_count, check_key
-from toolkit._loop import Event, Plugin
+from toolkit._loop import Event, Plugin, plugin_factory
 from toolkit._state import TrainState
 from toolkit.plugins._shared import due
 
@@ -30,6 +30,7 @@ def _peak_rss_gib() -> float:
     return peak / _GIB if sys.platform == "darwin" else peak / float(2**20)
 
 
+@plugin_factory
 def peak_memory(every: int = 10, *, key: str = "memory") -> Plugin:
     """A plugin recording peak memory every ``every`` applied updates, as a metric entry.
 

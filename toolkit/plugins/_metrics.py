@@ -11,7 +11,7 @@ import torch
 
 from toolkit._checks import check_count
 from toolkit._distributed import is_rank_zero
-from toolkit._loop import Event
+from toolkit._loop import Event, plugin_factory
 from toolkit._state import TrainState
 from toolkit._step import StepOutput
 from toolkit._weighted import sum_over_ranks
@@ -120,6 +120,7 @@ class _Memory:
     extras: Any = None  # the state.extras last scanned for new entries
 
 
+@plugin_factory
 def log_metrics(
     every: int = 100,
     *,

@@ -12,7 +12,7 @@ from torch.profiler import ProfilerActivity
 
 from toolkit._checks import check_count
 from toolkit._distributed import is_rank_zero
-from toolkit._loop import Event, Plugin
+from toolkit._loop import Event, Plugin, plugin_factory
 from toolkit._state import TrainState
 
 __all__ = ["profile"]
@@ -20,6 +20,7 @@ __all__ = ["profile"]
 _PER_CYCLE = ".*Profiler clears events at the end of each cycle"
 
 
+@plugin_factory
 def profile(
     out_dir: str | os.PathLike[str],
     *,

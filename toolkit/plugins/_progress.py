@@ -14,7 +14,7 @@ import rich.progress
 
 from toolkit._checks import check_count
 from toolkit._distributed import is_rank_zero
-from toolkit._loop import Event
+from toolkit._loop import Event, plugin_factory
 from toolkit._state import TrainState
 from toolkit._step import StepOutput
 from toolkit.plugins._interval import Interval, read
@@ -55,6 +55,7 @@ def _check(
         )
 
 
+@plugin_factory
 def progress(
     every: int = 10,
     *,

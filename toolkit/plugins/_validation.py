@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from toolkit._checks import check_count, check_key
-from toolkit._loop import Event, Plugin
+from toolkit._loop import Event, Plugin, plugin_factory
 from toolkit._state import TrainState
 from toolkit._step import _leading_dim
 from toolkit._weighted import columns, sum_over_ranks, weighted_sums
@@ -88,6 +88,7 @@ def _evaluate(
     }
 
 
+@plugin_factory
 def validate(
     eval_fn: Callable[[torch.nn.Module, Any], Any],
     data: Iterable[Any],
