@@ -325,11 +325,13 @@ _X_4 = torch.randn(3, 4)
 
 
 def test_the_fast_output_of_an_open_window_is_the_keyword_built_one() -> None:
-    # _open_output builds StepOutput positionally for speed; a reordered or added field
+    # The step builds it positionally for speed; a reordered or added field of StepOutput
     # must not shift its flags.
-    from toolkit._step import _open_output
-
-    loss, records = torch.tensor(0.5), {"acc": 1.0}
-    fast = _open_output(loss, records, 3, 8)
-    slow = StepOutput(loss=loss, records=records, count=3, samples=8, updated=False, closed=False)
-    assert fast == slow and type(fast) is StepOutput and len(fast) == len(StepOutput._fields)
+    model = copy.deepcopy(_MODEL)
+    state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    step = accumulate(make_step(lambda m, b: (_loss(m, b), {"acc": 1.0})), micro_batches=2)
+    _, out = step(state, (torch.randn(8, 6), torch.randint(0, 3, (8,))))
+    expected = StepOutput(
+        loss=out.loss, records={"acc": 1.0}, count=None, samples=8, updated=False, closed=False
+    )
+    assert out == expected and type(out) is StepOutput and len(out) == len(StepOutput._fields)

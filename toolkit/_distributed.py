@@ -9,11 +9,13 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "SYNC_KIND",
     "all_reduce_",
     "data_parallel_size",
     "is_distributed",
     "is_rank_zero",
     "suppress_grad_sync",
+    "sync_kind",
 ]
 
 
@@ -38,9 +40,9 @@ def _is_fsdp2(model: torch.nn.Module) -> bool:
 
 def data_parallel_size(model: torch.nn.Module) -> int:
     """World size over which ``model``'s gradients are averaged, 1 when not data parallel."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not (_AVAILABLE and dist.is_initialized()):
         return 1
-    return dist.get_world_size() if _sync_kind(model) != "none" else 1
+    return dist.get_world_size() if sync_kind(model) != "none" else 1
 
 
 def all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType) -> torch.Tensor:
@@ -64,14 +66,14 @@ def _fsdp2_no_sync(model: torch.nn.Module) -> Iterator[None]:
         model.set_requires_gradient_sync(True)  # type: ignore[operator]
 
 
-def suppress_grad_sync(model: torch.nn.Module) -> contextlib.AbstractContextManager[None] | None:
+def suppress_grad_sync(
+    model: torch.nn.Module, kind: str
+) -> contextlib.AbstractContextManager[None] | None:
     """Context in which backward accumulates locally: DDP ``no_sync``, FSDP2 sync off.
 
-    ``None`` for any other model, so that single-process code does not even enter a context.
+    ``kind`` is :func:`sync_kind` of ``model``. ``None`` for any other model, so that
+    single-process code does not even enter a context.
     """
-    kind = _SYNC_KIND.get(type(model)) or _sync_kind(model)  # the cache, then the lookup
-    if kind == "none":
-        return None
     if kind == "ddp":
         return model.no_sync()  # type: ignore[operator]
     if kind == "fsdp2":
@@ -79,15 +81,18 @@ def suppress_grad_sync(model: torch.nn.Module) -> contextlib.AbstractContextMana
     return None
 
 
-def _sync_kind(model: torch.nn.Module) -> str:
-    """The kind of gradient sync of a model ("ddp", "fsdp2" or "none"), once per class."""
-    kind = _SYNC_KIND.get(type(model))
+def sync_kind(model: torch.nn.Module) -> str:
+    """How ``model`` syncs gradients over ranks: "ddp", "fsdp2" or "none", once per class.
+
+    A train step reads ``SYNC_KIND.get(type(model)) or sync_kind(model)``: the cache first.
+    """
+    kind = SYNC_KIND.get(type(model))
     if kind is None:
-        kind = _SYNC_KIND[type(model)] = (
+        kind = SYNC_KIND[type(model)] = (
             "ddp" if _is_ddp(model) else "fsdp2" if _is_fsdp2(model) else "none"
         )
     return kind
 
 
 # Per model class, since fully_shard gives every sharded module a class of its own.
-_SYNC_KIND: dict[type, str] = {}
+SYNC_KIND: dict[type, str] = {}

@@ -179,14 +179,6 @@ class TrainState:
         object.__setattr__(new, "__dict__", fields)
         return new
 
-    def _with_window(self, window: WindowState) -> TrainState:
-        # Once per micro-batch that does not close a window: _evolve for one field.
-        fields = self.__dict__.copy()
-        fields["window"] = window
-        new = object.__new__(TrainState)
-        object.__setattr__(new, "__dict__", fields)
-        return new
-
 
 _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(TrainState))
 

@@ -9,7 +9,13 @@ from typing import Any, NamedTuple
 
 import torch
 
-from toolkit._distributed import all_reduce_, data_parallel_size, suppress_grad_sync
+from toolkit._distributed import (
+    SYNC_KIND,
+    all_reduce_,
+    data_parallel_size,
+    suppress_grad_sync,
+    sync_kind,
+)
 from toolkit._phases import (
     AccumulateConfig,
     AmpConfig,
@@ -107,26 +113,9 @@ _FP16 = torch.float16
 _OPEN_FLAGS = (False, False, False, False, False, False, None, None)
 _ON_METRIC = torch.optim.lr_scheduler.ReduceLROnPlateau
 _tuple_new = tuple.__new__
+_object_new = object.__new__
+_object_setattr = object.__setattr__  # past the frozen dataclass's __setattr__
 _SKIPPED = StepOutput(None, _NO_RECORDS, None, None, updated=False, closed=False, skipped=True)
-
-
-def _samples(batch: Any) -> int | None:
-    """_leading_dim, with the common (inputs, targets) batch handled without a call."""
-    first = batch[0] if type(batch) is tuple and batch else None
-    if type(first) is torch.Tensor and first.ndim:
-        return first.shape[0]  # type: ignore[no-any-return]
-    return _leading_dim(batch)
-
-
-def _open_output(
-    loss: torch.Tensor, records: Mapping[str, Any], count: Any, samples: int | None
-) -> StepOutput:
-    """StepOutput(loss=, records=, count=, samples=, updated=False, closed=False).
-
-    Built without namedtuple's generated __new__ and its keyword matching: it runs on
-    every micro-batch that does not close its window.
-    """
-    return _tuple_new(StepOutput, (loss, records, count, samples, *_OPEN_FLAGS))
 
 
 def _leading_dim(batch: Any) -> int | None:
@@ -274,6 +263,7 @@ class Step:
         if window.micro_step and window.length != k:
             raise _other_window(window, k)
         closes = window.micro_step + 1 == k
+        sync = SYNC_KIND.get(type(model)) or sync_kind(model)  # "none", "ddp" or "fsdp2"
         scaler = None  # a scaler left in the state by someone else is not ours to use
         if amp is not None and amp.fp16:
             scaler = state.scaler
@@ -281,10 +271,10 @@ class Step:
                 scaler = amp.make_scaler(optimizer)
                 state = state.replace(scaler=scaler)
 
-        # Per micro-batch, phases 1-3. Every Python line here shows in the overhead on small
-        # models: one frame, a zero-cost try instead of a with, a plain-loss fast path.
-        no_sync = None if closes else suppress_grad_sync(model)  # (3) sync on the last only
-        if no_sync is not None:
+        # Per micro-batch, phases 1-3. Every Python line and call here shows in the overhead
+        # on small models: one frame, a zero-cost try instead of a with, a plain-loss path.
+        no_sync = None if closes or sync == "none" else suppress_grad_sync(model, sync)
+        if no_sync is not None:  # (3) gradients are synced on the closing micro-batch only
             no_sync.__enter__()
         try:
             # 1. forward, under autocast
@@ -328,33 +318,26 @@ class Step:
             # Python counts stay python numbers (exact, checkable without a sync).
             window_count = count if window_count is None else window_count + count
             detached = detached / count
+        first = batch[0] if type(batch) is tuple and batch else None  # (inputs, targets)
+        samples = first.shape[0] if type(first) is torch.Tensor and first.ndim else None
+        if samples is None:
+            samples = _leading_dim(batch)
         if not closes:
-            # tuple.__new__: WindowState(...) would run namedtuple's generated __new__ too.
-            new = state._with_window(
-                _tuple_new(WindowState, (window.micro_step + 1, window_count, window_loss, k))
+            # tuple.__new__: namedtuple's generated __new__ costs more, on every micro-batch.
+            new_window = _tuple_new(
+                WindowState, (window.micro_step + 1, window_count, window_loss, k)
             )
+            out = _tuple_new(StepOutput, (detached, records, count, samples, *_OPEN_FLAGS))
+            # TrainState._evolve, inlined (a call costs more than its lines here): a copy of
+            # the fields with the new window.
+            fields = state.__dict__.copy()
+            fields["window"] = new_window
+            new = _object_new(TrainState)
+            _object_setattr(new, "__dict__", fields)
             state.__dict__["_consumed"] = True  # a mark, past the frozen __setattr__
-            return new, _open_output(detached, records, count, _samples(batch))
-        new, out = self._close_window(
-            state, scaler, window_count, window_loss, detached, records, count, _samples(batch)
-        )
-        state.__dict__["_consumed"] = True
-        return new, out
+            return new, out
 
-    def _close_window(
-        self,
-        state: TrainState,
-        scaler: torch.amp.GradScaler | None,
-        window_count: torch.Tensor | float | None,
-        window_loss: torch.Tensor | None,
-        loss: torch.Tensor,
-        records: Mapping[str, Any],
-        count: torch.Tensor | float | None,
-        samples: int | None,
-    ) -> tuple[TrainState, StepOutput]:
-        """Phases 4-11, once per window, on the micro-batch that closes it."""
-        model, optimizer = state.model, state.optimizer
-        assert optimizer is not None
+        # When the window closes, phases 4-11, once per window.
         transforms, clipping, guard = self.grad_transforms, self.clipping, self.guard
         params: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
@@ -365,9 +348,14 @@ class Step:
             or guard is not None
         ):
             # The optimizer's parameters, not model.parameters(): the tensors the update
-            # touches, and no module-tree walk on the hot path.
-            params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-            grads = [p.grad for p in params]  # type: ignore[misc]  # filtered above
+            # touches, and no module-tree walk. A loop, not comprehensions: each of those is
+            # a function call of its own in Python 3.11.
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    grad = param.grad
+                    if grad is not None:
+                        params.append(param)
+                        grads.append(grad)
 
         # 4. unscale, exactly once
         if scaler is not None:
@@ -405,8 +393,10 @@ class Step:
                 grad_norm = grad_norm.full_tensor()
         nonfinite = overflow = collapsed = negative = False
         if guard is not None or scaler is not None:
-            min_scale = self.amp.min_scale if self.amp is not None else 0.0
-            verdict = decide(guard, scaler, min_scale, optimizer, window_loss, grad_norm, total)
+            min_scale = amp.min_scale if amp is not None else 0.0
+            verdict = decide(
+                guard, scaler, min_scale, optimizer, window_loss, grad_norm, total, sync != "none"
+            )
             nonfinite, overflow, collapsed, zero, negative = verdict
             empty = empty or zero
         nonfinite = nonfinite and not empty  # the gradients of no target are 0/0: not a failure
@@ -441,8 +431,8 @@ class Step:
         if scaler is not None:
             scaler.update()
             if collapsed and not nonfinite:
-                assert self.amp is not None
-                raise self.amp.collapsed(scaler)
+                assert amp is not None
+                raise amp.collapsed(scaler)
         optimizer.zero_grad(set_to_none=True)
         if failure is not None:
             raise failure  # the window is thrown away (scaler updated, grads cleared) first
@@ -454,15 +444,14 @@ class Step:
             scheduler.step()
 
         # 11. counters
-        state = state._evolve(
-            {
-                "step": state.step + 1 if apply else state.step,
-                "window": _EMPTY_WINDOW,
-                "guard": counters,
-            }
-        )
+        fields = state.__dict__.copy()  # TrainState._evolve, inlined as above
+        fields.update(step=state.step + 1 if apply else state.step, window=_EMPTY_WINDOW)
+        fields["guard"] = counters
+        new = _object_new(TrainState)
+        _object_setattr(new, "__dict__", fields)
+        state.__dict__["_consumed"] = True
         out = StepOutput(
-            loss=loss,
+            loss=detached,
             records=records,
             count=count,
             samples=samples,
@@ -474,7 +463,7 @@ class Step:
             grad_norm=grad_norm,
             lr=lr,
         )
-        return state, out
+        return new, out
 
 
 _EMPTY_WINDOW = WindowState()
