@@ -339,3 +339,17 @@ def test_plugin_returning_something_else_at_end_is_reported_too() -> None:
 
     with pytest.warns(RuntimeWarning, match="returned int; a plugin returns a TrainState or None"):
         run(_step(), _state(), _data(2), max_steps=1, plugins=[plugin])  # type: ignore[list-item]
+
+
+def test_a_plugin_exiting_at_the_end_waits_for_every_other_end() -> None:
+    # The checkpoints plugin exits with 128 + signal after a preemption; the plugins after
+    # it (log_metrics closing its sinks) must still run their end first.
+    ran = []
+
+    def exits(event: Event) -> None:
+        if event.kind == "end":
+            raise SystemExit(143)
+
+    with pytest.raises(SystemExit) as caught:
+        run(_step(), _state(), _data(2), max_steps=1, plugins=[exits, lambda e: ran.append(e.kind)])
+    assert caught.value.code == 143 and ran[-1] == "end"

@@ -444,9 +444,12 @@ def _end(plugins: Sequence[Plugin], event: Event, error: BaseException | None) -
     When training raised, that error propagates and a plugin's failure at the end is attached
     to it as a note rather than hiding it. When training ended well, a plugin failing at the
     end (a sink that cannot close, say) must not cost the trained state: the failure is
-    reported as a RuntimeWarning and run() returns the state.
+    reported as a RuntimeWarning and run() returns the state. A plugin that raises
+    SystemExit or KeyboardInterrupt (the checkpoints plugin after a signal) is obeyed once
+    every other plugin's end has run.
     """
     state = event.state
+    leave: BaseException | None = None  # SystemExit, KeyboardInterrupt: raised at the end
     for plugin in plugins:
         try:
             new = plugin(event._replace(state=state))
@@ -463,4 +466,8 @@ def _end(plugins: Sequence[Plugin], event: Event, error: BaseException | None) -
                     RuntimeWarning,
                     stacklevel=3,
                 )
+        except BaseException as exc:
+            leave = leave or exc
+    if leave is not None:
+        raise leave
     return state

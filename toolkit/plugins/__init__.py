@@ -1,5 +1,6 @@
 """Plugins for :func:`toolkit.run`: plain functions ``plugin(event) -> TrainState | None``."""
 
+from toolkit.plugins._checkpoints import checkpoints
 from toolkit.plugins._early_stop import early_stop
 from toolkit.plugins._ema import ema, ema_model
 from toolkit.plugins._memory import peak_memory
@@ -11,6 +12,7 @@ from toolkit.plugins._validation import validate
 
 __all__ = [
     "Sink",
+    "checkpoints",
     "early_stop",
     "ema",
     "ema_model",

@@ -1,0 +1,157 @@
+"""A training job that resumes itself from its checkpoints: the subject of the kill tests.
+
+    python tests/resumable_job.py --ckpt DIR --out RESULT.json [--steps N] [--every K]
+
+Dropout, a shuffled DataLoader with a seeded generator, accumulation, the guard, EMA and
+an LR schedule: everything an exact resume must restore. Each trained micro-batch's first
+sample index is kept in ``state.extras["seen"]`` (saved with every checkpoint), so the
+sequence of batches an interrupted job trained on can be compared with an uninterrupted
+one. Prints ``step N`` after every update and writes digests of the final parameters,
+optimizer state and EMA, and the batch sequence, to ``--out``.
+
+Options to make the bad moments easy to hit: ``--slow-save S`` sleeps S seconds inside
+each save (after the temporary folder exists), ``--slow-first S`` sleeps before the first
+batch, ``--pad-mb M`` saves an M MiB tensor with every checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from toolkit import TrainState, accumulate, compose, guard_nonfinite, make_step, run
+from toolkit.plugins import ema
+from toolkit.plugins import checkpoints
+
+
+class Numbered(Dataset):
+    def __init__(self, n: int, slow_first: float) -> None:
+        self.n, self.slow_first = n, slow_first
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        if self.slow_first:
+            time.sleep(self.slow_first)
+            self.slow_first = 0.0
+        g = torch.Generator().manual_seed(i)
+        return i, torch.randn(6, generator=g), torch.randn(2, generator=g)
+
+
+def loss_fn(model: torch.nn.Module, batch):
+    ids, x, y = batch
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    return loss, {"id": int(ids[0])}
+
+
+def remember(event):
+    """Keep the first sample index of every micro-batch trained on."""
+    if event.kind != "step":
+        return None
+    state = event.state
+    seen = [*state.extras.get("seen", []), *(int(o.records["id"]) for o in event.outs)]
+    return state.replace(extras={**state.extras, "seen": seen})
+
+
+def announce(event):
+    if event.kind == "step":
+        print(f"step {event.state.step}", flush=True)
+    elif event.kind == "start":
+        print(f"start {event.state.step}", flush=True)
+
+
+def digest(value) -> str:
+    h = hashlib.sha256()
+    for key in sorted(value):
+        h.update(key.encode())
+        tensor = value[key]
+        if isinstance(tensor, torch.Tensor):
+            h.update(tensor.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+        else:
+            h.update(repr(tensor).encode())
+    return h.hexdigest()
+
+
+def flat(tree, prefix=""):
+    out = {}
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            out.update(flat(v, f"{prefix}{k}/"))
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            out.update(flat(v, f"{prefix}{i}/"))
+    else:
+        out[prefix] = tree
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ckpt", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--every", type=int, default=2)
+    parser.add_argument("--slow-save", type=float, default=0.0)
+    parser.add_argument("--slow-first", type=float, default=0.0)
+    parser.add_argument("--pad-mb", type=int, default=0)
+    parser.add_argument("--exit-code", type=int, default=None)
+    args = parser.parse_args()
+
+    if args.slow_save:
+        import toolkit._save as saving
+
+        original = saving._write
+
+        def slow_write(snapshot, folder):
+            print("saving", flush=True)
+            time.sleep(args.slow_save)
+            return original(snapshot, folder)
+
+        saving._write = slow_write
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(16, 2)
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + 0.1 * s))
+    extras = {"pad": torch.zeros(args.pad_mb * 2**18)} if args.pad_mb else {}
+    state = TrainState(model=model, optimizer=optimizer, scheduler=scheduler, extras=extras)
+    loader = DataLoader(
+        Numbered(40, args.slow_first),
+        batch_size=4,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(1),
+    )
+    step = compose(accumulate(micro_batches=2), guard_nonfinite())(make_step(loss_fn))
+    plugins = [
+        ema(0.9),
+        remember,
+        checkpoints(args.ckpt, every=args.every, keep_last=2, exit_code=args.exit_code),
+        announce,
+    ]
+    state = run(step, state, loader, max_steps=args.steps, plugins=plugins)
+    result = {
+        "step": state.step,
+        "model": digest(model.state_dict()),
+        "optimizer": digest(flat(optimizer.state_dict())),
+        "ema": digest(state.extras["ema"]["params"]),
+        "seen": state.extras["seen"],
+    }
+    Path(args.out).write_text(json.dumps(result))
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,386 @@
+"""checkpoints: save, keep, resume and stop on a signal, as a plugin of run()."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import threading
+import warnings
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+from toolkit._checkpoint_dir import (
+    clean_temporaries,
+    list_checkpoints,
+    load_latest,
+    prune_checkpoints,
+    write_pointer,
+)
+from toolkit._checks import check_count
+from toolkit._data import position
+from toolkit._load import load_checkpoint, read_model, verified_manifest
+from toolkit._loop import Event, Plugin, plugin_factory
+from toolkit._model_state import expand
+from toolkit._retention import Retention, retain
+from toolkit._save import save_checkpoint, save_in_background
+from toolkit._state import TrainState
+from toolkit._unwrap import unwrap
+from toolkit.plugins._shared import metric_entry
+
+__all__ = ["checkpoints"]
+
+_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+@dataclasses.dataclass(slots=True)
+class _Run:
+    """What the plugin remembers during one run."""
+
+    folder: Path
+    saved_step: int | None = None  # the step of the newest checkpoint written or loaded
+    signum: int | None = None  # set by the signal handler: only a flag, nothing else
+    handlers: dict[int, Any] = dataclasses.field(default_factory=dict)
+    writing: Future[Path] | None = None  # a background save not yet finished
+
+
+def _name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def _check(
+    folder: Any, every: Any, resume: Any, signals: Any, exit_code: Any, on_error: Any
+) -> None:
+    if not isinstance(folder, (str, os.PathLike)):
+        raise TypeError(
+            f"checkpoints: folder must be a path (str or os.PathLike); got {type(folder).__name__}."
+        )
+    if every is not None:
+        check_count("checkpoints", "every", every, 1, "applied updates between saves, or None")
+    if not (resume is None or resume == "latest" or isinstance(resume, (str, os.PathLike))):
+        raise TypeError(
+            f"checkpoints: resume must be 'latest', a checkpoint folder or None; got {resume!r}."
+        )
+    if isinstance(signals, (str, bytes)) or not all(
+        isinstance(s, int) and not isinstance(s, bool) for s in signals
+    ):
+        raise TypeError(
+            f"checkpoints: signals must be a sequence of signal numbers, e.g. "
+            f"(signal.SIGTERM, signal.SIGUSR1); got {signals!r}."
+        )
+    if exit_code is not None and (isinstance(exit_code, bool) or not isinstance(exit_code, int)):
+        raise TypeError(f"checkpoints: exit_code must be an int or None; got {exit_code!r}.")
+    if on_error not in ("raise", "warn"):
+        raise ValueError(f"checkpoints: on_error must be 'raise' or 'warn'; got {on_error!r}.")
+
+
+def _rules(
+    keep_last: int, keep_every: int | None, keep_steps: Sequence[int], keep_best: Any
+) -> Retention:
+    if keep_best is None:
+        return Retention(keep_last, keep_every, tuple(keep_steps))
+    if not (isinstance(keep_best, (tuple, list)) and len(keep_best) == 3):
+        raise TypeError(
+            f"checkpoints: keep_best must be (metric, mode, count), e.g. ('val/loss', 'min', "
+            f"3); got {keep_best!r}."
+        )
+    metric, mode, count = keep_best
+    return Retention(keep_last, keep_every, tuple(keep_steps), count, metric, mode)
+
+
+def _fresh_metrics(state: TrainState) -> dict[str, float]:
+    """The plugins' metrics made at this very step (a checkpoint's score for keep_best)."""
+    metrics: dict[str, float] = {}
+    for name, entry in state.extras.items():
+        parsed = metric_entry(entry)
+        if parsed is not None and parsed[0] == state.step:
+            for key, value in parsed[1].items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    metrics[f"{name}/{key}"] = float(value)
+    return metrics
+
+
+@plugin_factory
+def checkpoints(
+    folder: str | os.PathLike[str],
+    *,
+    every: int | None = None,
+    at_end: bool = True,
+    keep_last: int = 1,
+    keep_every: int | None = None,
+    keep_steps: Sequence[int] = (),
+    keep_best: tuple[str, str, int] | None = None,
+    resume: str | os.PathLike[str] | None = "latest",
+    signals: Sequence[int] = _SIGNALS,
+    exit_code: int | None = None,
+    restore_best: bool = False,
+    objects: Mapping[str, Any] | None = None,
+    background: bool = False,
+    on_error: str = "raise",
+) -> Plugin:
+    """A plugin that saves checkpoints, keeps some, resumes from the newest, stops on a signal.
+
+    **Saving.** After every ``every``-th applied update, once more at the end of a run that
+    did not raise (``at_end``), and when a configured signal arrived, the state is written
+    with :func:`toolkit.save_checkpoint` to ``folder/step_NNNNNN`` (atomically), with the
+    metrics other plugins made at that very step (``{"val/loss": ...}``, for ``keep_best``)
+    and a stateful loader's position; then the pointer ``folder/latest`` is replaced and
+    retention prunes the folder. ``background=True`` writes in a thread and blocks the loop
+    only for a host copy of the tensors; the next save, the pointer and pruning wait for it.
+
+    **Retention** is decided from what is on disk, so it holds across restarts: a checkpoint
+    stays when any rule keeps it: the ``keep_last`` newest, every ``keep_every`` updates,
+    ``keep_steps``, and the ``count`` best by ``keep_best=(metric, "min"|"max", count)``. The
+    newest is never deleted. ``python -m toolkit.checkpoints FOLDER`` lists them and why.
+
+    **Resume.** At ``"start"``, leftover temporary folders of a killed save are removed, and
+    with ``resume="latest"`` the newest intact checkpoint (damaged ones are skipped with a
+    warning) is loaded into the state (model, scheduler, optimizer, scaler, RNG states, data
+    position, extras), which is returned: the same command starts and resumes a job. A
+    checkpoint folder may be given instead; with ``resume=None`` a folder that already holds
+    checkpoints is refused rather than mixed with a new run.
+
+    **Signals.** For each of ``signals`` (SIGTERM and SIGUSR1 by default, as SLURM and
+    Kubernetes send them before preemption) the handler only sets a flag. The update in
+    progress finishes, the state is saved (unless this step already was), the loop stops,
+    every plugin's ``"end"`` runs, and the process exits with ``exit_code`` (default
+    ``128 + signal``: 143 for SIGTERM; 0 suits setups that requeue on success). A signal
+    during a save waits for it; one before the first update stops the run at once.
+
+    **Order in the plugin list.** Put ``checkpoints`` after the plugins whose state it
+    saves at a step (``ema``, ``validate``, ``early_stop``) and before those that report
+    from the state (``progress``, ``log_metrics``), so that they start from the restored
+    state. Plugins before it must accept that their ``"start"`` state is replaced (toolkit's
+    do). ``restore_best=True`` loads the best checkpoint's weights (by ``keep_best``) into
+    the model at the end of a run that did not raise or stop on a signal.
+
+    Args:
+        folder: the folder of checkpoints, e.g. ``"runs/a/ckpt"``.
+        every: save after every this many applied updates (>= 1), or ``None``.
+        at_end: save when the run ends (not when training raised, nor with an accumulation
+            window still open: no checkpoint holds its gradients).
+        keep_last: keep the newest this many (>= 0; the newest is kept anyway).
+        keep_every: keep the checkpoints whose step is a multiple of this.
+        keep_steps: keep the checkpoints of these steps.
+        keep_best: ``(metric, mode, count)``: keep the best ``count`` by ``metric``.
+        resume: ``"latest"``, a checkpoint folder to load, or ``None``.
+        signals: the signal numbers that save and stop the run.
+        exit_code: the exit status after a signal; ``None`` for ``128 + signal``.
+        restore_best: load the best checkpoint's weights into the model at the end.
+        objects: extra stateful objects (``state_dict``/``load_state_dict``) saved with the
+            state and loaded into on resume.
+        background: write in a background thread.
+        on_error: ``"raise"`` a failing save (earlier checkpoints stay intact) or ``"warn"``
+            and keep training.
+
+    Returns:
+        The plugin, ``plugin(event) -> TrainState | None``.
+
+    Raises:
+        TypeError, ValueError: bad arguments (named in the message); at ``"start"``, a
+            checkpoint that does not fit the state, or ``resume=None`` with checkpoints in
+            ``folder``; a failing save with ``on_error="raise"``.
+        SystemExit: at ``"end"`` after a signal, with ``exit_code``.
+
+    Example:
+        >>> import torch
+        >>> from toolkit import TrainState, make_step, run
+        >>> from toolkit.plugins import checkpoints
+        >>> def fresh():
+        ...     torch.manual_seed(0)
+        ...     model = torch.nn.Linear(2, 1)
+        ...     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        ...     return TrainState(model=model, optimizer=optimizer)
+        >>> step = make_step(lambda m, b: m(b).square().mean())
+        >>> data = [torch.ones(4, 2)] * 4
+        >>> state = run(step, fresh(), data, max_steps=6, plugins=[checkpoints("ckpt", every=2)])
+        >>> sorted(p.name for p in __import__("pathlib").Path("ckpt").iterdir())
+        ['latest', 'step_000006']
+        >>> again = run(step, fresh(), data, max_steps=8, plugins=[checkpoints("ckpt", every=2)])
+        >>> again.step  # resumed at 6, trained 2 more
+        8
+    """
+    _check(folder, every, resume, signals, exit_code, on_error)
+    rules = _rules(keep_last, keep_every, keep_steps, keep_best)
+    if restore_best and not rules.keep_best:
+        raise ValueError(
+            "checkpoints: restore_best=True needs keep_best=(metric, mode, count) to know "
+            "which checkpoint is best; got keep_best=None."
+        )
+    for name, value in (
+        ("at_end", at_end),
+        ("restore_best", restore_best),
+        ("background", background),
+    ):
+        if not isinstance(value, bool):
+            raise TypeError(f"checkpoints: {name} must be True or False; got {value!r}.")
+    root = Path(folder)
+    chosen_signals = tuple(signals)
+    live: dict[str, _Run] = {}  # one run at a time
+
+    def finish(run_: _Run) -> None:
+        """Wait for a background save; then the pointer and retention (only after success)."""
+        if run_.writing is None:
+            return
+        writing, run_.writing = run_.writing, None
+        try:
+            path = writing.result()
+        except Exception as error:
+            failed(error)
+            return
+        write_pointer(root, path)
+        prune_checkpoints(root, rules)
+
+    def failed(error: BaseException) -> None:
+        if on_error == "raise":
+            raise error
+        warnings.warn(
+            f"checkpoints: a save failed and training goes on (on_error='warn'): {error}",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+    def save(run_: _Run, state: TrainState, data: Any) -> None:
+        if run_.saved_step == state.step:
+            return
+        finish(run_)
+        path = root / _name(state.step)
+        state = state.replace(data_state=position(data, state.data_state))
+        metrics = _fresh_metrics(state)
+        try:
+            if background:
+                run_.writing = save_in_background(
+                    state, path, objects=objects, metrics=metrics, rules=rules
+                )
+            else:
+                save_checkpoint(state, path, objects=objects, metrics=metrics, rules=rules)
+        except Exception as error:
+            failed(error)
+            return
+        run_.saved_step = state.step
+        if not background:
+            write_pointer(root, path)
+            prune_checkpoints(root, rules)
+
+    def start(event: Event) -> TrainState:
+        run_ = live["run"] = _Run(root)
+        install(run_)
+        root.mkdir(parents=True, exist_ok=True)
+        clean_temporaries(root)
+        state = event.state
+        if resume == "latest":
+            found = load_latest(root, like=state, objects=objects)
+            if found is not None:
+                state, _ = found
+                run_.saved_step = state.step
+        elif resume is not None:
+            state = load_checkpoint(resume, like=state, objects=objects)
+        else:
+            existing = list_checkpoints(root)
+            if existing:
+                raise ValueError(
+                    f"checkpoints: {str(root)!r} already holds checkpoints "
+                    f"({', '.join(i.path.name for i in existing[-3:])}) and resume=None; pass "
+                    "resume='latest' to continue from them, or use an empty folder."
+                )
+        if run_.signum is not None:  # a signal while starting: stop before any update
+            return stop(run_, state, event.loop.data)
+        return state
+
+    def stop(run_: _Run, state: TrainState, data: Any) -> TrainState:
+        assert run_.signum is not None
+        save(run_, state, data)
+        name = signal.Signals(run_.signum).name
+        return state.replace(
+            stop=f"checkpoints: {name} received; saved step {state.step} in {str(root)!r}"
+        )
+
+    def install(run_: _Run) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            warnings.warn(
+                "checkpoints: run() is not on the main thread, where Python delivers signals; "
+                f"{[signal.Signals(s).name for s in chosen_signals]} keep their handlers.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return
+
+        def handler(signum: int, frame: Any) -> None:
+            run_.signum = signum  # only a flag: the loop acts on it between updates
+
+        for signum in chosen_signals:
+            run_.handlers[signum] = signal.signal(signum, handler)
+
+    def end(event: Event) -> TrainState | None:
+        run_ = live.pop("run")
+        state: TrainState | None = None
+        try:
+            if event.error is None:
+                if event.state.window.micro_step:
+                    # Its gradients are in no state dict, and its batches are counted as
+                    # seen: a checkpoint now would lose them on resume.
+                    warnings.warn(
+                        f"checkpoints: the run ended with an open accumulation window "
+                        f"({event.state.window.micro_step} micro-batches), which no "
+                        f"checkpoint can hold; the newest checkpoint stays step "
+                        f"{run_.saved_step}.",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+                elif run_.signum is not None or at_end:
+                    save(run_, event.state, event.loop.data)
+                finish(run_)
+                if restore_best and run_.signum is None:
+                    state = _restore_best(root, rules, event.state)
+            else:
+                finish(run_)
+        finally:
+            for signum, old in run_.handlers.items():
+                signal.signal(signum, old)
+        if run_.signum is not None:
+            raise SystemExit(128 + run_.signum if exit_code is None else exit_code)
+        return state
+
+    def plugin(event: Event) -> TrainState | None:
+        kind = event.kind
+        if kind == "step":
+            run_ = live.get("run")
+            if run_ is None:
+                return None
+            state = event.state
+            out = event.out
+            if every is not None and out is not None and out.updated and state.step % every == 0:
+                save(run_, state, event.loop.data)
+            if run_.signum is not None:
+                return stop(run_, state, event.loop.data)
+            return None
+        if kind == "start":
+            return start(event)
+        if kind == "end" and "run" in live:
+            return end(event)
+        return None
+
+    return plugin
+
+
+def _restore_best(root: Path, rules: Retention, state: TrainState) -> TrainState:
+    """The state with the best checkpoint's weights loaded into its model."""
+    infos = [i for i in list_checkpoints(root) if not i.problems and i.step is not None]
+    kept = retain(((i.path.name, i.step, i.metrics) for i in infos), rules)  # type: ignore[misc]
+    best = [i for i in infos if any(r.startswith("keep_best") for r in kept.get(i.path.name, ()))]
+    if not best:
+        warnings.warn(
+            f"checkpoints: restore_best found no checkpoint with {rules.metric!r} in "
+            f"{str(root)!r}; the model keeps its final weights.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return state
+    sign = 1.0 if rules.mode == "min" else -1.0
+    metric = str(rules.metric)
+    chosen = min(best, key=lambda i: (sign * i.metrics[metric], -(i.step or 0)))
+    tensors, aliases = read_model(verified_manifest(chosen.path))
+    unwrap(state.model).load_state_dict(expand(tensors, aliases), strict=True)
+    return state
