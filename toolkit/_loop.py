@@ -32,6 +32,9 @@ class LoopInfo:
         total_steps: the number of updates the run will reach, when it can be known.
         data: the data source given to :func:`run` (a checkpoint plugin records a stateful
             loader's position from it).
+        claimed: the ``state.extras`` keys that plugins claimed for this run, each with the
+            name of its plugin; a plugin that keeps memory in ``extras`` claims its key at
+            ``"start"`` so two plugins writing one key are refused before training.
 
     Example:
         >>> import torch
@@ -53,6 +56,7 @@ class LoopInfo:
     start_step: int
     total_steps: int | None
     data: Any = dataclasses.field(default=None, repr=False, compare=False)
+    claimed: dict[str, str] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
 
 class Event(NamedTuple):
