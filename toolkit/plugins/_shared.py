@@ -1,4 +1,5 @@
-"""What several plugins share: when an update is due, the metrics entry, "better than best".
+"""What several plugins share: extras key claims, when an update is due, the metrics entry,
+"better than best".
 
 The metrics convention between plugins is ``state.extras[NAME] = {"step", "metrics", ...}``:
 a plugin that produces metrics (validate, peak_memory) stores python floats under
@@ -14,7 +15,52 @@ from typing import Any
 
 from toolkit._loop import Event
 
-__all__ = ["better", "check_mode", "due", "metric_entry"]
+__all__ = ["better", "check_mode", "claim", "due", "metric_entry"]
+
+
+def claim(event: Event, key: str, owner: str) -> None:
+    """Record at ``"start"`` that ``owner`` keeps ``state.extras[key]`` in this run.
+
+    Every plugin that keeps memory in ``state.extras`` calls this on its ``"start"`` event,
+    before it reads or writes its entry. The run's :attr:`LoopInfo.claimed` (fresh per
+    :func:`toolkit.run`) maps each claimed key to its owner; a second claim of one key in
+    the same run (two ``ema()``, ``validate(key="ema")`` next to ``ema()``, one plugin
+    listed twice) raises before any training, naming both owners and the fix. A key that is
+    already *in* ``state.extras`` at start (restored from a checkpoint, or left by an earlier
+    ``run()`` on the same state) is not a clash: only two claims within one run are.
+
+    Args:
+        event: the ``"start"`` event (its ``loop.claimed`` is written).
+        key: the ``state.extras`` key the plugin keeps.
+        owner: how to name the plugin in the error, e.g. ``"ema"`` or ``"validate"``; the
+            error suggests ``owner(..., key=...)`` as the fix.
+
+    Raises:
+        ValueError: ``key`` was already claimed in this run.
+
+    Example:
+        >>> from toolkit import TrainState
+        >>> from toolkit._loop import Event, LoopInfo
+        >>> loop = LoopInfo(None, None, None, 1, 0, None)
+        >>> event = Event("start", TrainState(), loop)
+        >>> claim(event, "ema", "ema")
+        >>> loop.claimed
+        {'ema': 'ema'}
+        >>> claim(event, "ema", "validate")
+        Traceback (most recent call last):
+        ...
+        ValueError: validate: state.extras['ema'] is already kept by ema in this run; ...
+    """
+    claimed = event.loop.claimed
+    holder = claimed.get(key)
+    if holder is not None:
+        raise ValueError(
+            f"{owner}: state.extras[{key!r}] is already kept by {holder} in this run; two "
+            f"plugins writing one key would overwrite each other's memory. Give each its own "
+            f"key, e.g. {owner}(..., key={key + '_2'!r}) (and the same key to whatever reads "
+            "it, such as early_stop or ema_model)."
+        )
+    claimed[key] = owner
 
 
 def due(event: Event, every: int) -> bool:
