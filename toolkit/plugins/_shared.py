@@ -39,10 +39,11 @@ def claim(event: Event, key: str, owner: str) -> None:
         ValueError: ``key`` was already claimed in this run.
 
     Example:
+        >>> import torch
         >>> from toolkit import TrainState
         >>> from toolkit._loop import Event, LoopInfo
         >>> loop = LoopInfo(None, None, None, 1, 0, None)
-        >>> event = Event("start", TrainState(), loop)
+        >>> event = Event("start", TrainState(model=torch.nn.Linear(1, 1)), loop)
         >>> claim(event, "ema", "ema")
         >>> loop.claimed
         {'ema': 'ema'}
