@@ -4,6 +4,7 @@ from toolkit._accumulation import accumulate
 from toolkit._amp import amp_wrap
 from toolkit._clipping import clip
 from toolkit._decorating import compose
+from toolkit._distributed import data_parallel_group, set_data_parallel_group
 from toolkit._export import export_model
 from toolkit._guards import guard_nonfinite
 from toolkit._load import load_checkpoint
@@ -33,6 +34,7 @@ __all__ = [
     "amp_wrap",
     "clip",
     "compose",
+    "data_parallel_group",
     "export_model",
     "guard_nonfinite",
     "key_average",
@@ -41,6 +43,7 @@ __all__ = [
     "map_nested_tensor",
     "run",
     "save_checkpoint",
+    "set_data_parallel_group",
     "transform_grads",
     "unwrap",
 ]

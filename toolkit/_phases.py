@@ -15,7 +15,7 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 
-from toolkit._distributed import all_reduce_, is_distributed
+from toolkit._distributed import all_reduce_
 from toolkit._state import GuardState
 
 __all__ = [
@@ -289,20 +289,21 @@ def decide(
     window_loss: torch.Tensor | None,
     grad_norm: torch.Tensor | None,
     total: torch.Tensor | None = None,
-    lockstep: bool = True,
+    group: Any = None,
 ) -> Verdict:
     """Phase 6: every decision of the window in one host sync.
 
     ``total`` is the window's target count as a tensor (checked here because this sync
-    exists anyway), or None. When ``lockstep`` (a DDP or FSDP2 model) the flags are
-    all-reduced with MAX so that every data-parallel rank decides alike.
+    exists anyway), or None. ``group`` is the model's data-parallel process group (see
+    :func:`toolkit.data_parallel_group`), or None: the flags are all-reduced over it with
+    MAX so that every data-parallel rank decides alike.
     """
     if scaler is None and total is None:
         # The common case, kept to as few tiny kernels as a hand-written loop needs.
         assert window_loss is not None and grad_norm is not None
         finite = torch.isfinite(window_loss) & torch.isfinite(grad_norm)
-        if lockstep and is_distributed():
-            bad = all_reduce_((~finite).to(torch.float32), torch.distributed.ReduceOp.MAX)
+        if group is not None:
+            bad = all_reduce_((~finite).to(torch.float32), torch.distributed.ReduceOp.MAX, group)
             nonfinite = bool(bad.item() > 0)  # the one host sync of the update
         else:
             nonfinite = not finite.item()  # the one host sync of the update
@@ -331,8 +332,8 @@ def decide(
     if total is not None:
         flags += [total.to(device) == 0, total.to(device) < 0]
     packed = torch.stack(flags).to(torch.float32)
-    if lockstep:
-        packed = all_reduce_(packed, torch.distributed.ReduceOp.MAX)  # a no-op in one process
+    if group is not None:
+        packed = all_reduce_(packed, torch.distributed.ReduceOp.MAX, group)
     code = int((packed * _flag_bits(packed.device)[: len(flags)]).sum().item())  # the sync
     return Verdict(*(bool(code & (1 << i)) for i in range(5)))
 

@@ -12,7 +12,7 @@ import torch
 from toolkit._distributed import (
     SYNC_KIND,
     all_reduce_,
-    data_parallel_size,
+    data_parallel_group,
     suppress_grad_sync,
     sync_kind,
 )
@@ -364,16 +364,20 @@ class Step:
         # 5. divide by the window's total target count, summed over ranks
         empty = False  # a total count of 0: nothing to learn from, the window is skipped
         total = None  # the total as a tensor, for phase 6 to check within its host sync
+        # The data-parallel group (None in one process, or for a model no wrapper syncs):
+        # counts are summed and verdicts agreed over it, not over the world.
+        group = None if sync == "none" else data_parallel_group(model)
         if window_count is not None and grads:
-            world = data_parallel_size(model)
-            if world == 1 and not isinstance(window_count, torch.Tensor):
+            if group is None and not isinstance(window_count, torch.Tensor):
                 empty = window_count == 0  # python counts were checked >= 0 when returned
                 if not empty:
                     torch._foreach_mul_(grads, 1.0 / window_count)
             else:
                 total = torch.as_tensor(window_count, dtype=torch.float64, device=grads[0].device)
-                if world > 1:
-                    total = all_reduce_(total.clone(), torch.distributed.ReduceOp.SUM)
+                world = 1
+                if group is not None:
+                    total = all_reduce_(total.clone(), torch.distributed.ReduceOp.SUM, group)
+                    world = group.size()
                 # DDP and FSDP average gradients over ranks; the world factor turns that mean
                 # back into the sum that the global count divides.
                 torch._foreach_mul_(grads, (world / total).to(grads[0].dtype))
@@ -395,7 +399,7 @@ class Step:
         if guard is not None or scaler is not None:
             min_scale = amp.min_scale if amp is not None else 0.0
             verdict = decide(
-                guard, scaler, min_scale, optimizer, window_loss, grad_norm, total, sync != "none"
+                guard, scaler, min_scale, optimizer, window_loss, grad_norm, total, group
             )
             nonfinite, overflow, collapsed, zero, negative = verdict
             empty = empty or zero
