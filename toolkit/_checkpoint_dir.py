@@ -23,6 +23,7 @@ from typing import Any
 from toolkit._files import fsync_dir, replace_file, temp_name, write_bytes
 from toolkit._load import load_checkpoint
 from toolkit._manifest import MANIFEST, DamagedCheckpointError, file_problems, read_manifest
+from toolkit._ranks import agree, broadcast_text, group_of, rank_of
 from toolkit._retention import Retention, retain, retention_from_document
 from toolkit._state import TrainState
 
@@ -230,6 +231,11 @@ def load_latest(
     files. A checkpoint that does not fit the template is *not* skipped: that error is
     raised, since an older checkpoint would not fit either.
 
+    With a data-parallel template (DDP or FSDP2), every rank of its group calls this and
+    all load the same checkpoint: rank 0 picks the newest intact one (checking every
+    checksum) and sends its name to the others, so ranks cannot disagree even while a
+    save is being pruned or a file is damaged; an error is raised on every rank.
+
     Args:
         root: the folder of checkpoints.
         like: the template state (see :func:`load_checkpoint`).
@@ -257,6 +263,9 @@ def load_latest(
         >>> load_latest("empty", like=state) is None
         True
     """
+    group = group_of(like.model) if isinstance(like, TrainState) else None
+    if group is not None:
+        return _load_latest_together(Path(root), like, objects, rng, group)
     found = list_checkpoints(root)
     first_error: DamagedCheckpointError | None = None
     for info in found:  # no step known: it might be the newest, so say so
@@ -274,6 +283,29 @@ def load_latest(
     if first_error is not None:
         raise first_error
     return None
+
+
+def _load_latest_together(
+    root: Path, like: TrainState, objects: Mapping[str, Any] | None, rng: bool, group: Any
+) -> tuple[TrainState, Path] | None:
+    """load_latest for the ranks of ``group``: rank 0 decides, every rank loads that one."""
+    choice, error = "", None  # type: str, BaseException | None
+    if rank_of(group)[0] == 0:
+        try:
+            found = latest_checkpoint(root, checksums=True)
+            if found is not None:
+                choice = found.name
+            elif list_checkpoints(root):
+                newest = list_checkpoints(root)[-1]
+                error = DamagedCheckpointError(newest.path, newest.problems or ("damaged",))
+        except Exception as caught:
+            error = caught
+    agree(error, group, "load_latest")
+    choice = broadcast_text(choice, group)
+    if not choice:
+        return None
+    path = root / choice
+    return load_checkpoint(path, like, objects=objects, rng=rng), path
 
 
 def write_pointer(root: str | os.PathLike[str], checkpoint: str | os.PathLike[str]) -> Path:

@@ -13,7 +13,8 @@ objects, each with a key starting with ``$``:
 
 * ``{"$tensor": "name"}``: the tensor stored under ``name`` in the companion safetensors
   file; ``"dtype"`` and ``"shape"`` are added when the dtype has no safetensors code (it
-  is then stored as raw bytes), ``"device"`` when the tensor was not on the CPU.
+  is then stored as raw bytes), ``"device"`` when the tensor was not on the CPU, and
+  ``"dcp": true`` when it is kept in the sharded files instead (:mod:`toolkit._sharded`).
 * ``{"$tuple": [...]}``: a tuple (Adam's ``betas`` must come back as one).
 * ``{"$float": "nan" | "inf" | "-inf"}``: a non-finite float (JSON has none).
 * ``{"$items": [[key, value], ...]}``: a dict whose keys are not all strings.
@@ -37,7 +38,9 @@ __all__ = [
     "encode",
     "host_tensor",
     "separate_shared",
+    "sharded_references",
     "tensor_paths",
+    "usable_device",
 ]
 
 _SCALARS = (bool, int, float, str, type(None))
@@ -81,7 +84,13 @@ def _hint(value: Any) -> str:
     return ""
 
 
-def encode(tree: Any, root: str, *, copy: bool = False) -> tuple[Any, dict[str, torch.Tensor]]:
+def encode(
+    tree: Any,
+    root: str,
+    *,
+    copy: bool = False,
+    external: Callable[[torch.Tensor], bool] | None = None,
+) -> tuple[Any, dict[str, torch.Tensor]]:
     """Split ``tree`` into a JSON-ready document and the CPU tensors it refers to.
 
     Args:
@@ -89,6 +98,9 @@ def encode(tree: Any, root: str, *, copy: bool = False) -> tuple[Any, dict[str, 
         root: the tree's name in error messages and tensor names (e.g. ``"extras"``).
         copy: always copy the tensors (for a save that runs while training goes on);
             otherwise CPU tensors that are already contiguous are used as they are.
+        external: tensors for which it is true (e.g. FSDP2's DTensors) are stored
+            elsewhere (see :mod:`toolkit._sharded`): they are returned as they are, and
+            their references in the document carry ``"dcp": true``.
 
     Returns:
         ``(document, tensors)``; each tensor name is the tree path joined by ``/``.
@@ -101,6 +113,14 @@ def encode(tree: Any, root: str, *, copy: bool = False) -> tuple[Any, dict[str, 
     keep: list[torch.Tensor] = []  # keeps ids valid until the end
 
     def tensor(value: torch.Tensor, path: tuple[Any, ...]) -> dict[str, Any]:
+        if external is not None and external(value):
+            known = names.get(id(value))
+            if known is None:
+                known = _unique("/".join(str(p) for p in (root, *path)), tensors)
+                names[id(value)] = known
+                keep.append(value)
+                tensors[known] = value
+            return {"$tensor": known, "dcp": True}
         reason = _unstorable(value)
         if reason:
             raise TreeError(
@@ -155,7 +175,12 @@ def encode(tree: Any, root: str, *, copy: bool = False) -> tuple[Any, dict[str, 
         )
 
     document = walk(tree, ())
-    separate_shared(tensors)
+    if external is None:
+        separate_shared(tensors)
+    else:
+        local = {n: t for n, t in tensors.items() if not external(t)}
+        separate_shared(local)
+        tensors.update(local)
     return document, tensors
 
 
@@ -254,7 +279,7 @@ def decode(
             return place(value, saved)
         if isinstance(template, torch.Tensor):
             return value.to(template.device)
-        return value.to(_usable(saved)) if saved else value
+        return value.to(usable_device(saved)) if saved else value
 
     def child(template: Any, key: Any) -> Any:
         if isinstance(template, Mapping):
@@ -292,12 +317,55 @@ def decode(
     return walk(document, like, ())
 
 
+def sharded_references(document: Any, like: Any) -> dict[str, Any]:
+    """The ``"dcp": true`` tensor references of ``document``, each with the template's value.
+
+    ``like`` is walked alongside as :func:`decode` walks it; the value is the template's
+    leaf at the reference's path (a tensor to load into), or ``None`` where it has none.
+    """
+    found: dict[str, Any] = {}
+
+    def child(template: Any, key: Any) -> Any:
+        if isinstance(template, Mapping):
+            return template.get(key)
+        if isinstance(template, (list, tuple)) and isinstance(key, int) and key < len(template):
+            return template[key]
+        return None
+
+    def walk(node: Any, template: Any) -> None:
+        if isinstance(node, list):
+            for i, value in enumerate(node):
+                walk(value, child(template, i))
+            return
+        if not isinstance(node, dict):
+            return
+        if "$tensor" in node:
+            if node.get("dcp") is True:
+                found[node["$tensor"]] = template
+            return
+        if "$tuple" in node:
+            for i, value in enumerate(node["$tuple"]):
+                walk(value, child(template, i))
+        elif "$dict" in node:
+            for key, value in node["$dict"].items():
+                walk(value, child(template, key))
+        elif "$items" in node:
+            for raw_key, raw_value in node["$items"]:
+                walk(raw_value, child(template, _key(decode(raw_key, {}, "key"))))
+        elif not any(key.startswith("$") for key in node):
+            for key, value in node.items():
+                walk(value, child(template, key))
+
+    walk(document, like)
+    return found
+
+
 def _key(value: Any) -> Any:
     # Keys come back as lists inside "$tuple" only when nested: make them hashable again.
     return tuple(_key(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
-def _usable(saved: str) -> torch.device:
+def usable_device(saved: str) -> torch.device:
     """The saved device when this process has it, else the CPU (e.g. a GPU run read on a laptop)."""
     device = torch.device(saved)
     if (

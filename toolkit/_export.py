@@ -11,7 +11,7 @@ import torch
 
 from toolkit._codec import host_tensor, separate_shared
 from toolkit._files import replace_file, write_tensors
-from toolkit._load import read_model, read_tree, verified_manifest
+from toolkit._load import full_model, full_tree, verified_manifest
 from toolkit._model_state import expand, split_aliases
 from toolkit._state import TrainState
 from toolkit._unwrap import unwrap
@@ -54,11 +54,11 @@ def _with_average(
 
 def _from_folder(path: Path, weights: str, key: str) -> dict[str, torch.Tensor]:
     manifest = verified_manifest(path)
-    tensors, aliases = read_model(manifest)
+    tensors, aliases = full_model(manifest)
     full = expand(tensors, aliases)
     if weights == "model":
         return full
-    extras = read_tree(manifest, "extras") if "extras" in manifest.components else {}
+    extras = full_tree(manifest, "extras") if "extras" in manifest.components else {}
     return _with_average(full, aliases, _ema_entry(extras, key, f"checkpoint {path}"))
 
 
@@ -90,7 +90,8 @@ def export_model(
 
     Args:
         source: a module, a TrainState (its model), or a checkpoint folder written by
-            :func:`save_checkpoint` (verified before reading).
+            :func:`save_checkpoint` (verified before reading; a sharded FSDP2 checkpoint
+            is put together in this process, whatever the number of ranks that wrote it).
         path: the file to write, e.g. ``"runs/a/model.safetensors"``.
         weights: ``"model"`` for the trained weights, ``"ema"`` for the exponential moving
             average kept by :func:`toolkit.plugins.ema` in ``extras[key]`` (buffers it does

@@ -22,6 +22,7 @@ __all__ = [
     "CHECKSUM",
     "checksum",
     "fsync_dir",
+    "new_token",
     "read_json",
     "replace_file",
     "temp_name",
@@ -51,6 +52,11 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def new_token() -> int:
+    """A non-negative int for :func:`temp_name`: this pid and 32 random bits."""
+    return (os.getpid() << 32) | int(uuid.uuid4().hex[:8], 16)
 
 
 def _fsync_file(path: Path) -> None:
@@ -92,8 +98,14 @@ def write_tensors(
     _fsync_file(path)
 
 
-def temp_name(kind: str, name: str) -> str:
-    """A hidden sibling name, unique per process and call: ``.{kind}-{name}-{pid}-{hex}``."""
+def temp_name(kind: str, name: str, token: int | None = None) -> str:
+    """A hidden sibling name, unique per process and call: ``.{kind}-{name}-{pid}-{hex}``.
+
+    ``token`` (a non-negative int) replaces the pid and random part: ranks that write one
+    checkpoint together name its temporary folder from the token rank 0 drew.
+    """
+    if token is not None:
+        return f".{kind}-{name}-{token >> 32}-{token & 0xFFFFFFFF:08x}"
     return f".{kind}-{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 

@@ -4,12 +4,20 @@ Only JSON and safetensors are read, and only the files the manifest lists, after
 sizes and checksums were checked. All differences from the template are gathered before
 anything is touched; then the objects are restored model, scheduler, optimizer, scaler,
 extra objects, RNG states.
+
+A data-parallel template (DDP or FSDP2) is loaded by every rank of its group together:
+the ranks agree on the outcome of the checks (one small all-reduce) before any rank
+restores, so all load or all raise the same error. A sharded checkpoint (FSDP2) is read
+through DCP into the template's own sharding, whatever the number of ranks that wrote it;
+a plain one is spread over an FSDP2 template with
+``torch.distributed.checkpoint.state_dict.set_state_dict``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -17,19 +25,35 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from toolkit._codec import TreeError, decode, tensor_paths
+from toolkit._codec import TreeError, decode, sharded_references, tensor_paths, usable_device
 from toolkit._components import HANDLES, OWN_FILE, check_objects, fields_of, is_namedtuple
 from toolkit._files import read_json
 from toolkit._manifest import DamagedCheckpointError, Manifest, file_problems, read_manifest
 from toolkit._model_state import expand, model_differences
 from toolkit._optim_names import numbered_state, optimizer_differences
+from toolkit._ranks import Group, agree, group_of, rank_of
 from toolkit._rng import restore_rng
+from toolkit._sharded import (
+    check_listing,
+    is_sharded,
+    load_shards,
+    saved_shapes,
+    template_state,
+)
 from toolkit._state import TrainState
 from toolkit._unwrap import unwrap
 
-__all__ = ["load_checkpoint", "read_model", "read_tree", "verified_manifest"]
+__all__ = [
+    "full_model",
+    "full_tree",
+    "load_checkpoint",
+    "put_model",
+    "read_model",
+    "read_tree",
+    "verified_manifest",
+]
 
-_KINDS = ("tensors", "tree")
+_KINDS = ("tensors", "tree", "dcp")
 
 
 def verified_manifest(path: str | os.PathLike[str]) -> Manifest:
@@ -42,6 +66,8 @@ def verified_manifest(path: str | os.PathLike[str]) -> Manifest:
     """
     manifest = read_manifest(path)
     problems = file_problems(manifest, checksums=True)
+    if any(entry.get("kind") == "dcp" for entry in manifest.components.values()):
+        problems += check_listing(manifest.path, manifest.files)
     if problems:
         raise DamagedCheckpointError(manifest.path, problems)
     for name, entry in manifest.components.items():
@@ -67,24 +93,55 @@ def _tensors(path: Path, owned: bool) -> dict[str, torch.Tensor]:
         raise DamagedCheckpointError(path.parent, [problem]) from None
 
 
-def read_tree(manifest: Manifest, name: str, *, like: Any = None) -> Any:
-    """Component ``name`` of a verified checkpoint, decoded (tensors on like's devices)."""
-    entry = manifest.components[name]
-    json_path = manifest.path / entry["json"]
+def _document(manifest: Manifest, name: str) -> Any:
+    json_path = manifest.path / manifest.components[name]["json"]
     try:
-        document = read_json(json_path)
+        return read_json(json_path)
     except (UnicodeDecodeError, ValueError) as error:
         problem = f"{json_path}: not JSON ({error})"
         raise DamagedCheckpointError(manifest.path, [problem]) from None
+
+
+def read_tree(
+    manifest: Manifest,
+    name: str,
+    *,
+    like: Any = None,
+    sharded: Mapping[str, torch.Tensor] | None = None,
+) -> Any:
+    """Component ``name`` of a verified checkpoint, decoded (tensors on like's devices).
+
+    ``sharded`` gives the tensors of its ``"dcp"`` references (the template's tensors that
+    :func:`toolkit._sharded.load_shards` fills), which are used as they are.
+    """
+    entry = manifest.components[name]
+    json_path = manifest.path / entry["json"]
+    document = _document(manifest, name)
     # pread: these tensors are kept (e.g. as optimizer state), so they must not stay
     # mapped onto a file that could change under them.
     tensors = _tensors(manifest.path / entry["tensors"], owned=True) if "tensors" in entry else {}
+    given = dict(sharded or {})
     try:
+        if given:
+            tensors = {**tensors, **given}
+            return decode(document, tensors, name, like=like, place=_placer(given, like))
         return decode(document, tensors, name, like=like)
     except (TreeError, KeyError, TypeError, AttributeError, ValueError) as error:
         raise DamagedCheckpointError(
             manifest.path, [f"{json_path}: does not decode ({error})"]
         ) from None
+
+
+def _placer(given: Mapping[str, torch.Tensor], like: Any) -> Any:
+    """Device placement for a tree with sharded references: those stay as they are."""
+    ids = {id(t) for t in given.values()}
+
+    def place(value: torch.Tensor, saved: str | None) -> torch.Tensor:
+        if id(value) in ids:
+            return value
+        return value.to(usable_device(saved)) if saved else value
+
+    return place
 
 
 def read_model(manifest: Manifest) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -98,6 +155,37 @@ def read_model(manifest: Manifest) -> tuple[dict[str, torch.Tensor], dict[str, s
             manifest.path, [f"{manifest.path / entry['file']}: aliased tensors missing: {lost}"]
         )
     return tensors, aliases
+
+
+def full_model(manifest: Manifest) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The whole model tensors and aliases of a verified checkpoint, of either layout.
+
+    A sharded model's pieces are put together in this process (no process group needed).
+    """
+    if manifest.components["model"].get("kind") != "dcp":
+        return read_model(manifest)
+    targets = {
+        key: torch.empty(size, dtype=dtype)
+        for key, (size, dtype) in saved_shapes(manifest.path).items()
+        if key.startswith("model/")
+    }
+    load_shards(targets, manifest.path, None)
+    return {key.removeprefix("model/"): value for key, value in targets.items()}, {}
+
+
+def full_tree(manifest: Manifest, name: str) -> Any:
+    """Component ``name`` of a verified checkpoint with its sharded tensors put together."""
+    found = sharded_references(_document(manifest, name), None)
+    if not found:
+        return read_tree(manifest, name)
+    shapes = saved_shapes(manifest.path)
+    missing = sorted(key for key in found if key not in shapes)
+    if missing:
+        problem = f"{manifest.path}: sharded tensors missing from the files: {_few(missing)}"
+        raise DamagedCheckpointError(manifest.path, [problem])
+    targets = {key: torch.empty(shapes[key][0], dtype=shapes[key][1]) for key in found}
+    load_shards(targets, manifest.path, None)
+    return read_tree(manifest, name, sharded=targets)
 
 
 def _presence(name: str, saved: bool, live: bool) -> list[str]:
@@ -222,16 +310,98 @@ def load_checkpoint(
             f"checkpoint is loaded into); got {type(like).__name__}."
         )
     objects = check_objects(objects, who)
+    group = group_of(like.model)
+    plan: _Plan | None = None
+    error: BaseException | None = None
+    try:
+        plan = _plan(path, like, objects, rng, rank_of(group)[0])
+    except Exception as caught:
+        error = caught
+    agree(error, group, who)  # all ranks restore, or none
+    assert plan is not None
+    return _restore(plan, like, objects, group)
+
+
+@dataclasses.dataclass
+class _Plan:
+    """What a load restores, read and compared with the template (nothing touched yet)."""
+
+    manifest: Manifest
+    model: dict[str, torch.Tensor]  # plain layout: the saved tensors (memory-mapped)
+    aliases: dict[str, str]
+    shards: dict[str, torch.Tensor]  # sharded layout: DCP key -> template tensor to fill
+    model_state: dict[str, Any] | None  # sharded layout: the template's model state
+    optimizer: Any
+    scheduler: Any
+    scaler_state: Any
+    extras: dict[str, Any]
+    fields: dict[str, Any]
+    saved_objects: dict[str, Any]
+    rng_state: Any
+
+
+def _own_state(manifest: Manifest, rank: int) -> tuple[Any, Any]:
+    """This rank's ``(rng, data_state)`` tree of a multi-rank checkpoint, or ``(None, None)``.
+
+    Rank 0's are the ordinary ``rng`` and ``state`` components. A rank the checkpoint has
+    no state for (it was written by fewer ranks) is warned about and keeps its seeding.
+    """
+    if rank == 0:
+        return None, None
+    name = f"rank_{rank:05d}"
+    if name not in manifest.components:
+        warnings.warn(
+            f"load_checkpoint: {manifest.path} was written by {manifest.world_size} rank(s) "
+            f"and holds no RNG states or data position for rank {rank}; this rank keeps its "
+            "own RNG seeding and rank 0's data position, so its randomness does not continue "
+            "the saved run's (the model and optimizer are restored all the same).",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return False, None
+    own = read_tree(manifest, name)
+    return own["rng"], own["data_state"]
+
+
+def _plan(
+    path: str | os.PathLike[str],
+    like: TrainState,
+    objects: dict[str, Any],
+    rng: bool,
+    rank: int,
+) -> _Plan:
     manifest = verified_manifest(path)
     parts = manifest.components
     differences: list[str] = []
+    sharded_layout = parts["model"].get("kind") == "dcp"
+    model: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    shards: dict[str, torch.Tensor] = {}
+    model_state: dict[str, Any] | None = None
+    optimizer_state: dict[str, Any] | None = None
+    if sharded_layout:
+        saved = saved_shapes(manifest.path)
+        model_state, optimizer_state = template_state(like.model, like.optimizer)
+        shards = {f"model/{name}": value for name, value in model_state.items()}
+        shapes = {
+            key.removeprefix("model/"): tuple(size)
+            for key, (size, _) in saved.items()
+            if key.startswith("model/")
+        }
+        differences += model_differences(like.model, shapes, {})
+    else:
+        model, aliases = read_model(manifest)
+        differences += model_differences(
+            like.model, {n: tuple(t.shape) for n, t in model.items()}, aliases
+        )
 
-    model, aliases = read_model(manifest)
-    differences += model_differences(
-        like.model, {n: tuple(t.shape) for n, t in model.items()}, aliases
-    )
-
-    optimizer = read_tree(manifest, "optimizer") if "optimizer" in parts else None
+    optimizer = None
+    if "optimizer" in parts and sharded_layout:
+        found = sharded_references(_document(manifest, "optimizer"), optimizer_state)
+        differences += _targets(found, "optimizer", shards)
+        optimizer = read_tree(manifest, "optimizer", sharded=shards)
+    elif "optimizer" in parts:
+        optimizer = read_tree(manifest, "optimizer")
     differences += _presence("optimizer", optimizer is not None, like.optimizer is not None)
     if optimizer is not None and like.optimizer is not None:
         differences += optimizer_differences(
@@ -254,14 +424,14 @@ def load_checkpoint(
         )
 
     live_extras = dict(like.extras)
-    extras = read_tree(manifest, "extras", like=live_extras) if "extras" in parts else {}
+    extras = _tree_with_shards(manifest, "extras", live_extras, shards, differences, {})
     differences += _extras_differences(extras, live_extras)
 
     live_fields = fields_of(like)
-    saved_fields = read_tree(manifest, "state", like=live_fields) if "state" in parts else {}
+    saved_fields = _tree_with_shards(manifest, "state", live_fields, shards, differences, {})
     fields = _field_values(like, saved_fields, differences)
 
-    saved_objects = read_tree(manifest, "objects") if "objects" in parts else {}
+    saved_objects = _tree_with_shards(manifest, "objects", None, shards, differences, {})
     missing = sorted(objects.keys() - saved_objects.keys())
     unexpected = sorted(saved_objects.keys() - objects.keys())
     if missing:
@@ -272,35 +442,139 @@ def load_checkpoint(
     for name in sorted(objects.keys() & saved_objects.keys()):
         differences += _class_difference(f"objects[{name!r}]", classes.get(name), objects[name])
 
+    if sharded_layout:
+        differences += _shard_shapes(saved, shards)
     rng_state = read_tree(manifest, "rng") if rng and "rng" in parts else None
+    own_rng, own_data = _own_state(manifest, rank)
+    if own_rng is not None:
+        rng_state = (own_rng or None) if rng else None
+    if own_data is not None:
+        fields["data_state"] = own_data
 
     if differences:
         listing = "\n  ".join(differences)
         raise ValueError(
-            f"{who}: {manifest.path} does not fit the template state "
+            f"load_checkpoint: {manifest.path} does not fit the template state "
             f"({len(differences)} difference(s)):\n  {listing}\nBuild the template like the "
             "saved run (same model, optimizer, scheduler and plugins), or load the model alone "
             "with safetensors.torch.load_file."
         )
+    return _Plan(
+        manifest=manifest,
+        model=model,
+        aliases=aliases,
+        shards=shards,
+        model_state=model_state,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        scaler_state=scaler_state,
+        extras=extras,
+        fields=fields,
+        saved_objects=saved_objects,
+        rng_state=rng_state,
+    )
 
-    # Restore, in the order that keeps each object's saved values (see the docstring).
-    unwrap(like.model).load_state_dict(expand(model, aliases), strict=True)
-    del model  # drop the file mapping
-    if scheduler is not None:
-        like.scheduler.load_state_dict(scheduler)
-    if optimizer is not None and like.optimizer is not None:
-        like.optimizer.load_state_dict(numbered_state(like.model, like.optimizer, optimizer))
-    if scaler_state is not None:
+
+def _targets(found: Mapping[str, Any], root: str, shards: dict[str, torch.Tensor]) -> list[str]:
+    """Add the template's tensors of sharded references to ``shards``; list those it lacks."""
+    lacking = sorted(name for name, value in found.items() if not isinstance(value, torch.Tensor))
+    shards.update({n: v for n, v in found.items() if isinstance(v, torch.Tensor)})
+    if lacking:
+        return [f"{root}: sharded tensors the template has no tensor for: {_few(lacking)}"]
+    return []
+
+
+def _tree_with_shards(
+    manifest: Manifest,
+    name: str,
+    like: Any,
+    shards: dict[str, torch.Tensor],
+    differences: list[str],
+    default: Any,
+) -> Any:
+    if name not in manifest.components:
+        return default
+    found = sharded_references(_document(manifest, name), like)
+    if not found:
+        return read_tree(manifest, name, like=like)
+    differences += _targets(found, name, shards)
+    for key, value in found.items():
+        if not isinstance(value, torch.Tensor):  # reported; a stand-in keeps the decode going
+            shards[key] = torch.empty(0)
+    return read_tree(manifest, name, like=like, sharded={k: shards[k] for k in found})
+
+
+def _shard_shapes(
+    saved: Mapping[str, tuple[torch.Size, torch.dtype]], shards: Mapping[str, torch.Tensor]
+) -> list[str]:
+    """Sharded tensors missing from the files or of another whole shape than the template's."""
+    out = []
+    for key, target in shards.items():
+        if key.startswith("model/"):
+            continue  # compared by model_differences, by name
+        if key not in saved:
+            out.append(f"{key}: not in the checkpoint's sharded files")
+        elif tuple(saved[key][0]) != tuple(target.shape) and target.numel():
+            out.append(
+                f"{key}: shape {list(saved[key][0])} in the checkpoint, "
+                f"{list(target.shape)} in the template"
+            )
+    return out
+
+
+def put_model(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Load a full (unsharded) state dict into ``model``, strictly, whatever its sharding."""
+    if is_sharded(model):
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+        )
+
+        set_model_state_dict(model, dict(state), options=StateDictOptions(full_state_dict=True))
+    else:
+        unwrap(model).load_state_dict(dict(state), strict=True)
+
+
+def _restore(
+    plan: _Plan, like: TrainState, objects: dict[str, Any], group: Group | None
+) -> TrainState:
+    """Restore, in the order that keeps each object's saved values (see load_checkpoint)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    if plan.model_state is not None:
+        load_shards(plan.shards, plan.manifest.path, group)  # every sharded tensor, in place
+        set_model_state_dict(like.model, plan.model_state)
+    else:
+        put_model(like.model, expand(plan.model, plan.aliases))
+    plan.model.clear()  # drop the file mapping
+    if plan.scheduler is not None:
+        like.scheduler.load_state_dict(plan.scheduler)
+    if plan.optimizer is not None and like.optimizer is not None:
+        if plan.model_state is not None:
+            set_optimizer_state_dict(like.model, like.optimizer, plan.optimizer)
+        elif is_sharded(like.model):
+            options = StateDictOptions(full_state_dict=True)
+            set_optimizer_state_dict(like.model, like.optimizer, plan.optimizer, options=options)
+        else:
+            like.optimizer.load_state_dict(
+                numbered_state(like.model, like.optimizer, plan.optimizer)
+            )
+    scaler = like.scaler
+    if plan.scaler_state is not None:
         if scaler is None:
             scaler = torch.amp.GradScaler(_device_type(like.model))
-        scaler.load_state_dict(scaler_state)
+        scaler.load_state_dict(plan.scaler_state)
     for name, obj in objects.items():
-        obj.load_state_dict(saved_objects[name])
-    if rng_state is not None:
-        restore_rng(rng_state)
+        obj.load_state_dict(plan.saved_objects[name])
+    if plan.rng_state is not None:
+        restore_rng(plan.rng_state)
     # A new state, not like.replace(): the template may carry a train step's "consumed" mark.
     values = {field.name: getattr(like, field.name) for field in dataclasses.fields(like)}
-    values.update(fields, extras={**live_extras, **extras}, scaler=scaler)
+    values.update(plan.fields, extras={**like.extras, **plan.extras}, scaler=scaler)
     return TrainState(**values)
 
 

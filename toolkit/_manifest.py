@@ -4,11 +4,13 @@ The manifest lists every file of the checkpoint with its size and xxh3-128 check
 format name and version, the step and time, the metrics and retention rules given at save
 time, and one entry per component (model, optimizer, ...) with its ``kind``: ``"tensors"``
 (a plain safetensors state dict) or ``"tree"`` (a JSON document plus, when it holds
-tensors, a safetensors file; see :mod:`toolkit._codec`). A later kind (e.g. ``"dcp"`` for a
-sharded model) can be added without a version break: a reader refuses a kind it does not
-know, by name. The manifest carries a checksum of its own content too, so a flipped bit
-in it is caught like one in any other file. Files a manifest does not list are never
-opened.
+tensors, a safetensors file; see :mod:`toolkit._codec`) or ``"dcp"`` (a sharded model whose
+pieces are in the ``sharded/`` sub-folder, :mod:`toolkit._sharded`; added in format version 1
+without a break: a reader refuses a kind it does not know, by name). A checkpoint written
+by several ranks records ``world_size`` and one ``rank_NNNNN`` tree per rank after the
+first (its RNG states and data position). The manifest carries a checksum of its own
+content too, so a flipped bit in it is caught like one in any other file. Files a manifest
+does not list are never opened.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ VERSION = 1
 MANIFEST = "manifest.json"
 _SELF = f"manifest_{CHECKSUM}"
 _SUFFIXES = (".json", ".safetensors")
+_SUBFOLDERS = ("sharded",)  # the only sub-folder a manifest may list files in
 
 
 class DamagedCheckpointError(RuntimeError):
@@ -83,6 +86,7 @@ class Manifest:
         rules: the retention rules recorded at save time (a dict), or ``None``.
         components: component name -> its entry (``kind``, files, class, ...).
         files: file name -> ``{"size": bytes, "xxh3_128": hex digest}``.
+        world_size: how many ranks wrote it (1 for a single process).
     """
 
     path: Path
@@ -92,6 +96,7 @@ class Manifest:
     rules: Mapping[str, Any] | None
     components: Mapping[str, Mapping[str, Any]]
     files: Mapping[str, Mapping[str, Any]]
+    world_size: int = 1
 
     @property
     def size(self) -> int:
@@ -136,6 +141,7 @@ def manifest_document(
     rules: Mapping[str, Any] | None,
     components: Mapping[str, Mapping[str, Any]],
     files: Mapping[str, Mapping[str, Any]],
+    world_size: int = 1,
 ) -> dict[str, Any]:
     """The JSON document of a manifest, with its own checksum."""
     encoded_metrics, _ = encode(dict(metrics), "metrics")  # NaN/inf become tags
@@ -150,6 +156,8 @@ def manifest_document(
         "components": {name: dict(entry) for name, entry in components.items()},
         "files": {name: dict(entry) for name, entry in files.items()},
     }
+    if world_size != 1:
+        document["world_size"] = world_size
     document[_SELF] = xxhash.xxh3_128_hexdigest(_canonical(document))
     return document
 
@@ -157,6 +165,10 @@ def manifest_document(
 def _bad_name(name: Any) -> bool:
     # Only plain, visible file names of the two formats: no paths out of the folder, no
     # other file kinds (nothing on the load path opens anything but JSON and safetensors).
+    if isinstance(name, str) and name.count("/") == 1:
+        folder, name = name.split("/")
+        if folder not in _SUBFOLDERS:
+            return True
     return (
         not isinstance(name, str)
         or name != os.path.basename(name)
@@ -211,7 +223,10 @@ def read_manifest(folder: str | os.PathLike[str]) -> Manifest:
         files = {}
     for name, entry in files.items():
         if _bad_name(name):
-            problems.append(f"{path}: lists {name!r}, not a .json/.safetensors name in the folder")
+            problems.append(
+                f"{path}: lists {name!r}, not a .json/.safetensors name in the folder "
+                f"(or in its {'/'.join(_SUBFOLDERS)}/ sub-folder)"
+            )
         elif (
             not isinstance(entry, dict)
             or not isinstance(entry.get("size"), int)
@@ -243,6 +258,10 @@ def read_manifest(folder: str | os.PathLike[str]) -> Manifest:
     if rules is not None and not isinstance(rules, dict):
         problems.append(f"{path}: 'rules' is not an object")
         rules = None
+    world = document.get("world_size", 1)
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        problems.append(f"{path}: 'world_size' is {world!r}, not an int >= 1")
+        world = 1
     if problems:
         raise DamagedCheckpointError(folder, problems)
     assert isinstance(step, int) and isinstance(time_, (int, float))  # checked above
@@ -254,6 +273,7 @@ def read_manifest(folder: str | os.PathLike[str]) -> Manifest:
         rules=rules,
         components=components,
         files=files,
+        world_size=world,
     )
 
 

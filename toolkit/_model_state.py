@@ -25,6 +25,11 @@ def _identity(value: torch.Tensor) -> tuple[Any, ...] | None:
     # way. Empty tensors have no memory to share.
     if not value.numel():
         return None
+    if type(value) not in (torch.Tensor, torch.nn.Parameter) and hasattr(value, "to_local"):
+        local = value.to_local()  # a DTensor: its shard tells ties apart
+        if not local.numel():
+            return None
+        return ("shard", local.data_ptr(), local.dtype, tuple(value.shape), local.stride())
     return (value.device, value.data_ptr(), value.dtype, tuple(value.shape), value.stride())
 
 

@@ -15,6 +15,14 @@ Layout of one checkpoint folder (every file listed, with size and checksum, in
 
 A ``.safetensors`` file in brackets exists only when its tree holds tensors. JSON
 documents follow :mod:`toolkit._codec`.
+
+A data-parallel model (DDP or FSDP2; see :func:`toolkit._ranks.group_of`) is saved by all
+ranks of its group together. DDP: rank 0 writes the files above, and every other rank
+``r`` adds ``rank_0000r.json``/``.safetensors`` (its RNG states and data position).
+FSDP2 (a model with DTensor parameters): the model, the optimizer's tensors and DTensors
+in ``extras`` go to ``sharded/`` instead (:mod:`toolkit._sharded`), one file per rank, and
+``model.safetensors`` is absent. Either way rank 0 writes the manifest and renames the
+folder once every rank has written its part.
 """
 
 from __future__ import annotations
@@ -34,15 +42,25 @@ import torch
 
 from toolkit._codec import encode, host_tensor, separate_shared
 from toolkit._components import check_objects, fields_of
-from toolkit._files import CHECKSUM, checksum, fsync_dir, temp_name, write_json, write_tensors
+from toolkit._files import (
+    CHECKSUM,
+    checksum,
+    fsync_dir,
+    new_token,
+    temp_name,
+    write_json,
+    write_tensors,
+)
 from toolkit._manifest import MANIFEST, check_metrics, manifest_document
 from toolkit._model_state import model_tensors
-from toolkit._optim_names import named_state
+from toolkit._optim_names import named_state, parameter_names
+from toolkit._ranks import Group, agree, broadcast_int, group_of, rank_of
 from toolkit._retention import Retention
 from toolkit._rng import capture_rng
+from toolkit._sharded import SHARDS, is_dtensor, is_sharded, save_shards, template_state
 from toolkit._state import TrainState
 
-__all__ = ["MODEL_METADATA", "save_checkpoint", "save_in_background"]
+__all__ = ["MODEL_METADATA", "rank_component", "save_checkpoint", "save_in_background"]
 
 # A model file opened by other tools (transformers, the hub) is expected to say "pt".
 MODEL_METADATA = {"format": "pt"}
@@ -67,11 +85,49 @@ class _Snapshot:
     trees: dict[str, _Tree]
     metrics: dict[str, float]
     rules: dict[str, Any] | None
+    shards: dict[str, torch.Tensor]  # keys -> tensors for sharded/ (FSDP2), else empty
+    rank: _Tree  # this rank's RNG states and data position (written by ranks > 0)
 
 
-def _tree(tree: Any, root: str, copy: bool, **info: Any) -> _Tree:
-    document, tensors = encode(tree, root, copy=copy)
-    return _Tree(document, tensors, info)
+def rank_component(rank: int) -> str:
+    """The component (and file stem) of rank ``rank``'s own state in a multi-rank checkpoint."""
+    return f"rank_{rank:05d}"
+
+
+def _tree(
+    tree: Any,
+    root: str,
+    copy: bool,
+    *,
+    shards: dict[str, torch.Tensor] | None = None,
+    info: dict[str, Any] | None = None,
+) -> _Tree:
+    """Encode ``tree``; with ``shards`` (a sharded save), its DTensors go there instead."""
+    if shards is None:
+        document, tensors = encode(tree, root, copy=copy)
+    else:
+        document, tensors = encode(tree, root, copy=copy, external=is_dtensor)
+        for name in [n for n, t in tensors.items() if is_dtensor(t)]:
+            shards[name] = tensors.pop(name)
+    return _Tree(document, tensors, info or {})
+
+
+def _sharded_parts(
+    state: TrainState, shards: dict[str, torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], dict[str, _Tree]]:
+    """FSDP2: the model's and the optimizer's tensors go to ``shards``; JSON stays."""
+    if state.optimizer is not None:
+        parameter_names(state.model, state.optimizer)  # the clear error for a stray tensor
+    model_state, optimizer_state = template_state(state.model, state.optimizer)
+    shards.update({f"model/{name}": value for name, value in model_state.items()})
+    trees = {}
+    if optimizer_state is not None:
+        assert state.optimizer is not None
+        document, tensors = encode(optimizer_state, "optimizer", external=lambda t: True)
+        shards.update(tensors)
+        info = {"class": type(state.optimizer).__name__}
+        trees["optimizer"] = _Tree(document, {}, info)
+    return {}, trees
 
 
 def _snapshot(
@@ -82,38 +138,47 @@ def _snapshot(
     copy: bool,
 ) -> _Snapshot:
     who = "save_checkpoint"
-    model, aliases = model_tensors(state.model, who)
-    model = {name: host_tensor(value, copy) for name, value in model.items()}
-    separate_shared(model)  # distinct views of one buffer (tied ones are aliases already)
-    trees = {}
-    if state.optimizer is not None:
+    shards: dict[str, torch.Tensor] | None = None
+    aliases: dict[str, str] = {}
+    if is_sharded(state.model):
+        shards = {}
+        model, trees = _sharded_parts(state, shards)
+    else:
+        model, aliases = model_tensors(state.model, who)
+        model = {name: host_tensor(value, copy) for name, value in model.items()}
+        separate_shared(model)  # distinct views of one buffer (tied ones are aliases already)
+        trees = {}
+    if state.optimizer is not None and shards is None:
         trees["optimizer"] = _tree(
             named_state(state.model, state.optimizer),
             "optimizer",
             copy,
-            **{"class": type(state.optimizer).__name__},
+            info={"class": type(state.optimizer).__name__},
         )
     if state.scheduler is not None:
         trees["scheduler"] = _tree(
             state.scheduler.state_dict(),
             "scheduler",
             copy,
-            **{"class": type(state.scheduler).__name__},
+            info={"class": type(state.scheduler).__name__},
         )
     if state.scaler is not None and state.scaler.is_enabled():
         trees["scaler"] = _tree(
-            state.scaler.state_dict(), "scaler", copy, **{"class": type(state.scaler).__name__}
+            state.scaler.state_dict(), "scaler", copy, info={"class": type(state.scaler).__name__}
         )
-    trees["state"] = _tree(fields_of(state), "state", copy)
-    trees["extras"] = _tree(dict(state.extras), "extras", copy)
-    trees["rng"] = _tree(capture_rng(), "rng", copy)
+    trees["state"] = _tree(fields_of(state), "state", copy, shards=shards)
+    trees["extras"] = _tree(dict(state.extras), "extras", copy, shards=shards)
+    rng = capture_rng()
+    trees["rng"] = _tree(rng, "rng", copy)
     if objects:
         trees["objects"] = _tree(
             {name: obj.state_dict() for name, obj in objects.items()},
             "objects",
             copy,
-            classes={name: type(obj).__name__ for name, obj in objects.items()},
+            shards=shards,
+            info={"classes": {name: type(obj).__name__ for name, obj in objects.items()}},
         )
+    own = {"rng": rng, "data_state": dict(state.data_state)}
     return _Snapshot(
         step=state.step,
         model=model,
@@ -121,42 +186,62 @@ def _snapshot(
         trees=trees,
         metrics=metrics,
         rules=rules.to_document() if rules is not None else None,
+        shards=shards or {},
+        rank=_tree(own, "rank", copy),
     )
+
+
+def _entry(path: Path) -> dict[str, Any]:
+    return {"size": path.stat().st_size, CHECKSUM: checksum(path)}
 
 
 def _write_file(folder: Path, name: str, write: Any, files: dict[str, Any]) -> None:
     path = folder / name
     write(path)
-    files[name] = {"size": path.stat().st_size, CHECKSUM: checksum(path)}
+    files[name] = _entry(path)
 
 
-def _write(snapshot: _Snapshot, folder: Path) -> None:
-    """Write every file of the snapshot into the (new, empty) ``folder``; manifest last."""
+def _write_tree(
+    folder: Path, name: str, tree: _Tree, files: dict[str, Any], components: dict[str, Any]
+) -> None:
+    entry: dict[str, Any] = {"kind": "tree", "json": f"{name}.json", **tree.info}
+    _write_file(folder, f"{name}.json", lambda p: write_json(p, tree.document), files)
+    if tree.tensors:
+        entry["tensors"] = f"{name}.safetensors"
+        _write_file(folder, f"{name}.safetensors", lambda p: write_tensors(p, tree.tensors), files)
+    components[name] = entry
+
+
+def _write_parts(snapshot: _Snapshot, folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Write rank 0's files of the snapshot into ``folder``: ``(files, components)``."""
     files: dict[str, Any] = {}
     components: dict[str, Any] = {}
-    _write_file(
-        folder,
-        "model.safetensors",
-        lambda p: write_tensors(p, snapshot.model, MODEL_METADATA),
-        files,
-    )
-    components["model"] = {
-        "kind": "tensors",
-        "file": "model.safetensors",
-        "aliases": snapshot.aliases,
-    }
+    if snapshot.shards:
+        components["model"] = {"kind": "dcp", "folder": SHARDS, "prefix": "model/"}
+    else:
+        _write_file(
+            folder,
+            "model.safetensors",
+            lambda p: write_tensors(p, snapshot.model, MODEL_METADATA),
+            files,
+        )
+        components["model"] = {
+            "kind": "tensors",
+            "file": "model.safetensors",
+            "aliases": snapshot.aliases,
+        }
     for name, tree in snapshot.trees.items():
-        entry: dict[str, Any] = {"kind": "tree", "json": f"{name}.json", **tree.info}
-        _write_file(folder, f"{name}.json", lambda p, d=tree.document: write_json(p, d), files)
-        if tree.tensors:
-            entry["tensors"] = f"{name}.safetensors"
-            _write_file(
-                folder,
-                f"{name}.safetensors",
-                lambda p, t=tree.tensors: write_tensors(p, t),
-                files,
-            )
-        components[name] = entry
+        _write_tree(folder, name, tree, files, components)
+    return files, components
+
+
+def _write_manifest(
+    snapshot: _Snapshot,
+    folder: Path,
+    files: dict[str, Any],
+    components: dict[str, Any],
+    world_size: int = 1,
+) -> None:
     document = manifest_document(
         step=snapshot.step,
         time=time.time(),
@@ -164,9 +249,27 @@ def _write(snapshot: _Snapshot, folder: Path) -> None:
         rules=snapshot.rules,
         components=components,
         files=files,
+        world_size=world_size,
     )
     write_json(folder / MANIFEST, document)
     fsync_dir(folder)
+
+
+def _write(snapshot: _Snapshot, folder: Path) -> None:
+    """Write every file of the snapshot into the (new, empty) ``folder``; manifest last."""
+    if snapshot.shards:
+        save_shards(snapshot.shards, folder, None)
+    files, components = _write_parts(snapshot, folder)
+    if snapshot.shards:
+        _add_shards(folder, files)
+    _write_manifest(snapshot, folder, files, components)
+
+
+def _add_shards(folder: Path, files: dict[str, Any]) -> None:
+    shards = folder / SHARDS
+    for name in sorted(os.listdir(shards)):
+        files[f"{SHARDS}/{name}"] = _entry(shards / name)
+    fsync_dir(shards)
 
 
 def _publish(temp: Path, path: Path) -> None:
@@ -253,6 +356,9 @@ def save_checkpoint(
         ['bias', 'weight']
     """
     path = Path(path)
+    group = group_of(state.model) if isinstance(state, TrainState) else None
+    if group is not None:
+        return _save_together(state, path, objects, metrics, rules, group)
     return _write_snapshot(_prepare(state, path, objects, metrics, rules, copy=False), path)
 
 
@@ -301,6 +407,12 @@ def save_in_background(
         3
     """
     path = Path(path)
+    if isinstance(state, TrainState) and group_of(state.model) is not None:
+        raise ValueError(
+            "save_in_background: the model is data parallel (DDP or FSDP2), whose ranks "
+            "save together; their exchanges would share the training's process group from "
+            "a background thread. Use save_checkpoint, on every rank."
+        )
     snapshot = _prepare(state, path, objects, metrics, rules, copy=True)
     future: Future[Path] = Future()
 
@@ -359,16 +471,103 @@ def _write_snapshot(snapshot: _Snapshot, path: Path) -> Path:
         _publish(temp, path)
     except BaseException as error:
         shutil.rmtree(temp, ignore_errors=True)
-        code = _os_error_code(error)
-        if code is None:
+        wrapped = _wrapped(error, path)
+        if wrapped is error:
             raise
-        raise OSError(
-            code,
-            f"save_checkpoint: could not write the checkpoint {path} ({_reason(error)}); "
-            "earlier checkpoints are untouched and the temporary folder was removed. Free "
-            "space or save elsewhere.",
-        ) from error
+        raise wrapped from error
     return path
+
+
+def _wrapped(error: BaseException, path: Path) -> BaseException:
+    """An I/O failure as an OSError naming the checkpoint; any other error as it is."""
+    code = _os_error_code(error)
+    if code is None:
+        return error
+    wrapped = OSError(
+        code,
+        f"save_checkpoint: could not write the checkpoint {path} ({_reason(error)}); "
+        "earlier checkpoints are untouched and the temporary folder was removed. Free "
+        "space or save elsewhere.",
+    )
+    wrapped.__cause__ = error
+    return wrapped
+
+
+def _save_together(
+    state: TrainState,
+    path: Path,
+    objects: Mapping[str, Any] | None,
+    metrics: Mapping[str, float] | None,
+    rules: Retention | None,
+    group: Group,
+) -> Path:
+    """The ranks of ``group`` write one checkpoint; every rank sees the same outcome.
+
+    Phases, each closed by :func:`toolkit._ranks.agree` (one small all-reduce): check and
+    gather in memory; rank 0 makes the temporary folder (its name drawn by rank 0 and
+    broadcast); every rank writes its part (sharded tensors through DCP, the rank's own
+    RNG and data position) and rank 0 the rest; rank 0 checksums every file, writes the
+    manifest and renames the folder. A failure anywhere removes the temporary folder.
+    """
+    who = "save_checkpoint"
+    rank, size = rank_of(group)
+    snapshot: _Snapshot | None = None
+    error: BaseException | None = None
+    try:
+        snapshot = _prepare(state, path, objects, metrics, rules, copy=False)
+    except Exception as caught:
+        error = caught
+    agree(error, group, who)
+    assert snapshot is not None
+    temp = path.parent / temp_name("tmp", path.name, broadcast_int(new_token(), group))
+    error = None
+    try:
+        if rank == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            temp.mkdir()
+    except Exception as caught:
+        error = _wrapped(caught, path)
+    agree(error, group, who)
+    files: dict[str, Any] = {}
+    components: dict[str, Any] = {}
+    for phase in ("write", "publish"):
+        error = None
+        try:
+            if phase == "write":
+                if snapshot.shards:
+                    save_shards(snapshot.shards, temp, group)
+                if rank == 0:
+                    files, components = _write_parts(snapshot, temp)
+                else:
+                    _write_tree(temp, rank_component(rank), snapshot.rank, {}, {})
+            elif rank == 0:
+                for other in range(1, size):
+                    _list_tree(temp, rank_component(other), files, components, rank=other)
+                if snapshot.shards:
+                    _add_shards(temp, files)
+                _write_manifest(snapshot, temp, files, components, size)
+                _publish(temp, path)
+        except Exception as caught:
+            error = _wrapped(caught, path)
+        try:
+            agree(error, group, who)
+        except BaseException:
+            if rank == 0:
+                shutil.rmtree(temp, ignore_errors=True)
+            raise
+    return path
+
+
+def _list_tree(
+    folder: Path, name: str, files: dict[str, Any], components: dict[str, Any], **info: Any
+) -> None:
+    """Enter a tree another rank wrote into ``folder`` in ``files`` and ``components``."""
+    entry: dict[str, Any] = {"kind": "tree", "json": f"{name}.json", **info}
+    files[f"{name}.json"] = _entry(folder / f"{name}.json")
+    if (folder / f"{name}.safetensors").exists():
+        entry["tensors"] = f"{name}.safetensors"
+        files[f"{name}.safetensors"] = _entry(folder / f"{name}.safetensors")
+    components[name] = entry
 
 
 def _os_error_code(error: BaseException) -> int | None:

@@ -21,13 +21,13 @@ from toolkit._checkpoint_dir import (
 )
 from toolkit._checks import check_count
 from toolkit._data import position
-from toolkit._load import load_checkpoint, read_model, verified_manifest
+from toolkit._load import full_model, load_checkpoint, put_model, verified_manifest
 from toolkit._loop import Event, Plugin, plugin_factory
 from toolkit._model_state import expand
+from toolkit._ranks import Group, agree, group_of, rank_of
 from toolkit._retention import Retention, retain
 from toolkit._save import save_checkpoint, save_in_background
 from toolkit._state import TrainState
-from toolkit._unwrap import unwrap
 from toolkit.plugins._shared import metric_entry
 
 __all__ = ["checkpoints"]
@@ -44,6 +44,18 @@ class _Run:
     signum: int | None = None  # set by the signal handler: only a flag, nothing else
     handlers: dict[int, Any] = dataclasses.field(default_factory=dict)
     writing: Future[Path] | None = None  # a background save not yet finished
+    group: Group | None = None  # the data-parallel group that saves together, if any
+    lead: bool = True  # rank 0 of the group (or no group): writes the pointer, prunes
+
+
+def _shared_signal(run_: _Run) -> None:
+    """Give every rank of the group the highest signal any rank received (one all-reduce)."""
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([run_.signum or 0], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=run_.group)
+    run_.signum = int(flag.item()) or None
 
 
 def _name(step: int) -> str:
@@ -148,6 +160,16 @@ def checkpoints(
     every plugin's ``"end"`` runs, and the process exits with ``exit_code`` (default
     ``128 + signal``: 143 for SIGTERM; 0 suits setups that requeue on success). A signal
     during a save waits for it; one before the first update stops the run at once.
+
+    **Data parallel (DDP, FSDP2).** Put the plugin on every rank, with the same arguments.
+    Saves are collective (see :func:`toolkit.save_checkpoint`: DDP's rank 0 writes, FSDP2's
+    ranks write their shards; every rank keeps its own RNG states); the pointer and pruning
+    are rank 0's; ``resume="latest"`` loads the checkpoint rank 0 picked, on every rank. A
+    signal delivered to one rank only stops every rank after the same update, with one
+    checkpoint: at each ``"step"`` the ranks all-reduce the flag (one small all-reduce per
+    update, only when ``signals`` is not empty), and once more at ``"start"`` and ``"end"``.
+    The folder must be on a file system every rank sees. ``background=True`` is refused
+    there.
 
     **Order in the plugin list.** Put ``checkpoints`` after the plugins whose state it
     saves at a step (``ema``, ``validate``, ``early_stop``) and before those that report
@@ -261,14 +283,33 @@ def checkpoints(
             return
         run_.saved_step = state.step
         if not background:
-            write_pointer(root, path)
-            prune_checkpoints(root, rules)
+            problem = None
+            try:
+                if run_.lead:
+                    write_pointer(root, path)
+                    prune_checkpoints(root, rules)
+            except Exception as caught:
+                problem = caught
+            agree(problem, run_.group, "checkpoints")
 
     def start(event: Event) -> TrainState:
-        run_ = live["run"] = _Run(root)
+        group = group_of(event.state.model)
+        if group is not None and background:
+            raise ValueError(
+                "checkpoints: background=True with a data-parallel model (DDP or FSDP2): its "
+                "ranks save together, which a background thread cannot do on the training's "
+                "process group; use background=False."
+            )
+        run_ = live["run"] = _Run(root, group=group, lead=rank_of(group)[0] == 0)
         install(run_)
-        root.mkdir(parents=True, exist_ok=True)
-        clean_temporaries(root)
+        error = None
+        try:
+            if run_.lead:  # one rank cleans; the others wait for it in agree()
+                root.mkdir(parents=True, exist_ok=True)
+                clean_temporaries(root)
+        except Exception as caught:
+            error = caught
+        agree(error, group, "checkpoints")
         state = event.state
         if resume == "latest":
             found = load_latest(root, like=state, objects=objects)
@@ -285,6 +326,8 @@ def checkpoints(
                     f"({', '.join(i.path.name for i in existing[-3:])}) and resume=None; pass "
                     "resume='latest' to continue from them, or use an empty folder."
                 )
+        if run_.group is not None and chosen_signals:
+            _shared_signal(run_)
         if run_.signum is not None:  # a signal while starting: stop before any update
             return stop(run_, state, event.loop.data)
         return state
@@ -317,6 +360,8 @@ def checkpoints(
         run_ = live.pop("run")
         state: TrainState | None = None
         try:
+            if event.error is None and run_.group is not None and chosen_signals:
+                _shared_signal(run_)  # a signal after the last update: all save, or none
             if event.error is None:
                 if event.state.window.micro_step:
                     # Its gradients are in no state dict, and its batches are counted as
@@ -353,6 +398,8 @@ def checkpoints(
             out = event.out
             if every is not None and out is not None and out.updated and state.step % every == 0:
                 save(run_, state, event.loop.data)
+            if run_.group is not None and chosen_signals:
+                _shared_signal(run_)
             if run_.signum is not None:
                 return stop(run_, state, event.loop.data)
             return None
@@ -381,6 +428,6 @@ def _restore_best(root: Path, rules: Retention, state: TrainState) -> TrainState
     sign = 1.0 if rules.mode == "min" else -1.0
     metric = str(rules.metric)
     chosen = min(best, key=lambda i: (sign * i.metrics[metric], -(i.step or 0)))
-    tensors, aliases = read_model(verified_manifest(chosen.path))
-    unwrap(state.model).load_state_dict(expand(tensors, aliases), strict=True)
+    tensors, aliases = full_model(verified_manifest(chosen.path))
+    put_model(state.model, expand(tensors, aliases))
     return state
