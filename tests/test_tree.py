@@ -6,6 +6,8 @@ import collections
 import dataclasses
 import math
 import random
+import re
+import sys
 import types
 from collections.abc import Mapping
 from fractions import Fraction
@@ -439,7 +441,10 @@ def test_weights_of_the_wrong_length() -> None:
         ([1, torch.tensor(math.nan)], ValueError, r"weights\[1\] is nan; expected a finite"),
         ([1, math.inf], ValueError, r"weights\[1\] is inf"),
         ([1, "2"], TypeError, r"weights\[1\] is a str; expected a real number or a 0-d"),
-        ([1, torch.ones(2)], TypeError, r"weights\[1\] is a Tensor of shape \(2,\)"),
+        ([1, torch.ones(2)], TypeError, r"weights\[1\] is a torch.float32 tensor of shape \(2,\)"),
+        ([1, True], TypeError, r"weights\[1\] is a bool; expected a real number or a 0-d real"),
+        ([1, torch.tensor(True)], TypeError, r"weights\[1\] is a torch.bool tensor of shape \(\)"),
+        (3, TypeError, r"weights is a int; expected a sequence of numbers or 0-d tensors"),
         (torch.tensor(1.0), TypeError, r"weights is a Tensor of shape \(\); expected a sequence"),
         ({"a": 1, "b": 2}, TypeError, r"weights is a dict"),
     ],
@@ -488,3 +493,102 @@ def test_records_that_are_not_a_sequence_of_mappings() -> None:
         key_average({"loss": 1.0})  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"records\[1\] is a list; expected a mapping"):
         key_average([{"loss": 1.0}, [1.0]])  # type: ignore[list-item]
+
+
+def test_key_average_arguments_name_the_mistake() -> None:
+    with pytest.raises(
+        TypeError, match=r"key_average: exclude_nan must be True or False; got 'yes'"
+    ):
+        key_average([{"a": 1.0}], exclude_nan="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"exclude_nan must be True or False; got 1"):
+        key_average([{"a": 1.0}], exclude_nan=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"records must be a sequence of mappings; got a NoneType"):
+        key_average(None)  # type: ignore[arg-type]
+
+
+def test_a_record_that_contains_itself_names_the_path() -> None:
+    inner: dict[str, Any] = {"loss": 1.0}
+    record = {"train": inner}
+    inner["again"] = record
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "key_average: records[1] contains itself: records[1]['train']['again'] "
+            "is records[1]. Expected nested mappings without cycles"
+        ),
+    ):
+        key_average([{"train": {"loss": 2.0}}, record])
+
+
+# map_nested_tensor: misuse --------------------------------------------------------------------
+
+
+def _cyclic_list() -> list[Any]:
+    tree: list[Any] = [torch.ones(1)]
+    tree.append(tree)
+    return tree
+
+
+def _cyclic_dict() -> dict[str, Any]:
+    tree: dict[str, Any] = {"x": torch.ones(1), "sub": {"y": [torch.ones(1)]}}
+    tree["sub"]["y"].append(tree["sub"])
+    return tree
+
+
+def _cyclic_dataclass() -> Box:
+    box = Box([torch.ones(1)])
+    box.content.append((box, 1))
+    return box
+
+
+@pytest.mark.parametrize(
+    ("make", "closes"),
+    [
+        (_cyclic_list, "tree[1] is tree,"),
+        (_cyclic_dict, "tree['sub']['y'][1] is tree['sub'],"),
+        (_cyclic_dataclass, "tree.content[1][0] is tree,"),
+    ],
+)
+def test_a_structure_that_contains_itself_names_where_the_cycle_closes(make, closes) -> None:
+    calls: list[int] = []
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return t
+
+    message = f"map_nested_tensor: tree contains itself: {closes} so the mapping would never end"
+    with pytest.raises(ValueError, match=re.escape(message)) as info:
+        map_nested_tensor(fn, make())
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+
+
+def test_a_shared_but_acyclic_structure_is_mapped_per_occurrence() -> None:
+    shared = [torch.ones(1)]
+    out = map_nested_tensor(lambda t: t + 1, {"a": shared, "b": [shared, shared]})
+    assert [v.item() for v in (out["a"][0], out["b"][0][0], out["b"][1][0])] == [2.0] * 3
+
+
+def test_a_deep_acyclic_structure_still_raises_recursion_error() -> None:
+    tree: Any = torch.ones(1)
+    for _ in range(sys.getrecursionlimit() + 10):
+        tree = [tree]
+    with pytest.raises(RecursionError):
+        map_nested_tensor(lambda t: t, tree)
+
+
+def test_a_recursion_error_inside_fn_is_not_taken_for_a_cycle() -> None:
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        return fn(t)
+
+    shared = [torch.ones(1)]  # met twice, but never inside itself: no cycle to report
+    with pytest.raises(RecursionError):
+        map_nested_tensor(fn, {"a": shared, "b": (shared,)})
+
+
+def test_fn_that_is_not_callable_is_named() -> None:
+    message = (
+        "map_nested_tensor: fn must be callable as fn(tensor); got a dict. The function "
+        "comes first: map_nested_tensor(fn, tree)."
+    )
+    with pytest.raises(TypeError, match=re.escape(message)):
+        map_nested_tensor({"x": torch.ones(1)}, lambda t: t)  # type: ignore[arg-type]

@@ -38,8 +38,12 @@ def map_nested_tensor(fn: Callable[[torch.Tensor], Any], tree: T) -> T:
         modified.
 
     Raises:
-        TypeError: when a ``Mapping`` subclass cannot be rebuilt from a ``dict`` of its items
-            (its constructor takes something else).
+        TypeError: when ``fn`` is not callable, or a ``Mapping`` subclass cannot be rebuilt
+            from a ``dict`` of its items (its constructor takes something else).
+        ValueError: when ``tree`` contains itself (a list holding itself, a dict holding
+            a dict that holds the first, ...); the message names the path where the cycle
+            closes. (A structure nested deeper than Python's recursion limit, without a
+            cycle, raises ``RecursionError`` as before.)
 
     Example:
         >>> import torch
@@ -53,6 +57,26 @@ def map_nested_tensor(fn: Callable[[torch.Tensor], Any], tree: T) -> T:
         >>> type(out).__name__, out.x.tolist(), out.meta["ids"][0].item(), out.meta["name"]
         ('Batch', [2.0, 2.0], 6, 'a')
     """
+    if not callable(fn):
+        raise TypeError(
+            f"map_nested_tensor: fn must be callable as fn(tensor); got a "
+            f"{type(fn).__name__}. The function comes first: map_nested_tensor(fn, tree)."
+        )
+    try:
+        return _map(fn, tree)
+    except RecursionError:
+        # Found only once the recursion failed: the common, acyclic call pays nothing for it.
+        cycle = _find_cycle(tree, _children)
+        if cycle is None:
+            raise  # deep but acyclic, or fn itself recursed too deep
+        raise ValueError(
+            f"map_nested_tensor: tree contains itself: {cycle[0]} is {cycle[1]}, so the "
+            "mapping would never end. Expected a structure without cycles; remove the "
+            "back-reference (or map a copy without it)."
+        ) from None
+
+
+def _map(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
     # An own recursion rather than optree.tree_map: optree treats dataclasses (unless each is
     # registered), list/dict subclasses and Mappings other than dict/OrderedDict/defaultdict
     # as leaves, so their tensors would silently stay unmapped. One small recursion handles
@@ -60,12 +84,11 @@ def map_nested_tensor(fn: Callable[[torch.Tensor], Any], tree: T) -> T:
     if isinstance(tree, torch.Tensor):
         return fn(tree)
     if isinstance(tree, Mapping):
-        items = {key: map_nested_tensor(fn, value) for key, value in tree.items()}
+        items = {key: _map(fn, value) for key, value in tree.items()}
         if isinstance(tree, defaultdict):
-            rebuilt: Any = type(tree)(tree.default_factory, items)
-            return rebuilt
+            return type(tree)(tree.default_factory, items)
         if type(tree) is dict:
-            return items  # type: ignore[return-value]
+            return items
         try:
             return type(tree)(items)  # type: ignore[call-arg]
         except TypeError as error:
@@ -76,23 +99,67 @@ def map_nested_tensor(fn: Callable[[torch.Tensor], Any], tree: T) -> T:
                 "its values yourself."
             ) from error
     if isinstance(tree, tuple):
-        values = [map_nested_tensor(fn, value) for value in tree]
+        values = [_map(fn, value) for value in tree]
         if hasattr(type(tree), "_fields") and hasattr(type(tree), "_make"):  # a namedtuple
-            return type(tree)._make(values)  # type: ignore[attr-defined, no-any-return]
+            return type(tree)._make(values)  # type: ignore[attr-defined]
         # tuple itself, torch.return_types (structseq) and plain tuple subclasses take one
         # iterable.
-        return type(tree)(values)  # type: ignore[call-arg]
+        return type(tree)(values)
     if isinstance(tree, list):
-        values = [map_nested_tensor(fn, value) for value in tree]
-        return values if type(tree) is list else type(tree)(values)  # type: ignore[return-value]
+        values = [_map(fn, value) for value in tree]
+        return values if type(tree) is list else type(tree)(values)
     if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
         changes = {
-            field.name: map_nested_tensor(fn, getattr(tree, field.name))
+            field.name: _map(fn, getattr(tree, field.name))
             for field in dataclasses.fields(tree)
             if field.init
         }
-        return dataclasses.replace(tree, **changes)  # type: ignore[type-var]
+        return dataclasses.replace(tree, **changes)
     return tree
+
+
+def _children(node: Any) -> list[tuple[str, Any]] | None:
+    """The containers' children that :func:`_map` recurses into, each with its path suffix."""
+    if isinstance(node, Mapping):
+        return [(f"[{key!r}]", value) for key, value in node.items()]
+    if isinstance(node, (tuple, list)):
+        return [(f"[{i}]", value) for i, value in enumerate(node)]
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        return [(f".{f.name}", getattr(node, f.name)) for f in dataclasses.fields(node) if f.init]
+    return None
+
+
+def _mapping_children(node: Any) -> list[tuple[str, Any]] | None:
+    """The children :func:`key_average` recurses into: a mapping's values."""
+    if isinstance(node, Mapping):
+        return [(f"[{key!r}]", value) for key, value in node.items()]
+    return None
+
+
+def _find_cycle(
+    tree: Any, children: Callable[[Any], list[tuple[str, Any]] | None], name: str = "tree"
+) -> tuple[str, str] | None:
+    """``(path, ancestor's path)`` of the first reference back to an enclosing container.
+
+    An explicit stack rather than recursion: it runs after a RecursionError.
+    """
+    on_path: dict[int, str] = {}  # id of each container on the current path -> its path
+    stack: list[tuple[Any, str, bool]] = [(tree, name, False)]
+    while stack:
+        node, path, leaving = stack.pop()
+        if leaving:
+            del on_path[id(node)]
+            continue
+        kids = children(node)
+        if kids is None:
+            continue
+        on_path[id(node)] = path
+        stack.append((node, path, True))
+        for suffix, child in reversed(kids):
+            if id(child) in on_path:
+                return path + suffix, on_path[id(child)]
+            stack.append((child, path + suffix, False))
+    return None
 
 
 _Path = tuple[Hashable, ...]
@@ -131,11 +198,13 @@ def key_average(
         A nested ``dict`` of python floats, keys in order of first appearance.
 
     Raises:
-        TypeError: when ``records`` is a single mapping or a record is not a mapping, when a
-            leaf is neither a real number nor a 0-d real tensor (the message names its key
-            path), or when a weight is not a real number or 0-d tensor.
+        TypeError: when ``records`` is a single mapping or not iterable, a record is not a
+            mapping, a leaf is neither a real number nor a 0-d real tensor (the message
+            names its key path), ``exclude_nan`` is not a bool, ``weights`` is not a
+            sequence, or a weight is not a real number or 0-d real tensor (bools neither).
         ValueError: when ``weights`` does not have one entry per record, a weight is negative
-            or not finite, or a key holds a mapping in one record and a value in another.
+            or not finite, a key holds a mapping in one record and a value in another, or a
+            record contains itself (the message names the path where the cycle closes).
 
     Example:
         >>> import torch
@@ -156,6 +225,13 @@ def key_average(
             f"key_average: expected a sequence of records, got a single "
             f"{type(records).__name__}; pass key_average([record])."
         )
+    if not isinstance(records, Iterable):
+        raise TypeError(
+            f"key_average: records must be a sequence of mappings; got a "
+            f"{type(records).__name__}. Pass e.g. key_average([out.records for out in outs])."
+        )
+    if not isinstance(exclude_nan, bool):
+        raise TypeError(f"key_average: exclude_nan must be True or False; got {exclude_nan!r}.")
     records = list(records)
     weight_list = [1] * len(records) if weights is None else _check_weights(weights, len(records))
     # Every path, in pre-order (a parent before its children): whether it holds a mapping,
@@ -169,7 +245,17 @@ def key_average(
                 "mapping of numbers, 0-d tensors or nested mappings."
             )
         flat.append({})
-        _collect(record, (), index, kinds, flat[-1])
+        try:
+            _collect(record, (), index, kinds, flat[-1])
+        except RecursionError:
+            # Looked for only once the recursion failed: acyclic records pay nothing for it.
+            cycle = _find_cycle(record, _mapping_children, f"records[{index}]")
+            if cycle is None:
+                raise
+            raise ValueError(
+                f"key_average: records[{index}] contains itself: {cycle[0]} is {cycle[1]}. "
+                "Expected nested mappings without cycles; remove the back-reference."
+            ) from None
     reduced = weighted_sums(columns(flat), weight_list, exclude_nan=exclude_nan)
     if weights is not None:
         _check_weight_values(reduced.weights)
@@ -224,8 +310,10 @@ def _collect(
 
 def _check_weights(weights: Iterable[Any], count: int) -> list[Any]:
     # A 1-d tensor iterates into 0-d tensors, which are fine; a 0-d one cannot be iterated.
-    if isinstance(weights, (Mapping, str, bytes)) or (
-        isinstance(weights, torch.Tensor) and weights.ndim != 1
+    if (
+        isinstance(weights, (Mapping, str, bytes))
+        or not isinstance(weights, Iterable)
+        or (isinstance(weights, torch.Tensor) and weights.ndim != 1)
     ):
         raise TypeError(
             f"key_average: weights is a {type(weights).__name__}{_shape(weights)}; expected "
@@ -239,13 +327,16 @@ def _check_weights(weights: Iterable[Any], count: int) -> list[Any]:
         )
     for position, weight in enumerate(weight_list):
         if isinstance(weight, torch.Tensor):
-            valid = weight.ndim == 0 and not weight.is_complex()
+            valid = weight.ndim == 0 and not weight.is_complex() and weight.dtype != torch.bool
+            kind = f"{weight.dtype} tensor{_shape(weight)}"
         else:
-            valid = isinstance(weight, numbers.Real)
+            # True/False are Reals to Python, but as a weight they are a mix-up (a mask?).
+            valid = isinstance(weight, numbers.Real) and not isinstance(weight, bool)
+            kind = type(weight).__name__
         if not valid:
             raise TypeError(
-                f"key_average: weights[{position}] is a {type(weight).__name__}"
-                f"{_shape(weight)}; expected a real number or a 0-d real tensor."
+                f"key_average: weights[{position}] is a {kind}; expected a real number or a "
+                "0-d real tensor (e.g. the record's sample count)."
             )
     return weight_list
 
