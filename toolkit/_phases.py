@@ -28,6 +28,8 @@ __all__ = [
     "NonFiniteError",
     "Verdict",
     "decide",
+    "skip_range",
+    "skips_differ",
 ]
 
 OnExhaust = Literal["raise", "skip", "accept"]
@@ -276,9 +278,10 @@ class Verdict(NamedTuple):
     collapsed: bool  # ... and its scale fell below min_scale
     empty: bool  # the window's total target count is 0: nothing to learn from
     negative: bool  # ... or negative: the loss function reported a bad count
+    uneven: bool = False  # data-parallel ranks skipped different numbers of micro-batches
 
 
-_FINE = Verdict(False, False, False, False, False)
+_FINE = Verdict(False, False, False, False, False, False)
 
 
 def decide(
@@ -290,24 +293,29 @@ def decide(
     grad_norm: torch.Tensor | None,
     total: torch.Tensor | None = None,
     group: Any = None,
+    skipped: int = 0,
 ) -> Verdict:
     """Phase 6: every decision of the window in one host sync.
 
     ``total`` is the window's target count as a tensor (checked here because this sync
     exists anyway), or None. ``group`` is the model's data-parallel process group (see
     :func:`toolkit.data_parallel_group`), or None: the flags are all-reduced over it with
-    MAX so that every data-parallel rank decides alike.
+    MAX so that every data-parallel rank decides alike, together with this rank's count of
+    ``skipped`` micro-batches and its negation (their maximum and minimum over the ranks:
+    ``uneven`` when they differ).
     """
     if scaler is None and total is None:
         # The common case, kept to as few tiny kernels as a hand-written loop needs.
         assert window_loss is not None and grad_norm is not None
         finite = torch.isfinite(window_loss) & torch.isfinite(grad_norm)
-        if group is not None:
-            bad = all_reduce_((~finite).to(torch.float32), torch.distributed.ReduceOp.MAX, group)
-            nonfinite = bool(bad.item() > 0)  # the one host sync of the update
-        else:
+        if group is None:
             nonfinite = not finite.item()  # the one host sync of the update
-        return _FINE._replace(nonfinite=nonfinite) if nonfinite else _FINE
+            return _FINE._replace(nonfinite=nonfinite) if nonfinite else _FINE
+        packed = torch.cat([(~finite).to(torch.float32).reshape(1), _pair(skipped, finite)])
+        packed = all_reduce_(packed, torch.distributed.ReduceOp.MAX, group)
+        # bit 0: not finite on some rank; bit 1: the skip counts differ (max + -min > 0)
+        code = int(((packed[0] > 0) + 2 * (packed[1] + packed[2] > 0)).item())  # the sync
+        return _FINE._replace(nonfinite=bool(code & 1), uneven=bool(code & 2))
     flags = []  # bit i of the code below
     if scaler is not None:
         # GradScaler keeps found_inf per optimizer and device after unscale_; combining the
@@ -333,15 +341,54 @@ def decide(
         flags += [total.to(device) == 0, total.to(device) < 0]
     packed = torch.stack(flags).to(torch.float32)
     if group is not None:
+        if total is None:  # keep the skip flag at bit 5
+            packed = torch.cat([packed, packed.new_zeros(2)])
+        packed = torch.cat([packed, _pair(skipped, packed)])
         packed = all_reduce_(packed, torch.distributed.ReduceOp.MAX, group)
-    code = int((packed * _flag_bits(packed.device)[: len(flags)]).sum().item())  # the sync
-    return Verdict(*(bool(code & (1 << i)) for i in range(5)))
+        packed = torch.cat([packed[:5], (packed[5:6] + packed[6:7] > 0).to(torch.float32)])
+    code = int((packed * _flag_bits(packed.device)[: len(packed)]).sum().item())  # the sync
+    return Verdict(*(bool(code & (1 << i)) for i in range(6)))
+
+
+def _pair(skipped: int, like: torch.Tensor) -> torch.Tensor:
+    """``[skipped, -skipped]``: MAX over the ranks gives the most and minus the fewest."""
+    return torch.tensor([skipped, -skipped], dtype=torch.float32, device=like.device)
+
+
+def skips_differ(skipped: int, group: Any, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the ranks of ``group`` skipped different numbers of micro-batches.
+
+    For an update without a verdict to carry the counts (no guard, no fp16): one
+    2-element all-reduce and one host sync.
+    """
+    packed = all_reduce_(
+        _pair(skipped, _first_param(optimizer)), torch.distributed.ReduceOp.MAX, group
+    )
+    return bool((packed.sum() > 0).item())
+
+
+def skip_range(skipped: int, group: Any, optimizer: torch.optim.Optimizer) -> tuple[int, int]:
+    """The fewest and the most micro-batches of the window that a rank of ``group`` skipped.
+
+    For the error message, on every rank of the group once they know the counts differ.
+    """
+    packed = all_reduce_(
+        _pair(skipped, _first_param(optimizer)), torch.distributed.ReduceOp.MAX, group
+    )
+    wide = packed.to(torch.float64)
+    code = int((wide[0] * 65536 - wide[1]).item())
+    most, fewest = divmod(code, 65536)
+    return fewest, most
+
+
+def _first_param(optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    return optimizer.param_groups[0]["params"][0]
 
 
 @functools.cache
 def _flag_bits(device: torch.device) -> torch.Tensor:
-    """The weights that pack the three flags into one number, made once per device."""
-    return torch.tensor([1.0, 2.0, 4.0, 8.0, 16.0], device=device)
+    """The weights that pack the six flags into one number, made once per device."""
+    return torch.tensor([1.0, 2.0, 4.0, 8.0, 16.0, 32.0], device=device)
 
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16}

@@ -23,6 +23,9 @@ class WindowState(NamedTuple):
             (the guard checks it for finiteness once per window).
         length: micro-batches per update of the step that opened the window (``k``), so
             that a step of another length refuses it instead of never closing it.
+        skipped: micro-batches of the window that the loss function skipped (returned
+            ``None`` for), counted under data parallelism only: at the window's close the
+            ranks compare them, so that a skip on some ranks only raises instead of hanging.
 
     Example:
         >>> import torch
@@ -39,6 +42,7 @@ class WindowState(NamedTuple):
     count: torch.Tensor | float | None = None  # type: ignore[assignment]  # shadows tuple.count
     loss: torch.Tensor | None = None
     length: int = 1
+    skipped: int = 0
 
 
 class GuardState(NamedTuple):

@@ -23,6 +23,8 @@ from toolkit._phases import (
     GradTransformConfig,
     GuardConfig,
     decide,
+    skip_range,
+    skips_differ,
 )
 from toolkit._state import TrainState, WindowState
 
@@ -284,7 +286,11 @@ class Step:
             else:
                 result = self.loss_fn(model, batch)
             if result is None:
-                return state, _SKIPPED
+                if sync == "none":
+                    return state, _SKIPPED
+                # Data parallel: the window does not advance, but the skip is counted for
+                # the ranks to compare at the window's close (phase 6).
+                return _skipped_in_lockstep(state, window), _SKIPPED
             if type(result) is torch.Tensor and result.ndim == 0 and result.requires_grad:
                 loss, count, records = result, None, _NO_RECORDS
             else:
@@ -325,7 +331,7 @@ class Step:
         if not closes:
             # tuple.__new__: namedtuple's generated __new__ costs more, on every micro-batch.
             new_window = _tuple_new(
-                WindowState, (window.micro_step + 1, window_count, window_loss, k)
+                WindowState, (window.micro_step + 1, window_count, window_loss, k, window.skipped)
             )
             out = _tuple_new(StepOutput, (detached, records, count, samples, *_OPEN_FLAGS))
             # TrainState._evolve, inlined (a call costs more than its lines here): a copy of
@@ -395,14 +401,25 @@ class Step:
                 # FSDP2: a DTensor over the shards. Clipping takes it as it is (as
                 # clip_grad_norm_ does); the decision and the report need its value.
                 grad_norm = grad_norm.full_tensor()
-        nonfinite = overflow = collapsed = negative = False
+        nonfinite = overflow = collapsed = negative = uneven = False
         if guard is not None or scaler is not None:
             min_scale = amp.min_scale if amp is not None else 0.0
             verdict = decide(
-                guard, scaler, min_scale, optimizer, window_loss, grad_norm, total, group
+                guard,
+                scaler,
+                min_scale,
+                optimizer,
+                window_loss,
+                grad_norm,
+                total,
+                group,
+                window.skipped,
             )
-            nonfinite, overflow, collapsed, zero, negative = verdict
+            nonfinite, overflow, collapsed, zero, negative, uneven = verdict
             empty = empty or zero
+        elif group is not None:
+            # No verdict to carry the ranks' skip counts: one small all-reduce of their own.
+            uneven = skips_differ(window.skipped, group, optimizer)
         nonfinite = nonfinite and not empty  # the gradients of no target are 0/0: not a failure
         overflow = overflow and not nonfinite  # a non-finite loss is the guard's to report
         apply = not (nonfinite or overflow or empty or negative)
@@ -414,6 +431,11 @@ class Step:
             counters, apply, failure = guard.judge(
                 counters, nonfinite, overflow or empty, state.step, window_loss, grad_norm
             )
+        if uneven:  # a bug in the loss function or the data, not a numerical accident
+            # The error path only: one more small all-reduce, on every rank alike, for the
+            # message.
+            fewest, most = skip_range(window.skipped, group, optimizer)
+            apply, failure = False, _uneven_skips(window.skipped, fewest, most)
 
         lr = optimizer.param_groups[0]["lr"]
         if apply:
@@ -473,6 +495,24 @@ class Step:
 _EMPTY_WINDOW = WindowState()
 
 
+def _skipped_in_lockstep(state: TrainState, window: WindowState) -> TrainState:
+    new = state._evolve({"window": window._replace(skipped=window.skipped + 1)})
+    state.__dict__["_consumed"] = True
+    return new
+
+
+def _uneven_skips(skipped: int, fewest: int, most: int) -> ValueError:
+    return ValueError(
+        "loss_fn returned None on some ranks of the data-parallel group but not on others "
+        f"within one accumulation window (from {fewest} to {most} skipped micro-batches; "
+        f"this rank skipped {skipped}), so the ranks' windows no longer hold the same "
+        "micro-batches and their gradient all-reduces would pair up wrongly. The window was "
+        "thrown away. Skip a batch on every rank alike (decide from data all ranks share), "
+        "or return a zero loss instead of None (loss * 0, or LossSum(total * 0, 0) from a "
+        "loss function that reports counts)."
+    )
+
+
 def _reused(state: TrainState) -> ValueError:
     return ValueError(
         f"this TrainState (step {state.step}) was already passed to a train step, which "
@@ -517,10 +557,18 @@ def make_step(loss_fn: Callable[[torch.nn.Module, Any], Any]) -> Step:
     * :class:`LossSum` ``(total, count[, records])``: a summed loss and its target count,
       for exact count-weighted accumulation;
     * ``None``: skip this batch entirely (no backward; the accumulation window does not
-      advance, as if the batch never happened). Under data parallelism every rank must
-      skip the same micro-batches: the decision is not all-reduced (that would cost a
-      collective per micro-batch), and ranks whose windows drift apart would wait on each
-      other's gradient all-reduce forever.
+      advance, as if the batch never happened). Under data parallelism (DDP, FSDP2) every
+      rank must skip alike. Each rank counts its skips in the window
+      (``state.window.skipped``) and the ranks compare the counts when the window closes:
+      on the verdict all-reduce of :func:`guard_nonfinite` or fp16 when the update makes
+      one (no extra cost), else with one 2-element all-reduce and one host sync per
+      update. Counts that differ raise ``ValueError`` on every rank. Under DDP the ranks
+      reach that comparison even though their windows drifted apart, since DDP syncs
+      gradients only on a window's closing micro-batch; not when the data ends before the
+      rank that skipped closes its window (the others wait in the gradient all-reduce:
+      torch's collective timeout ends it). FSDP2 gathers parameters in every forward and
+      backward, so a skip on one rank mismatches those collectives at once, before the
+      comparison: keep skips alike there.
 
     Without decorators the step applies one update per call: ``loss.backward()``,
     ``optimizer.step()``, ``optimizer.zero_grad(set_to_none=True)``, ``scheduler.step()``.

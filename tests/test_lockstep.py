@@ -1,0 +1,162 @@
+"""A loss function returning None on one DDP rank only: a clear error on every rank, no hang.
+
+Two gloo ranks under DDP, accumulation of 2. Each rank counts the Nones of its open window;
+at the window's close the counts' minimum and maximum are compared over the group, riding
+on the guard's verdict all-reduce (no extra collective) or, without a guard and fp16, on
+one 2-element all-reduce of their own. Ranks whose windows drifted apart still pair their
+closing collectives (DDP syncs gradients only on the closing micro-batch), so both reach
+the comparison and raise. The test counts ``dist.all_reduce`` calls per update.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from timed_spawn import spawn
+
+from toolkit import TrainState, accumulate, compose, guard_nonfinite, make_step
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not built"),
+    pytest.mark.skipif(sys.platform != "linux", reason="gloo over FileStore tested on Linux"),
+]
+
+WORLD, K = 2, 2
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+def _batches(rank: int, n: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(rank)
+    return [torch.randn(3, 4, generator=g) for _ in range(n)]
+
+
+def _loss(model: torch.nn.Module, batch: torch.Tensor):
+    if torch.isnan(batch).all():  # the "skip me" marker of these tests
+        return None
+    return model(batch).square().mean()
+
+
+SKIP = torch.full((3, 4), float("nan"))
+
+
+def _scenario(guarded: bool, nones: dict[int, list[int]]) -> dict:
+    """Train over 6 calls with None at the given call indices per rank; report."""
+    rank = dist.get_rank()
+    model = torch.nn.parallel.DistributedDataParallel(_model())
+    step = accumulate(make_step(_loss), micro_batches=K)
+    if guarded:
+        step = compose(guard_nonfinite())(step)
+    state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    calls = []
+    original = dist.all_reduce
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    dist.all_reduce = counting
+    report: dict = {"error": None, "per_update": []}
+    try:
+        for i, batch in enumerate(_batches(rank, 6)):
+            before = len(calls)
+            state, out = step(state, SKIP if i in nones.get(rank, []) else batch)
+            if out.closed:
+                report["per_update"].append(len(calls) - before)
+    except ValueError as error:
+        report["error"] = str(error)
+    finally:
+        dist.all_reduce = original
+    report["step"] = state.step
+    report["params"] = [p.detach().tolist() for p in model.parameters()]
+    return report
+
+
+SCENARIOS = {
+    "guard_one_rank": (True, {1: [0]}),
+    "plain_one_rank": (False, {0: [3]}),
+    "guard_all_ranks": (True, {0: [1], 1: [1]}),
+    "plain_all_ranks": (False, {0: [1], 1: [1]}),
+}
+
+
+def _worker(rank: int, store_path: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD
+    )
+    try:
+        report = {name: _scenario(*args) for name, args in SCENARIOS.items()}
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _reference(skipped_call: int) -> list:
+    """One process, both ranks' batches, the skipped call left out on every rank."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    per_rank = [
+        [b for i, b in enumerate(_batches(r, 6)) if i != skipped_call] for r in range(WORLD)
+    ]
+    for update in range(2):  # 5 accepted calls per rank: 2 updates, one micro-batch left open
+        window = [b for r in range(WORLD) for b in per_rank[r][K * update : K * update + K]]
+        sum(model(b).square().mean() for b in window).div(len(window)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return [p.detach().tolist() for p in model.parameters()]
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    tmp = tmp_path_factory.mktemp("lockstep")
+
+    def attempt_args(attempt: int) -> tuple[str, str]:
+        out = tmp / f"attempt{attempt}"
+        out.mkdir()
+        return str(out / "store"), str(out)
+
+    spawn(_worker, attempt_args, nprocs=WORLD, timeout=60)
+    out = max(tmp.glob("attempt*"))
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("name", ["guard_one_rank", "plain_one_rank"])
+def test_none_on_one_rank_raises_on_every_rank(reports: list[dict], name: str) -> None:
+    for report in reports:
+        error = report[name]["error"]
+        assert error is not None, name
+        assert "returned None on some ranks of the data-parallel group" in error
+        assert "from 0 to 1 skipped micro-batches" in error
+    # Nothing was applied from the window that disagreed.
+    assert reports[0][name]["params"] == reports[1][name]["params"]
+
+
+def test_none_on_every_rank_alike_is_a_skip(reports: list[dict]) -> None:
+    want = _reference(skipped_call=1)
+    for name in ("guard_all_ranks", "plain_all_ranks"):
+        for report in reports:
+            assert report[name]["error"] is None and report[name]["step"] == 2
+            for got, ref in zip(report[name]["params"], want):
+                torch.testing.assert_close(torch.tensor(got), torch.tensor(ref))
+
+
+def test_the_check_costs_no_collective_with_the_guard_and_one_without(
+    reports: list[dict],
+) -> None:
+    for report in reports:
+        # Python-level all_reduce calls per update (DDP's gradient all-reduce goes through
+        # its C++ reducer): the guard's verdict carries the None counts...
+        assert report["guard_all_ranks"]["per_update"] == [1, 1]
+        # ...and without a guard one small all-reduce carries them.
+        assert report["plain_all_ranks"]["per_update"] == [1, 1]
