@@ -1,0 +1,321 @@
+"""Start and end a multi-process job: the torchrun boilerplate as three plain functions.
+
+``torchrun --standalone --nproc_per_node=2 train.py`` starts two processes and tells each its
+``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and where the rendezvous store is (``MASTER_ADDR``,
+``MASTER_PORT``). :func:`setup` reads them, picks the device and the backend, joins the
+default process group and seeds the process; :func:`teardown` ends it with a barrier first;
+:func:`process_group` is the two around a ``with`` block. Without torchrun (no ``RANK`` in
+the environment) the same script is a world of one process, so ``python train.py`` works
+too.
+
+Why not ``dist.init_process_group()`` alone:
+
+* **Elastic restarts.** After torchrun restarts the group (``--max-restarts``, a worker lost),
+  the new workers rendezvous in the agent's store, which still holds the previous attempt's
+  keys: the dead rank's gloo address among them. With torch 2.13, ``env://`` init then
+  connects to that address and fails or hangs (2 of 3 runs of a 2-rank job whose rank 1 was
+  SIGKILLed, one of them until the timeout). :func:`setup` joins through a store prefixed
+  per attempt (``TORCHELASTIC_RESTART_COUNT``), so each attempt reads only its own keys
+  (3 of 3 runs restarted cleanly, and the kill test of ``tests/test_torchrun.py``).
+* **Tear-down.** gloo can abort the process at exit when ranks destroy the group at
+  different moments (about 1 run in 10 without a barrier); :func:`teardown` waits for every
+  rank first.
+* **Backends.** On CUDA, ``"cuda:nccl,cpu:gloo"``: NCCL for the gradients and gloo for the
+  small CPU tensors toolkit's checkpoint coordination exchanges.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import os
+import random
+from collections.abc import Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Launch", "process_group", "setup", "teardown"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """Where this process stands in the job, as :func:`setup` found it.
+
+    Attributes:
+        rank: this process's global rank, ``0 <= rank < world_size``.
+        world_size: the number of processes in the job.
+        local_rank: its rank on this machine (the index of its GPU on a CUDA job).
+        device: the device it trains on: ``cuda:<local_rank>`` when CUDA is available,
+            else ``cpu`` (or the one given to :func:`setup`).
+        backend: the backend of the default process group (``"gloo"``, or
+            ``"cuda:nccl,cpu:gloo"`` on CUDA).
+        restart: how many times torchrun restarted the group before this attempt
+            (``TORCHELASTIC_RESTART_COUNT``; 0 on the first attempt and without torchrun).
+        seed: the seed this process was seeded with (``seed + rank``), or None.
+
+    Example:
+        >>> from toolkit.distributed import process_group
+        >>> with process_group() as launch:
+        ...     print(launch.rank, launch.world_size, launch.device, launch.device_ids)
+        0 1 cpu None
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    restart: int
+    seed: int | None
+
+    @property
+    def device_ids(self) -> list[int] | None:
+        """``DistributedDataParallel(model, device_ids=launch.device_ids)``: None on CPU."""
+        return [self.device.index] if self.device.type == "cuda" else None
+
+
+def setup(
+    *,
+    seed: int | None = None,
+    device: str | torch.device | None = None,
+    backend: str | None = None,
+    timeout: datetime.timedelta | None = None,
+) -> Launch:
+    """Join the job's default process group from the torchrun environment.
+
+    Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` and
+    ``TORCHELASTIC_RESTART_COUNT``. Without ``RANK`` (a plain ``python train.py``) the
+    process is a world of one over an in-memory store. On CUDA it calls
+    ``torch.cuda.set_device(local_rank)``, one device per rank. The store is the rendezvous
+    store prefixed per restart attempt (see the module docstring); under torchrun every
+    rank is a client of the agent's store, otherwise (``srun`` setting the variables
+    itself) rank 0 hosts it.
+
+    Args:
+        seed: when given, seeds Python's ``random``, NumPy (when installed) and torch (CPU
+            and CUDA) with ``seed + rank``, so each rank draws its own dropout masks and
+            augmentations. DDP copies rank 0's weights to the others when it wraps the
+            model; FSDP2 does not, so build an FSDP2 model under the same seed on every
+            rank (``with torch.random.fork_rng(): torch.manual_seed(seed); model = ...``).
+        device: the device to train on; default ``cuda:<LOCAL_RANK>`` when CUDA is
+            available, else ``cpu``.
+        backend: the process group's backend; default ``"cuda:nccl,cpu:gloo"`` for a CUDA
+            device and ``"gloo"`` otherwise.
+        timeout: how long a collective waits for the other ranks before failing (torch's
+            default when None: 30 minutes for gloo, 10 for NCCL).
+
+    Returns:
+        A :class:`Launch` describing this process.
+
+    Raises:
+        RuntimeError: a default process group is initialised already (call
+            :func:`teardown` first).
+        ValueError: a malformed environment (``RANK`` without ``WORLD_SIZE``, a value that
+            is not an integer, a rank outside the world), or ``LOCAL_RANK`` beyond the
+            CUDA devices of this machine.
+
+    Example:
+        >>> import torch
+        >>> from toolkit.distributed import setup, teardown
+        >>> launch = setup(seed=0)          # python or torchrun: same script
+        >>> model = torch.nn.Linear(4, 2).to(launch.device)
+        >>> model = torch.nn.parallel.DistributedDataParallel(model, device_ids=launch.device_ids)
+        >>> launch.seed, torch.distributed.get_world_size()
+        (0, 1)
+        >>> teardown()
+    """
+    if dist.is_initialized():
+        raise RuntimeError(
+            "setup: a default process group is initialised already (by an earlier setup() "
+            "or init_process_group); call toolkit.distributed.teardown() before setting up "
+            "again, or use the group you have."
+        )
+    env = os.environ
+    rank, world_size, local_rank = _ranks(env)
+    restart = _int(env, "TORCHELASTIC_RESTART_COUNT", 0)
+    chosen = _device(device, local_rank)
+    if chosen.type == "cuda":
+        torch.cuda.set_device(chosen)
+    backend = backend or ("cuda:nccl,cpu:gloo" if chosen.type == "cuda" else "gloo")
+    store = _store(env, rank, world_size, restart, timeout)
+    extra = {} if timeout is None else {"timeout": timeout}
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        # Binds NCCL to this rank's device, so barrier() and the first collective use it.
+        device_id=chosen if chosen.type == "cuda" else None,
+        **extra,
+    )
+    own_seed = None
+    if seed is not None:
+        own_seed = seed + rank
+        _seed(own_seed)
+    return Launch(rank, world_size, local_rank, chosen, backend, restart, own_seed)
+
+
+def teardown(*, barrier: bool = True) -> None:
+    """Leave the default process group: a barrier, then ``destroy_process_group``.
+
+    Without the barrier, gloo can abort a process at exit (``terminate called without an
+    active exception``) when the ranks destroy the group at different moments. Skip it
+    (``barrier=False``) when this rank failed: the others may never reach theirs. Nothing
+    happens when no group is initialised.
+
+    Args:
+        barrier: wait for every rank before destroying the group.
+
+    Returns:
+        None.
+
+    Raises:
+        RuntimeError: the barrier failed (another rank died, or the timeout passed); the
+            group is destroyed anyway.
+
+    Example:
+        >>> from toolkit.distributed import setup, teardown
+        >>> launch = setup()
+        >>> teardown()
+        >>> teardown()  # nothing to end: a no-op
+    """
+    if not dist.is_initialized():
+        return
+    try:
+        if barrier:
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def process_group(
+    *,
+    seed: int | None = None,
+    device: str | torch.device | None = None,
+    backend: str | None = None,
+    timeout: datetime.timedelta | None = None,
+) -> Iterator[Launch]:
+    """:func:`setup`, then the body, then :func:`teardown`.
+
+    The barrier of the tear-down runs when the body ended well or by ``SystemExit`` (the
+    checkpoints plugin exits every rank after the same update on a signal); after any
+    other exception this rank leaves without waiting, and torchrun stops the others.
+
+    Args:
+        seed: as in :func:`setup`.
+        device: as in :func:`setup`.
+        backend: as in :func:`setup`.
+        timeout: as in :func:`setup`.
+
+    Returns:
+        A context manager whose value is the :class:`Launch`.
+
+    Raises:
+        RuntimeError: as :func:`setup` and :func:`teardown`.
+        ValueError: as :func:`setup`.
+
+    Example:
+        >>> import torch
+        >>> from toolkit.distributed import process_group
+        >>> with process_group(seed=1) as launch:
+        ...     total = torch.ones(1)
+        ...     torch.distributed.all_reduce(total)  # sums over the ranks: one here
+        >>> total.item(), torch.distributed.is_initialized()
+        (1.0, False)
+    """
+    launch = setup(seed=seed, device=device, backend=backend, timeout=timeout)
+    ended_well = False
+    try:
+        yield launch
+        ended_well = True
+    except SystemExit:
+        ended_well = True
+        raise
+    finally:
+        teardown(barrier=ended_well)
+
+
+def _int(env: Mapping[str, str], name: str, default: int) -> int:
+    text = env.get(name)
+    if text is None:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(
+            f"setup: the environment variable {name} must be an integer; got {text!r}. "
+            "torchrun sets it; when launching otherwise, export it as a number."
+        ) from None
+
+
+def _ranks(env: Mapping[str, str]) -> tuple[int, int, int]:
+    if "RANK" not in env:  # not launched by torchrun (or srun exporting the variables)
+        return 0, 1, 0
+    if "WORLD_SIZE" not in env:
+        raise ValueError(
+            f"setup: RANK={env['RANK']} is set but WORLD_SIZE is not; export both (torchrun "
+            "does), or neither for a single process."
+        )
+    rank, world_size = _int(env, "RANK", 0), _int(env, "WORLD_SIZE", 1)
+    if not 0 <= rank < world_size:
+        raise ValueError(
+            f"setup: RANK must be in [0, WORLD_SIZE); got RANK={rank}, "
+            f"WORLD_SIZE={world_size}. Check the launcher's variables."
+        )
+    return rank, world_size, _int(env, "LOCAL_RANK", rank)
+
+
+def _device(device: str | torch.device | None, local_rank: int) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise ValueError(
+            f"setup: LOCAL_RANK={local_rank} but this machine has {count} CUDA device(s); "
+            f"start at most {count} processes per node (torchrun --nproc_per_node={count}), "
+            "or pass device='cpu'."
+        )
+    return torch.device("cuda", local_rank)
+
+
+def _store(
+    env: Mapping[str, str],
+    rank: int,
+    world_size: int,
+    restart: int,
+    timeout: datetime.timedelta | None,
+) -> dist.Store:
+    if "MASTER_ADDR" not in env:
+        if world_size > 1:
+            raise ValueError(
+                f"setup: WORLD_SIZE={world_size} but MASTER_ADDR is not set, so the ranks "
+                "cannot find each other; launch with torchrun, or export MASTER_ADDR and "
+                "MASTER_PORT (the address of rank 0's machine and a free port)."
+            )
+        return dist.HashStore()  # a world of one: nobody to meet
+    # torchrun's agent hosts the store (every worker is a client) and keeps it across
+    # restarts; elsewhere rank 0 hosts it.
+    agent = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    store = dist.TCPStore(
+        env["MASTER_ADDR"],
+        _int(env, "MASTER_PORT", 29500),
+        world_size,
+        is_master=not agent and rank == 0,
+        timeout=timeout or datetime.timedelta(minutes=30),
+    )
+    return dist.PrefixStore(f"toolkit/attempt_{restart}", store)
+
+
+def _seed(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)  # CUDA generators too
+    try:
+        import numpy
+    except ImportError:  # optional
+        return
+    numpy.random.seed(seed % 2**32)
