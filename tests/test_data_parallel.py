@@ -194,3 +194,69 @@ def test_counts_and_verdicts_stay_within_the_data_parallel_group(tmp_path: Path)
 def test_set_data_parallel_group_refuses_a_plain_module() -> None:
     with pytest.raises(TypeError, match="expected a DDP- or FSDP2-wrapped model; got a Linear"):
         set_data_parallel_group(torch.nn.Linear(2, 1), None)
+
+
+def _hsdp_worker(rank: int, store_path: str, out_dir: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD
+    )
+    try:
+        # HSDP: parameters sharded over "shard" (2 ranks), replicated over "replicate" (2).
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        model = _model()
+        for layer in model.children():
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        group = data_parallel_group(model)
+        report = {"ranks": dist.get_process_group_ranks(group)}
+        report.update(_train(model, lambda p: p.full_tensor()))
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _one_process() -> list[list]:
+    """The 4 ranks' micro-batches in one process: the result HSDP must reproduce."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for update in range(UPDATES):
+        batches = [b for r in range(WORLD) for b in _micro_batches(r, update)]
+        x = torch.cat([b[0] for b in batches])
+        y = torch.cat([b[1] for b in batches])
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return [p.detach().tolist() for p in model.parameters()]
+
+
+def test_hsdp_on_a_2d_mesh_matches_one_process(tmp_path: Path) -> None:
+    def attempt_args(attempt: int) -> tuple[str, str]:
+        out = tmp_path / f"attempt{attempt}"
+        out.mkdir()
+        return str(out / "store"), str(out)
+
+    spawn(_hsdp_worker, attempt_args, nprocs=WORLD, timeout=120)
+    out = max(tmp_path.glob("attempt*"))
+    reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    want = _one_process()
+    for report in reports:
+        assert report["ranks"] == list(range(WORLD))  # the whole 2-D mesh
+        # Not bitwise: HSDP reduce-scatters over "shard", then all-reduces over
+        # "replicate", so the gradient sums add the same terms in another order than one
+        # process's backward does; float64 keeps the difference at rounding level.
+        for got, ref in zip(report["params"], want):
+            torch.testing.assert_close(
+                torch.tensor(got, dtype=torch.float64),
+                torch.tensor(ref, dtype=torch.float64),
+                rtol=1e-12,
+                atol=1e-12,
+            )
+        # A NaN on rank 1 makes the whole mesh reject the window.
+        assert report["nan_window"] == {"updated": False, "nonfinite": True, "unchanged": True}
