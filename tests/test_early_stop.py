@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -113,6 +114,7 @@ def test_early_stop_resume_keeps_counters():
         ({"min_delta": -1.0}, r"min_delta must be a number >= 0"),
         ({"min_delta": math.nan}, r"min_delta must be a number >= 0"),
         ({"mode": "up"}, r"mode must be 'min'"),
+        ({"key": ""}, r"early_stop: key must be a non-empty string"),
     ],
 )
 def test_early_stop_bad_arguments(kwargs, match):
@@ -123,10 +125,39 @@ def test_early_stop_bad_arguments(kwargs, match):
 def test_early_stop_never_sees_the_entry():
     plugins = [validate(lambda m, b: {"loss": 1.0}, [torch.ones(1, 2)], every=1)]
     plugins.append(early_stop("valid/loss"))
-    # The plugin raises KeyError at "end"; run() reports that as a warning, the state kept.
-    with pytest.warns(RuntimeWarning, match=r"KeyError.*never got a 'valid' entry .* \['val'\]"):
+    # One warning of its own at "end" (not a failure that run() turns into a warning).
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         state = run(_STEP, _state(), _train(2), max_steps=2, plugins=plugins)
-    assert state.step == 2
+    assert [str(w.message)[:60] for w in caught] == [
+        "early_stop: state.extras never got a 'valid' entry to read '"
+    ]
+    assert caught[0].category is RuntimeWarning and "(entries: ['val'])" in str(caught[0].message)
+    assert state.step == 2 and "early_stop" not in state.extras
+
+
+def test_a_run_too_short_to_validate_ends_with_a_warning_not_an_error():
+    # Before: KeyError at "end" (run() made it a warning saying the plugin failed).
+    plugins = [
+        validate(lambda m, b: {"loss": 1.0}, [torch.ones(1, 2)], every=10),
+        early_stop("val/loss"),
+    ]
+    with pytest.warns(RuntimeWarning, match=r"^early_stop: state.extras never got a 'val' entry"):
+        state = run(_STEP, _state(), _train(3), max_steps=3, plugins=plugins)
+    assert state.step == 3 and state.stop is None
+
+
+def test_early_stop_under_its_own_key_next_to_another():
+    steady, _ = _scripted([1.0] * 10)
+    plugins = [
+        validate(steady, [torch.ones(1, 2)], every=1),
+        early_stop("val/loss", patience=3),
+        early_stop("val/acc", patience=1, mode="max", key="stop_on_acc"),
+    ]
+    state = run(_STEP, _state(), _train(10), max_steps=10, plugins=plugins)
+    assert state.step == 2 and state.stop.startswith("early_stop: val/acc did not improve")
+    assert state.extras["early_stop"]["bad"] == 1 and state.extras["stop_on_acc"]["bad"] == 1
+    assert state.extras["early_stop"]["metric"] == "val/loss"
 
 
 def test_early_stop_does_not_mask_a_training_error():

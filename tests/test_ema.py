@@ -267,6 +267,8 @@ def test_names_are_those_of_the_unwrapped_model():
 
     inner = _model()
     wrapped = AveragedModel(inner)  # a .module wrapper (of a copy) that toolkit.unwrap peels
+    # The optimizer is over the copy's parameters, the ones the loss uses (over inner's, as
+    # this test once was, nothing would train).
     optimizer = torch.optim.SGD(wrapped.module.parameters(), lr=0.1)
     state = TrainState(model=wrapped, optimizer=optimizer)
     step = make_step(lambda m, b: _loss(m.module, b))
@@ -274,6 +276,13 @@ def test_names_are_those_of_the_unwrapped_model():
     assert set(state.extras["ema"]["params"]) == {n for n, _ in inner.named_parameters()}
     averaged = ema_model(state)
     assert type(averaged) is torch.nn.Sequential
+    trained, average = wrapped.module.state_dict(), averaged.state_dict()
+    for name, initial in inner.state_dict().items():
+        # It trained, and the average lies strictly between the start and the live weights.
+        assert not torch.equal(trained[name], initial), name
+        assert not torch.equal(average[name], initial) and not torch.equal(
+            average[name], trained[name]
+        )
 
 
 def test_ema_model_without_entry_is_a_clear_error():

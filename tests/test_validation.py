@@ -103,8 +103,11 @@ def test_explicit_counts_and_mixed_numbers():
     # Python-number counts work too.
     metrics = _evaluate(lambda m, b: ({"x": b}, int(b)), _model(), [1.0, 3.0])
     assert metrics["x"] == pytest.approx((1 * 1 + 3 * 3) / 4)
-    # Weights summing to zero (batches without targets): no mean, NaN rather than a crash.
-    assert math.isnan(_evaluate(lambda m, b: ({"x": 1.0}, 0), _model(), [1, 2])["x"])
+    # Weights summing to zero (batches without targets): no mean, NaN rather than a crash,
+    # and a warning that names the step.
+    with pytest.warns(RuntimeWarning, match=r"pass at step 7 had weight 0 .* every metric is NaN"):
+        metrics = _evaluate(lambda m, b: ({"x": 1.0}, 0), _model(), [1, 2], " at step 7")
+    assert math.isnan(metrics["x"])
 
 
 def test_batch_without_tensor_weighs_one_and_partial_metrics():

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from toolkit._checks import check_count
+import warnings
+
+from toolkit._checks import check_count, check_key
 from toolkit._loop import Event, Plugin, plugin_factory
 from toolkit._state import TrainState
-from toolkit.plugins._shared import better, check_mode, metric_entry
+from toolkit.plugins._shared import better, check_mode, claim, metric_entry
 
 __all__ = ["early_stop"]
 
@@ -17,6 +19,7 @@ def early_stop(
     patience: int = 5,
     min_delta: float = 0.0,
     mode: str = "min",
+    key: str = "early_stop",
 ) -> Plugin:
     """A plugin that asks the loop to stop when a metric has stopped improving.
 
@@ -28,16 +31,17 @@ def early_stop(
     After ``patience`` evaluations in a row without improvement the plugin returns the
     state with ``stop`` set to the reason, e.g. ``"early_stop: val/loss did not improve by
     more than 0 for 5 evaluations (best 0.1234 at step 400)"``. Its counters live in
-    ``state.extras["early_stop"]`` (``{"metric", "seen_step", "best", "best_step",
-    "bad"}``), so a resumed run keeps them; use one ``early_stop`` per run. Put it after
-    ``validate`` in the plugin list.
+    ``state.extras[key]`` (``{"metric", "seen_step", "best", "best_step", "bad"}``), so a
+    resumed run keeps them. The plugin claims ``key`` at ``"start"``: a second
+    ``early_stop`` (say on another metric) needs its own ``key=``, or the run is refused
+    before training. Put it after ``validate`` in the plugin list.
 
     When a run that did not raise ends and ``state.extras`` never got a ``NAME`` entry, the
-    plugin raises a ``KeyError`` at ``"end"`` naming the keys that exist (which
-    :func:`toolkit.run` reports as a ``RuntimeWarning``): a misspelt metric or a missing or
-    late ``validate`` would otherwise fail silently. (A run too short to reach the first
-    evaluation therefore raises too; validate once at the end of such a run, e.g.
-    ``per_epoch=True``, or leave ``early_stop`` out of it.)
+    plugin warns once at ``"end"`` (a ``RuntimeWarning`` naming the entries that exist) and
+    does nothing else: a misspelt metric or a missing or late ``validate`` would otherwise
+    go unnoticed, while a run too short to reach its first evaluation is not an error (the
+    trained state is returned as usual). Validate once at the end of such a run
+    (``validate(..., at_end=True)``) to have a score.
 
     Args:
         metric: ``"NAME/metric"``, e.g. ``"val/loss"`` or ``"val/acc"``.
@@ -45,15 +49,20 @@ def early_stop(
         min_delta: the margin an evaluation must beat the best by to count as an
             improvement (>= 0).
         mode: ``"min"`` (lower is better) or ``"max"`` (higher is better).
+        key: the ``state.extras`` key of the counters.
 
     Returns:
         The plugin, ``plugin(event) -> TrainState | None``.
 
     Raises:
         ValueError: ``metric`` without ``"/"``, ``patience < 1``, a negative ``min_delta``,
-            a bad ``mode``.
+            a bad ``mode``, an empty ``key``; at ``"start"``, ``key`` kept by another plugin
+            of the run.
         KeyError: during the run, an entry ``NAME`` that holds no metrics or no metric
-            ``m``; at the end of a run, no ``NAME`` entry at all.
+            ``m``.
+
+    Warns:
+        RuntimeWarning: at the end of a run that did not raise, no ``NAME`` entry at all.
 
     Example:
         >>> import torch
@@ -84,20 +93,25 @@ def early_stop(
     if isinstance(min_delta, bool) or not isinstance(min_delta, (int, float)) or not min_delta >= 0:
         raise ValueError(f"early_stop: min_delta must be a number >= 0; got {min_delta!r}.")
     check_mode("early_stop", mode)
+    check_key("early_stop", key)
     margin = float(min_delta)
 
     def plugin(event: Event) -> TrainState | None:
         state = event.state
         if event.kind == "end":
             if event.error is None and name not in state.extras:
-                raise KeyError(
+                warnings.warn(
                     f"early_stop: state.extras never got a {name!r} entry to read {metric!r} "
-                    f"from during this run (entries: {sorted(state.extras)}). Check the name, "
-                    f"and that validate(..., key={name!r}) comes before early_stop in plugins "
-                    "and evaluates at least once within the run."
+                    f"from during this run (entries: {sorted(state.extras)}), so it never "
+                    f"judged a score. Check the name, and that validate(..., key={name!r}) "
+                    "comes before early_stop in plugins and evaluates within the run (e.g. "
+                    "at_end=True).",
+                    RuntimeWarning,
+                    stacklevel=2,
                 )
             return None
         if event.kind == "start":
+            claim(event, key, "early_stop")
             return None
         entry = state.extras.get(name)
         if entry is None:
@@ -109,7 +123,7 @@ def early_stop(
                 "{'step': ..., 'metrics': {...}} as validate writes), e.g. early_stop('val/loss')."
             )
         step, metrics = parsed
-        counters = state.extras.get("early_stop")
+        counters = state.extras.get(key)
         if counters is None or counters.get("metric") != metric:
             counters = dict(metric=metric, seen_step=None, best=None, best_step=None, bad=0)
         if step == counters["seen_step"]:
@@ -125,7 +139,7 @@ def early_stop(
         else:
             counters = {**counters, "bad": counters["bad"] + 1}
         counters["seen_step"] = step
-        state = state.replace(extras={**state.extras, "early_stop": counters})
+        state = state.replace(extras={**state.extras, key: counters})
         if counters["bad"] >= patience:
             best = counters["best"]
             best_text = f"{best:.4g}" if best is not None else "none"

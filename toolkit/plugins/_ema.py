@@ -13,7 +13,7 @@ from toolkit._checks import check_count, check_key
 from toolkit._loop import Event, Plugin, plugin_factory
 from toolkit._state import TrainState
 from toolkit._unwrap import unwrap
-from toolkit.plugins._shared import due
+from toolkit.plugins._shared import claim, due
 
 __all__ = ["ema", "ema_model"]
 
@@ -97,7 +97,10 @@ def ema(
     kernels, without a host sync. On ``"start"`` the entry is created from the current
     weights when absent; an entry already in the state (from an earlier run) is kept,
     checked against the model and moved to the weights' device. Put ``ema`` before
-    ``validate`` when validation should see the new average.
+    ``validate`` when validation should see the new average. The plugin claims ``key`` for
+    the run at ``"start"``: a second ``ema()`` under the same key, or another plugin keeping
+    that ``state.extras`` key (e.g. ``validate(key="ema")``), is refused before training;
+    give each its own ``key=``.
 
     Args:
         decay: the decay in ``[0, 1)``; the average spans roughly ``1 / (1 - decay)`` updates.
@@ -113,7 +116,8 @@ def ema(
 
     Raises:
         ValueError: ``decay`` outside ``[0, 1)``, ``every < 1``, an empty ``key``; at
-            ``"start"``, an existing entry whose names do not match the model.
+            ``"start"``, ``key`` kept by another plugin of the run, or an existing entry
+            whose names do not match the model.
         TypeError: ``warmup`` or ``buffers`` not a bool.
 
     Example:
@@ -142,6 +146,7 @@ def ema(
     def plugin(event: Event) -> TrainState | None:
         state = event.state
         if event.kind == "start":
+            claim(event, key, "ema")
             entry = state.extras.get(key)
             if entry is None:
                 return fresh(state)

@@ -10,7 +10,7 @@ import torch
 from toolkit._checks import check_count, check_key
 from toolkit._loop import Event, Plugin, plugin_factory
 from toolkit._state import TrainState
-from toolkit.plugins._shared import due
+from toolkit.plugins._shared import claim, due
 
 __all__ = ["peak_memory"]
 
@@ -45,7 +45,9 @@ def peak_memory(every: int = 10, *, key: str = "memory") -> Plugin:
 
     Each record is ``state.extras[key] = {"step": state.step, "metrics": {"peak_gib":
     float}}`` (GiB = 2**30 bytes), which ``log_metrics`` publishes as ``"memory/peak_gib"``.
-    The value is this process's; other ranks' are not gathered.
+    The value is this process's; other ranks' are not gathered. The plugin claims ``key``
+    for the run at ``"start"``, so another plugin keeping that key is refused before
+    training.
 
     Args:
         every: record after every this many applied updates (``state.step % every == 0``).
@@ -55,7 +57,8 @@ def peak_memory(every: int = 10, *, key: str = "memory") -> Plugin:
         The plugin, ``plugin(event) -> TrainState | None``.
 
     Raises:
-        ValueError: ``every < 1`` or an empty ``key``.
+        ValueError: ``every < 1`` or an empty ``key``; at ``"start"``, ``key`` kept by
+            another plugin of the run.
 
     Example:
         >>> import torch
@@ -75,6 +78,7 @@ def peak_memory(every: int = 10, *, key: str = "memory") -> Plugin:
     def plugin(event: Event) -> TrainState | None:
         state = event.state
         if event.kind == "start":
+            claim(event, key, "peak_memory")
             device = _cuda_device(state.model)
             if device is not None:
                 torch.cuda.reset_peak_memory_stats(device)

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import numbers
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
+from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from toolkit._checks import check_count, check_key
 from toolkit._loop import Event, Plugin, plugin_factory
 from toolkit._state import TrainState
 from toolkit._step import _leading_dim
 from toolkit._weighted import columns, sum_over_ranks, weighted_sums
-from toolkit.plugins._shared import better, check_mode, due
+from toolkit.plugins._shared import better, check_mode, claim, due
 
 __all__ = ["validate"]
 
@@ -25,7 +29,37 @@ def _bad_result(result: Any, why: str) -> TypeError:
     )
 
 
-def _parse(result: Any, batch: Any) -> tuple[Mapping[str, Any], Any]:
+def _bad_weight(index: int, weight: Any) -> ValueError:
+    return ValueError(
+        f"validate: the count eval_fn returned for batch {index} of the validation data is "
+        f"{weight!r}; expected a finite number >= 0 (the batch's sample or target count, "
+        "which weights its metrics; 0 for a batch that counts for nothing)."
+    )
+
+
+def _check_count(index: int, count: Any) -> Any:
+    """The batch's count, 0-d; its type checked now, its value now for a python number."""
+    if isinstance(count, torch.Tensor):
+        if count.numel() != 1 or count.is_complex() or count.dtype == torch.bool:
+            raise TypeError(
+                f"validate: the count eval_fn returned for batch {index} is a {count.dtype} "
+                f"tensor of shape {tuple(count.shape)}; expected a number or a one-element "
+                "real tensor, e.g. (metrics, mask.sum())."
+            )
+        # A tensor's value is checked after the one read at the end of the evaluation.
+        return count.reshape(()) if count.ndim else count
+    if isinstance(count, bool) or not isinstance(count, numbers.Real):
+        raise TypeError(
+            f"validate: the count eval_fn returned for batch {index} is a "
+            f"{type(count).__name__} ({count!r:.40}); expected a number >= 0 or a one-element "
+            "real tensor, e.g. (metrics, len(batch))."
+        )
+    if not (math.isfinite(count) and float(count) >= 0):
+        raise _bad_weight(index, count)
+    return count
+
+
+def _parse(result: Any, batch: Any, index: int = 0) -> tuple[Mapping[str, Any], Any]:
     """``eval_fn``'s metrics (tensors made 0-d, views copied) and the batch's weight."""
     if isinstance(result, Mapping):
         metrics, count = result, None
@@ -50,24 +84,29 @@ def _parse(result: Any, batch: Any) -> tuple[Mapping[str, Any], Any]:
         flat[name] = value
     if count is None:
         samples = _leading_dim(batch)
-        count = 1 if samples is None else samples
-    elif isinstance(count, torch.Tensor) and count.ndim:
-        count = count.reshape(())
-    return flat, count
+        return flat, 1 if samples is None else samples
+    return flat, _check_count(index, count)
 
 
 def _evaluate(
-    eval_fn: Callable[[torch.nn.Module, Any], Any], model: torch.nn.Module, data: Iterable[Any]
+    eval_fn: Callable[[torch.nn.Module, Any], Any],
+    model: torch.nn.Module,
+    data: Iterable[Any],
+    where: str = "",
 ) -> dict[str, float]:
-    """Count-weighted means of ``eval_fn``'s metrics over ``data`` (see :func:`validate`)."""
+    """Count-weighted means of ``eval_fn``'s metrics over ``data`` (see :func:`validate`).
+
+    ``where`` (e.g. ``" at step 40"``) completes the warning about a pass of weight 0.
+    """
     # Per submodule: a model in train mode may hold frozen parts in eval mode on purpose.
-    modes = [(module, module.training) for module in model.modules()]
+    modules = list(model.modules())
+    modes = [(module, module.training) for module in modules]
     records, weights = [], []
     model.eval()
     try:
         with torch.no_grad():
-            for batch in data:
-                metrics, count = _parse(eval_fn(model, batch), batch)
+            for index, batch in enumerate(data):
+                metrics, count = _parse(eval_fn(model, batch), batch, index)
                 records.append(metrics)
                 weights.append(count)
             # The batches' tensors are read back once, at the end: one host sync.
@@ -75,17 +114,60 @@ def _evaluate(
     finally:
         for module, training in modes:
             module.training = training
+        # FSDP2 keeps the root's parameters gathered after a forward without backward (it
+        # expects one); training found them sharded, so it gets them back sharded.
+        for module in modules:
+            kind = type(module)  # fully_shard gives the module an FSDPModule subclass
+            if hasattr(kind, "set_requires_gradient_sync") and hasattr(kind, "reshard"):
+                module.reshard()  # type: ignore[operator]
     if not records:
         raise ValueError(
             "validate: the validation data yielded no batches; pass a non-empty, re-iterable "
             "source (a DataLoader, a list of batches)."
         )
+    for index, weight in enumerate(reduced.weights):
+        if not (math.isfinite(weight) and weight >= 0):  # only tensor counts can fail here
+            raise _bad_weight(index, weight)
     sums, _ = sum_over_ranks("validate", reduced.sums)  # type: ignore[arg-type]
+    if sums and not any(weight for _, weight in sums.values()):
+        warnings.warn(
+            f"validate: every batch of the validation pass{where} had weight 0 (the counts "
+            "eval_fn returned sum to 0, over all ranks), so every metric is NaN: it never "
+            "becomes best, early_stop counts it as no improvement, a ReduceLROnPlateau as a "
+            "bad epoch. Check the counts eval_fn returns (e.g. a mask that selects nothing).",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     # A metric whose weights sum to 0 (e.g. batches without tokens) has no mean: NaN.
     return {
         name: total / weight if weight else math.nan
         for name, (total, weight) in sorted(sums.items())
     }
+
+
+# The run's claim (in LoopInfo.claimed) of stepping the ReduceLROnPlateau; no extras key.
+_PLATEAU = "<state.scheduler: ReduceLROnPlateau>"
+
+
+@dataclasses.dataclass(slots=True)
+class _Run:
+    """validate's memory for one run."""
+
+    checked: bool = False  # whether the first event after "start" has been looked at
+
+
+def _plateau(state: TrainState, plateau_metric: str) -> ReduceLROnPlateau:
+    """``state.scheduler``, which ``plateau_metric`` requires to be a ReduceLROnPlateau."""
+    scheduler = state.scheduler
+    if not isinstance(scheduler, ReduceLROnPlateau):
+        raise ValueError(
+            f"validate: plateau_metric={plateau_metric!r} steps a ReduceLROnPlateau in "
+            f"state.scheduler with that metric; state.scheduler is "
+            f"{type(scheduler).__name__}. Put a ReduceLROnPlateau in the state "
+            "(TrainState(..., scheduler=ReduceLROnPlateau(optimizer))), or drop plateau_metric "
+            "(other schedulers are stepped by the train step)."
+        )
+    return scheduler
 
 
 @plugin_factory
@@ -100,6 +182,7 @@ def validate(
     monitor: str = "loss",
     mode: str = "min",
     model: Callable[[TrainState], torch.nn.Module] | None = None,
+    plateau_metric: str | None = None,
 ) -> Plugin:
     """A plugin that evaluates the model every ``every`` updates, after every epoch, at the end.
 
@@ -123,7 +206,27 @@ def validate(
     update at which it was reached; a resumed entry keeps its best. The evaluation is not
     repeated for a ``state.step`` that already has one (the weights have not changed), e.g.
     when an epoch ends on a multiple of ``every``. Put ``validate`` before ``early_stop``
-    and ``log_metrics`` in the plugin list.
+    and ``log_metrics`` in the plugin list. At ``"start"`` the plugin claims ``key`` for
+    the run: another plugin keeping the same ``state.extras`` key (a second ``validate``,
+    ``ema()`` under ``key="ema"``) is refused before training.
+
+    Weights: a count must be a real number or a one-element real tensor (a bool is
+    refused), finite and >= 0; a python number is checked when returned, a tensor count
+    after the evaluation's one read, before anything is recorded. A pass whose weights sum
+    to 0 over every batch (and rank) gives NaN for every metric with a ``RuntimeWarning``
+    rather than an error: a bookkeeping mistake should not end a long run, and NaN is never
+    taken as a best value.
+
+    ``ReduceLROnPlateau``: the train step leaves a ``ReduceLROnPlateau`` in
+    ``state.scheduler`` alone (it needs a metric). ``plateau_metric="loss"`` makes this
+    ``validate`` step it once per evaluation with that metric's value,
+    ``scheduler.step(metrics["loss"])``, exactly as a hand-written loop calling
+    ``scheduler.step(val_loss)`` after each validation. It is explicit on purpose: with a
+    ``ReduceLROnPlateau`` in the state and no ``validate`` of the run given
+    ``plateau_metric``, every ``validate`` raises at the first event after ``"start"``
+    (after at most one update) rather than leave the learning rate silently unreduced; a
+    second ``validate`` with ``plateau_metric`` would step it twice per evaluation and is
+    refused at ``"start"``.
 
     Args:
         eval_fn: ``eval_fn(model, batch) -> mapping | (mapping, count)``.
@@ -138,18 +241,27 @@ def validate(
         model: a function ``state -> module`` choosing what to evaluate instead of
             ``state.model``, e.g. :func:`toolkit.plugins.ema_model` to evaluate the average
             (then put ``ema`` before ``validate``).
+        plateau_metric: the metric to step the ``ReduceLROnPlateau`` in ``state.scheduler``
+            with after each evaluation, or None (see above). The scheduler's own ``mode``
+            applies; when ``plateau_metric == monitor`` it must equal ``mode``.
 
     Returns:
         The plugin, ``plugin(event) -> TrainState | None``.
 
     Raises:
         ValueError: none of ``every``, ``per_epoch`` and ``at_end``, ``every < 1``, a bad
-            ``mode``, an empty ``key``, a one-shot iterator as ``data``; during the run,
-            validation data without batches, or ranks returning different metric names.
+            ``mode``, an empty ``key`` or ``plateau_metric``, a one-shot iterator as
+            ``data``; at ``"start"``, ``key`` kept by another plugin of the run,
+            ``plateau_metric`` without a ``ReduceLROnPlateau`` in ``state.scheduler``, or
+            with one whose ``mode`` contradicts ``mode``, or given to two ``validate``; at
+            the first later event, a ``ReduceLROnPlateau`` that no ``validate`` steps;
+            during the run, validation data without batches, a negative or non-finite
+            count, or ranks returning different metric names.
         TypeError: ``eval_fn`` not callable; during the run, an ``eval_fn`` result that is
-            not a mapping of scalars.
-        KeyError: during the run, ``eval_fn`` never returned ``monitor`` (the message lists
-            the metrics it did return).
+            not a mapping of scalars, or a count that is not a real number or one-element
+            real tensor.
+        KeyError: during the run, ``eval_fn`` never returned ``monitor`` or
+            ``plateau_metric`` (the message lists the metrics it did return).
 
     Example:
         >>> import torch
@@ -166,6 +278,16 @@ def validate(
         >>> entry = state.extras["val"]
         >>> entry["step"], entry["best"] <= entry["metrics"]["loss"], model.training
         (4, True, True)
+
+        Stepping a ``ReduceLROnPlateau`` with the validation loss:
+
+        >>> plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(state.optimizer, patience=0)
+        >>> state = state.replace(scheduler=plateau, extras={})
+        >>> frozen = lambda m, b: {"loss": 1.0}  # never improves after the first evaluation
+        >>> plugins = [validate(frozen, val, every=2, plateau_metric="loss")]
+        >>> state = run(step, state, train, max_steps=8, plugins=plugins)
+        >>> round(state.optimizer.param_groups[0]["lr"], 6)  # reduced once: 0.1 -> 0.01
+        0.01
     """
     if not callable(eval_fn):
         raise TypeError(
@@ -191,15 +313,25 @@ def validate(
             f"validate: model must be a function state -> module (e.g. ema_model) or None; "
             f"got {type(model).__name__}."
         )
+    if plateau_metric is not None and (not isinstance(plateau_metric, str) or not plateau_metric):
+        raise ValueError(
+            f"validate: plateau_metric must be the name of a metric eval_fn returns (e.g. "
+            f"'loss'), or None; got {plateau_metric!r}."
+        )
     pick = model
+    run_ = _Run()
 
     def run_eval(state: TrainState) -> TrainState:
-        metrics = _evaluate(eval_fn, pick(state) if pick is not None else state.model, data)
-        if monitor not in metrics:
-            raise KeyError(
-                f"validate: eval_fn returned no {monitor!r} metric to monitor, only "
-                f"{sorted(metrics)}; pass monitor=<one of them>, or return {monitor!r}."
-            )
+        where = f" at step {state.step}"
+        metrics = _evaluate(eval_fn, pick(state) if pick is not None else state.model, data, where)
+        for wanted, option in ((monitor, "monitor"), (plateau_metric, "plateau_metric")):
+            if wanted is not None and wanted not in metrics:
+                raise KeyError(
+                    f"validate: eval_fn returned no {wanted!r} metric for {option}, only "
+                    f"{sorted(metrics)}; pass {option}=<one of them>, or return {wanted!r}."
+                )
+        if plateau_metric is not None:
+            _plateau(state, plateau_metric).step(metrics[plateau_metric])
         previous = state.extras.get(key)
         best = previous.get("best") if isinstance(previous, Mapping) else None
         best_step = previous.get("best_step") if isinstance(previous, Mapping) else None
@@ -215,8 +347,46 @@ def validate(
         }
         return state.replace(extras={**state.extras, key: entry})
 
+    def start(event: Event) -> None:
+        claim(event, key, "validate")
+        run_.checked = False
+        if plateau_metric is None:
+            return
+        scheduler = _plateau(event.state, plateau_metric)
+        if plateau_metric == monitor and scheduler.mode != mode:
+            raise ValueError(
+                f"validate: plateau_metric={plateau_metric!r} is also the monitored metric, "
+                f"which validate treats as mode={mode!r} but state.scheduler (a "
+                f"ReduceLROnPlateau) as mode={scheduler.mode!r}; give both the same mode."
+            )
+        claimed = event.loop.claimed
+        holder = claimed.get(_PLATEAU)
+        if holder is not None:
+            raise ValueError(
+                f"validate(key={key!r}, plateau_metric={plateau_metric!r}): state.scheduler, a "
+                f"ReduceLROnPlateau, is already stepped by {holder} in this run; a second "
+                "one would step it twice per evaluation. Give plateau_metric to one validate."
+            )
+        claimed[_PLATEAU] = f"validate(key={key!r}, plateau_metric={plateau_metric!r})"
+
     def plugin(event: Event) -> TrainState | None:
         state = event.state
+        if event.kind == "start":
+            start(event)
+            return None
+        if not run_.checked:
+            # Now, not at "start": every plugin's "start" has run, so a validate listed
+            # later that steps the scheduler has claimed it by now.
+            run_.checked = True
+            if isinstance(state.scheduler, ReduceLROnPlateau) and (
+                _PLATEAU not in event.loop.claimed
+            ):
+                raise ValueError(
+                    "validate: state.scheduler is a ReduceLROnPlateau, which the train step "
+                    "leaves alone (it needs a metric), and no validate of this run steps "
+                    "it, so the learning rate would never be reduced. Pass the metric to "
+                    f"step it with, e.g. validate(..., plateau_metric={monitor!r})."
+                )
         if event.kind == "step":
             evaluate = every is not None and due(event, every)
         elif event.kind == "end":
