@@ -12,6 +12,13 @@ optimizer state and EMA, and the batch sequence, to ``--out``.
 Options to make the bad moments easy to hit: ``--slow-save S`` sleeps S seconds inside
 each save (after the temporary folder exists), ``--slow-first S`` sleeps before the first
 batch, ``--pad-mb M`` saves an M MiB tensor with every checkpoint.
+
+Several ranks (issue 11): start one process per rank with ``--world W --rank R --store
+FILE`` (a fresh FileStore file per launch) and ``--wrap ddp`` or ``--wrap fsdp2`` (with
+``--bf16``: a bf16 ``MixedPrecisionPolicy``). Each rank reads its part of the data through
+a ``DistributedSampler``, draws its own dropout (seeded per rank), records the batches of
+every rank (all-gathered, so the record is the same on all) and writes ``--out`` with
+``.rank<R>`` appended.
 """
 
 from __future__ import annotations
@@ -30,8 +37,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from toolkit import TrainState, accumulate, compose, guard_nonfinite, make_step, run
-from toolkit.plugins import ema
-from toolkit.plugins import checkpoints
+from toolkit.plugins import checkpoints, ema
 
 
 class Numbered(Dataset):
@@ -51,16 +57,22 @@ class Numbered(Dataset):
 
 def loss_fn(model: torch.nn.Module, batch):
     ids, x, y = batch
-    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss = torch.nn.functional.mse_loss(model(x).float(), y)
     return loss, {"id": int(ids[0])}
 
 
 def remember(event):
-    """Keep the first sample index of every micro-batch trained on."""
+    """Keep the first sample index of every micro-batch trained on (of every rank)."""
     if event.kind != "step":
         return None
     state = event.state
-    seen = [*state.extras.get("seen", []), *(int(o.records["id"]) for o in event.outs)]
+    ids = [int(o.records["id"]) for o in event.outs]
+    if torch.distributed.is_initialized():
+        mine = torch.tensor(ids, dtype=torch.int64)
+        every = torch.empty(len(ids) * torch.distributed.get_world_size(), dtype=torch.int64)
+        torch.distributed.all_gather_into_tensor(every, mine)
+        ids = every.tolist()
+    seen = [*state.extras.get("seen", []), *ids]
     return state.replace(extras={**state.extras, "seen": seen})
 
 
@@ -71,12 +83,18 @@ def announce(event):
         print(f"start {event.state.step}", flush=True)
 
 
+def whole(tensor):
+    """A DTensor's whole value (a collective: every rank calls it in the same order)."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
 def digest(value) -> str:
     h = hashlib.sha256()
     for key in sorted(value):
         h.update(key.encode())
         tensor = value[key]
         if isinstance(tensor, torch.Tensor):
+            tensor = whole(tensor)
             h.update(tensor.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
         else:
             h.update(repr(tensor).encode())
@@ -106,39 +124,55 @@ def main() -> None:
     parser.add_argument("--slow-first", type=float, default=0.0)
     parser.add_argument("--pad-mb", type=int, default=0)
     parser.add_argument("--exit-code", type=int, default=None)
+    parser.add_argument("--world", type=int, default=1)
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--store", default=None)
+    parser.add_argument("--wrap", choices=("none", "ddp", "fsdp2"), default="none")
+    parser.add_argument("--bf16", action="store_true")
     args = parser.parse_args()
 
     if args.slow_save:
         import toolkit._save as saving
 
-        original = saving._write
+        original = saving._write_parts
 
         def slow_write(snapshot, folder):
             print("saving", flush=True)
             time.sleep(args.slow_save)
             return original(snapshot, folder)
 
-        saving._write = slow_write
+        saving._write_parts = slow_write
 
+    if args.world > 1:
+        store = torch.distributed.FileStore(args.store, args.world)
+        torch.distributed.init_process_group(
+            "gloo", store=store, rank=args.rank, world_size=args.world
+        )
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(16, 2)
     )
+    torch.manual_seed(1000 + args.rank)  # each rank its own dropout
+    model = wrapped(model, args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + 0.1 * s))
     extras = {"pad": torch.zeros(args.pad_mb * 2**18)} if args.pad_mb else {}
     state = TrainState(model=model, optimizer=optimizer, scheduler=scheduler, extras=extras)
-    loader = DataLoader(
-        Numbered(40, args.slow_first),
-        batch_size=4,
-        shuffle=True,
-        generator=torch.Generator().manual_seed(1),
-    )
+    dataset = Numbered(40, args.slow_first)
+    if args.world > 1:
+        sampler = torch.utils.data.DistributedSampler(
+            dataset, num_replicas=args.world, rank=args.rank, shuffle=True, seed=1
+        )
+        loader = DataLoader(dataset, batch_size=4, sampler=sampler)
+    else:
+        loader = DataLoader(
+            dataset, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(1)
+        )
     step = compose(accumulate(micro_batches=2), guard_nonfinite())(make_step(loss_fn))
     plugins = [
         ema(0.9),
         remember,
-        checkpoints(args.ckpt, every=args.every, keep_last=2, exit_code=args.exit_code),
+        checkpoints(args.ckpt, every=args.every or None, keep_last=2, exit_code=args.exit_code),
         announce,
     ]
     state = run(step, state, loader, max_steps=args.steps, plugins=plugins)
@@ -149,8 +183,32 @@ def main() -> None:
         "ema": digest(state.extras["ema"]["params"]),
         "seen": state.extras["seen"],
     }
-    Path(args.out).write_text(json.dumps(result))
+    out = Path(args.out) if args.world == 1 else Path(f"{args.out}.rank{args.rank}")
+    out.write_text(json.dumps(result))
+    if args.world > 1:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     sys.exit(0)
+
+
+def wrapped(model: torch.nn.Module, args) -> torch.nn.Module:
+    if args.wrap == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(model)
+    if args.wrap == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh("cpu", (args.world,))
+        policy = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if args.bf16
+            else MixedPrecisionPolicy()
+        )
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh, mp_policy=policy)
+        return fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
 
 
 if __name__ == "__main__":

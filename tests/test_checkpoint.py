@@ -1083,3 +1083,31 @@ def test_a_background_save_reports_its_failure_on_result(
             state, torch.ones(1, 2)
         )
         save_in_background(state, tmp_path / "d")
+
+
+# ----------------------------------------------------------------------------------------
+# Decision (issue 10, open point): a parameter the optimizer holds but the model does not
+# (a learnable loss temperature) is refused, with the fix, not stored by position.
+
+
+def test_an_optimizer_parameter_outside_the_model_is_refused_with_the_fix(tmp_path) -> None:
+    model = nn.Linear(2, 1)
+    temperature = nn.Parameter(torch.ones(()))
+    optimizer = torch.optim.AdamW([*model.parameters(), temperature])
+    state = TrainState(model=model, optimizer=optimizer)
+    message = (
+        r"optimizer.param_groups\[0\]\['params'\]\[2\] \(shape \[\]\) is not a parameter of "
+        r"the model, so the checkpoint cannot name it; register it on the model"
+    )
+    with pytest.raises(ValueError, match=message):
+        save_checkpoint(state, tmp_path / "step_000000")
+    assert list(tmp_path.iterdir()) == []  # refused before anything was written
+    # Registered on the model, it is saved and restored like any parameter.
+    model.temperature = temperature
+    save_checkpoint(state, tmp_path / "step_000000")
+    with torch.no_grad():
+        temperature.fill_(3.0)
+    fresh = nn.Linear(2, 1)
+    fresh.temperature = nn.Parameter(torch.zeros(()))
+    like = TrainState(model=fresh, optimizer=torch.optim.AdamW(fresh.parameters()))
+    assert load_checkpoint(tmp_path / "step_000000", like=like).model.temperature.item() == 1.0

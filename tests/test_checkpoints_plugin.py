@@ -21,8 +21,7 @@ import torch
 
 from toolkit import TrainState, make_step, run
 from toolkit.checkpoints import list_checkpoints, read_pointer
-from toolkit.plugins import ema, validate
-from toolkit.plugins import checkpoints
+from toolkit.plugins import checkpoints, ema, validate
 
 JOB = Path(__file__).resolve().parent / "resumable_job.py"
 TIMEOUT = 120
@@ -313,3 +312,94 @@ def test_killed_at_random_moments_and_resumed_it_ends_bitwise_as_uninterrupted(
     result = json.loads((folder / "result.json").read_text())
     assert result["seen"] == reference["seen"]  # no batch repeated or skipped
     assert result == reference  # parameters, optimizer state and EMA bitwise
+
+
+# --- two ranks (issue 11): one process per rank, launched here so that each rank's exit
+# code and pid are known; a FileStore file per launch -------------------------------------
+
+
+def _ranks(folder: Path, launch: int, *extra: str) -> list[subprocess.Popen]:
+    folder.mkdir(exist_ok=True)
+    store = folder / f"store{launch}"
+    return [
+        _job(folder, "--world", "2", "--rank", str(rank), "--store", str(store), *extra)
+        for rank in range(2)
+    ]
+
+
+def _finish_all(jobs: list[subprocess.Popen]) -> list[tuple[int, str]]:
+    try:
+        return [_finish(job) for job in jobs]
+    finally:
+        for job in jobs:
+            if job.poll() is None:
+                _kill(job)
+
+
+def _results(folder: Path) -> list[dict]:
+    return [json.loads((folder / f"result.json.rank{r}").read_text()) for r in range(2)]
+
+
+@pytest.mark.slow
+def test_two_ddp_ranks_killed_at_random_moments_resume_bitwise(tmp_path: Path) -> None:
+    """Issue 11, item 4: the kill test of issue 10 on 2 DDP ranks (both killed, as torchrun
+    tears the group down); each rank's dropout RNG and data position come back."""
+    extra = ("--wrap", "ddp", "--pad-mb", "8")
+    reference = tmp_path / "reference"
+    assert [code for code, _ in _finish_all(_ranks(reference, 0, *extra))] == [0, 0]
+    folder = tmp_path / "killed"
+    rng = random.Random(11)
+    during_save = 0
+    for kill in range(3):
+        jobs = _ranks(folder, kill, *extra)
+        for job in jobs:
+            _read_until(job, "start", time.time() + TIMEOUT)
+        if kill != 1:  # wait for a save in progress: its temporary folder exists
+            deadline = time.time() + 20
+            while time.time() < deadline and not any(
+                p.name.startswith(".tmp-") for p in (folder / "ckpt").glob(".*")
+            ):
+                time.sleep(0.002)
+            during_save += any(p.name.startswith(".tmp-") for p in (folder / "ckpt").glob(".*"))
+        else:
+            time.sleep(rng.uniform(0.0, 0.3))
+        for job in jobs:
+            _kill(job)
+    outcomes = _finish_all(_ranks(folder, 9, *extra))
+    assert [code for code, _ in outcomes] == [0, 0], outcomes
+    assert during_save >= 1
+    assert _results(folder) == _results(reference)  # both ranks, bitwise, same batches
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_fsdp2_rank_stops_both_after_the_same_update_bf16(tmp_path: Path) -> None:
+    """Issue 11, items 4, 5 and 9: SIGTERM to rank 1 only; FSDP2 with a bf16 policy."""
+    extra = ("--wrap", "fsdp2", "--bf16", "--every", "0")
+    reference = tmp_path / "reference"
+    assert [code for code, _ in _finish_all(_ranks(reference, 0, *extra))] == [0, 0]
+    folder = tmp_path / "stopped"
+    jobs = _ranks(folder, 1, *extra)
+    _read_until(jobs[1], "step 3", time.time() + TIMEOUT)
+    jobs[1].send_signal(signal.SIGTERM)
+    outcomes = _finish_all(jobs)
+    assert [code for code, _ in outcomes] == [143, 143], outcomes
+    last = [
+        [int(line.split()[1]) for line in out.splitlines() if line.startswith("step")][-1]
+        for _, out in outcomes
+    ]
+    assert last[0] == last[1] and last[0] >= 3  # rank 0 ran on until the same update
+    assert _steps(folder / "ckpt") == [last[0]]  # one checkpoint, at that update
+    outcomes = _finish_all(_ranks(folder, 2, *extra))
+    assert [code for code, _ in outcomes] == [0, 0], outcomes
+    assert all(out.startswith(f"start {last[0]}") for _, out in outcomes), outcomes
+    assert _results(folder) == _results(reference)  # FSDP2 + bf16 resumes bitwise
+
+
+def test_an_optimizer_parameter_outside_the_model_is_refused_before_training(tmp_path) -> None:
+    state = _state()
+    temperature = torch.nn.Parameter(torch.ones(()))
+    state.optimizer.add_param_group({"params": [temperature]})
+    trained = []
+    with pytest.raises(ValueError, match=r"is not a parameter of the model.*register it"):
+        run(_step(), state, DATA, max_steps=2, plugins=[checkpoints(tmp_path), trained.append])
+    assert "step" not in [e.kind for e in trained]  # refused at "start", before any update

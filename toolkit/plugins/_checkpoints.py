@@ -24,6 +24,7 @@ from toolkit._data import position
 from toolkit._load import full_model, load_checkpoint, put_model, verified_manifest
 from toolkit._loop import Event, Plugin, plugin_factory
 from toolkit._model_state import expand
+from toolkit._optim_names import parameter_names
 from toolkit._ranks import Group, agree, group_of, rank_of
 from toolkit._retention import Retention, retain
 from toolkit._save import save_checkpoint, save_in_background
@@ -300,6 +301,8 @@ def checkpoints(
                 "ranks save together, which a background thread cannot do on the training's "
                 "process group; use background=False."
             )
+        if event.state.optimizer is not None:  # refuse what no save could name, before training
+            parameter_names(event.state.model, event.state.optimizer)
         run_ = live["run"] = _Run(root, group=group, lead=rank_of(group)[0] == 0)
         install(run_)
         error = None
