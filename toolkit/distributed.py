@@ -140,7 +140,6 @@ def setup(
         torch.cuda.set_device(chosen)
     backend = backend or ("cuda:nccl,cpu:gloo" if chosen.type == "cuda" else "gloo")
     store = _store(env, rank, world_size, restart, timeout)
-    extra = {} if timeout is None else {"timeout": timeout}
     dist.init_process_group(
         backend,
         store=store,
@@ -148,7 +147,7 @@ def setup(
         world_size=world_size,
         # Binds NCCL to this rank's device, so barrier() and the first collective use it.
         device_id=chosen if chosen.type == "cuda" else None,
-        **extra,
+        timeout=timeout,
     )
     own_seed = None
     if seed is not None:
