@@ -9,6 +9,7 @@ stop (what load_checkpoint does), and the data source is built anew from the sam
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -228,3 +229,80 @@ def test_skipping_an_index_sampler_keeps_its_length() -> None:
     skipper = _SkipFirst([[0, 1], [2, 3], [4, 5]], 2)
     assert len(skipper) == 1 and list(skipper) == [[4, 5]]
     assert list(itertools.islice(_SkipFirst([[0]], 5), 3)) == []
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_every_rank_resumes_its_share_without_loading_seen_batches(rank: int) -> None:
+    # 42 samples on 2 ranks: 21 each, so every pass ends with a batch of 1 on both ranks.
+    datasets: list[Numbered] = []
+
+    def make() -> DataLoader:
+        data = Numbered(42)
+        datasets.append(data)
+        sampler = DistributedSampler(data, num_replicas=2, rank=rank, shuffle=True, seed=3)
+        return DataLoader(data, batch_size=4, sampler=sampler)
+
+    expected, _ = _train(make, total=12, stop_at=None)
+    datasets.clear()
+    got, _ = _train(make, total=12, stop_at=8)  # 2 batches into the second pass (6 per pass)
+    assert got == expected
+    first, resumed = datasets
+    assert first.reads == 21 + 8  # a pass and the 2 batches of the second pass trained
+    assert resumed.reads == 4 + 4 + 4 + 1  # the second pass's last 4 batches only
+    assert [len(ids) for ids in got[8:]] == [4, 4, 4, 1]
+
+
+def _lengths(rank: int, lengths: tuple[int, int], store: str, out: str) -> None:
+    import datetime
+    import pathlib
+
+    import torch.distributed as dist
+
+    from toolkit._data import check_even
+
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(store, 2),
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=30),
+    )
+    try:
+        check_even(lengths[rank], dist.group.WORLD)
+        said = "even"
+    except ValueError as error:
+        said = str(error)
+    dist.barrier()
+    dist.destroy_process_group()
+    pathlib.Path(out, f"rank{rank}.txt").write_text(said)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("lengths", "said"),
+    [
+        ((6, 6), "even"),
+        ((6, 5), r"this rank \d: \d batches; the ranks range from 5 batches to 6 batches"),
+        ((6, None), r"from no length to 6 batches per pass\), so at the end of the shortest"),
+    ],
+)
+def test_ranks_with_passes_of_different_lengths_are_refused(
+    lengths: tuple[int, int], said: str, tmp_path
+) -> None:
+    from tests.spawning import spawn
+
+    def arguments(attempt: int) -> tuple[tuple[int, int], str, str]:
+        out = tmp_path / str(attempt)
+        out.mkdir()
+        return lengths, str(out / "store"), str(out)
+
+    spawn(_lengths, arguments, nprocs=2)
+    out = sorted(p for p in tmp_path.iterdir() if p.is_dir())[-1]
+    for rank in (0, 1):  # both ranks raise, neither waits for the other
+        assert re.search(said, (out / f"rank{rank}.txt").read_text())
+
+
+def test_a_length_check_without_a_group_makes_no_call() -> None:
+    from toolkit._data import check_even
+
+    check_even(5, None)  # no process group initialised: a collective here would raise
