@@ -253,4 +253,5 @@ def test_a_file_planted_among_the_shards_is_refused_before_anything_reads_it(
     (folder / "sharded" / ".metadata").write_bytes(b"\x80\x04planted pickle")
     with pytest.raises(Exception, match=r"sharded/\.metadata: not listed in the manifest"):
         load_checkpoint(folder, like=_state("none"))
+    assert any("not listed in the manifest" in p for p in verify_checkpoint(folder))
     assert list_checkpoints(tmp_path)[0].step == 2

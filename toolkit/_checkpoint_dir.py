@@ -25,6 +25,7 @@ from toolkit._load import load_checkpoint
 from toolkit._manifest import MANIFEST, DamagedCheckpointError, file_problems, read_manifest
 from toolkit._ranks import agree, broadcast_text, group_of, rank_of
 from toolkit._retention import Retention, retain, retention_from_document
+from toolkit._sharded import check_listing
 from toolkit._state import TrainState
 
 __all__ = [
@@ -93,6 +94,8 @@ def _info(folder: Path, checksums: bool) -> CheckpointInfo:
     except ValueError as error:  # another format or a newer version: not ours to judge
         return CheckpointInfo(folder, None, None, 0, {}, None, (str(error),))
     problems = tuple(file_problems(manifest, checksums=checksums))
+    if any(entry.get("kind") == "dcp" for entry in manifest.components.values()):
+        problems += tuple(check_listing(folder, manifest.files))  # the reader lists sharded/
     try:
         rules = retention_from_document(manifest.rules) if manifest.rules is not None else None
     except (TypeError, ValueError) as error:

@@ -272,6 +272,15 @@ def load_checkpoint(
 
     TrainState fields missing from an older checkpoint keep the template's values.
 
+    A data-parallel template (DDP or FSDP2) is loaded on every rank of its group together
+    (all load, or all raise the same error). Each rank gets its own saved RNG states and
+    data position; a rank the checkpoint has none for (it was written by fewer ranks)
+    keeps its seeding and rank 0's data position, with a warning. A sharded (FSDP2)
+    checkpoint loads into any sharding, a DDP model or a plain one, on any number of ranks;
+    a plain one into an FSDP2 model too. The sharded files are read with ``safetensors``
+    through DCP's Hugging Face storage reader (no pickle), after the manifest's checks and
+    a check that ``sharded/`` holds no file the manifest does not list.
+
     Args:
         path: a checkpoint folder written by :func:`save_checkpoint`.
         like: the template: a TrainState with the same kind of model, optimizer,

@@ -321,6 +321,15 @@ def save_checkpoint(
     :func:`toolkit.checkpoints.clean_temporaries`). The caller waits for all of it;
     :func:`toolkit.checkpoints.save_in_background` waits only for a host copy.
 
+    A data-parallel model (DDP or FSDP2, with more than one rank in its data-parallel
+    group) is saved by every rank of the group together: call it on every rank with the
+    same ``path`` (on a file system all ranks see). DDP: rank 0 writes the files above and
+    each other rank its own RNG states and data position (``rank_0000N``). FSDP2: every
+    rank writes its shards of the model, the optimizer and DTensors in ``extras`` through
+    ``torch.distributed.checkpoint`` into ``sharded/``; rank 0 the rest. Rank 0 renames the
+    folder once all have written, and every rank returns, or raises the same error. To
+    save from one rank alone, pass a state whose model is ``unwrap(model)`` (DDP).
+
     Args:
         state: the state to save, at an update boundary (no open accumulation window).
         path: the checkpoint folder to create, e.g. ``"runs/a/ckpt/step_000100"``.
