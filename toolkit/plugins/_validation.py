@@ -224,7 +224,8 @@ def validate(
     ``scheduler.step(val_loss)`` after each validation. It is explicit on purpose: with a
     ``ReduceLROnPlateau`` in the state and no ``validate`` of the run given
     ``plateau_metric``, every ``validate`` raises at the first event after ``"start"``
-    (after at most one update) rather than leave the learning rate silently unreduced; a
+    (at the latest, that of the first update) rather than leave the learning rate silently
+    unreduced; a
     second ``validate`` with ``plateau_metric`` would step it twice per evaluation and is
     refused at ``"start"``.
 
@@ -374,7 +375,7 @@ def validate(
         if event.kind == "start":
             start(event)
             return None
-        if not run_.checked:
+        if not run_.checked and event.error is None:  # never mask the error that ended a run
             # Now, not at "start": every plugin's "start" has run, so a validate listed
             # later that steps the scheduler has claimed it by now.
             run_.checked = True
