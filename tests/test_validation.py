@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 from counting import count_tolists, read_as_on_an_accelerator
-from spawning import gloo_group, spawn
+from spawning import gloo_group
+from timed_spawn import spawn
 
 from toolkit import TrainState, accumulate, make_step, run
 from toolkit._loop import Event
@@ -478,7 +479,7 @@ def test_distributed_all_reduces_sums_and_weights(tmp_path):
         out_dir.mkdir()
         return str(tmp_path / f"store{attempt}"), str(out_dir)
 
-    spawn(_dist_worker, args, nprocs=2)
+    spawn(_dist_worker, args, nprocs=2, timeout=120)
     out_dir = max(tmp_path.glob("out*"))  # the last attempt's
     results = [float((out_dir / f"rank{r}").read_text()) for r in range(2)]
     assert results == [pytest.approx(2.0), pytest.approx(2.0)]
