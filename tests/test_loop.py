@@ -121,6 +121,8 @@ def test_plugins_run_in_list_order_and_see_each_others_states() -> None:
     assert order == [
         "first:start",
         "second:start",
+        "first:epoch_start",
+        "second:epoch_start",
         "first:step",
         "second:step",
         "first:step",
@@ -170,15 +172,17 @@ def test_a_window_spanning_an_epoch_and_skipped_micro_batches() -> None:
     # b6, b7 close one; b8 is left open at the end.
     assert kinds == [
         ("start", 0),
+        ("epoch_start", 0),
         ("step", 3),
         ("epoch_end", 0),
+        ("epoch_start", 0),
         ("step", 2),
         ("step", 2),
         ("epoch_end", 0),
         ("end", 1),
     ]
-    assert [o.skipped for o in events[1].outs] == [False, True, False]
-    assert events[3].state.batches_seen == 1  # b5 is the first batch of epoch 2
+    assert [o.skipped for o in events[2].outs] == [False, True, False]
+    assert events[5].state.batches_seen == 1  # b5 is the first batch of epoch 2
     assert state.step == 3
 
 

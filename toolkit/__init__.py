@@ -4,7 +4,9 @@ from toolkit._accumulation import accumulate
 from toolkit._amp import amp_wrap
 from toolkit._clipping import clip
 from toolkit._decorating import compose
+from toolkit._device import to_device
 from toolkit._distributed import data_parallel_group, set_data_parallel_group
+from toolkit._evaluate import evaluate
 from toolkit._export import export_model
 from toolkit._guards import guard_nonfinite
 from toolkit._load import load_checkpoint
@@ -35,6 +37,7 @@ __all__ = [
     "clip",
     "compose",
     "data_parallel_group",
+    "evaluate",
     "export_model",
     "guard_nonfinite",
     "key_average",
@@ -44,6 +47,7 @@ __all__ = [
     "run",
     "save_checkpoint",
     "set_data_parallel_group",
+    "to_device",
     "transform_grads",
     "unwrap",
 ]

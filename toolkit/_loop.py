@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import time
 import warnings
 import weakref
@@ -16,7 +17,8 @@ from toolkit._step import StepOutput
 
 __all__ = ["Event", "LoopInfo", "Plugin", "run"]
 
-EventKind = Literal["start", "step", "epoch_end", "end"]
+EventKind = Literal["start", "epoch_start", "step", "epoch_end", "end"]
+PartialWindow = Literal["carry", "epoch", "end"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +65,9 @@ class Event(NamedTuple):
     """What :func:`run` passes to every plugin.
 
     Attributes:
-        kind: ``"start"`` (before the first batch), ``"step"`` (once per optimizer update:
+        kind: ``"start"`` (before the first batch), ``"epoch_start"`` (before each pass
+            over the data, a resumed pass included: then ``state.batches_seen > 0``),
+            ``"step"`` (once per optimizer update:
             after the micro-batch that closes an accumulation window, whether the update
             was applied, rejected by the guard or skipped by the fp16 scaler),
             ``"epoch_end"`` (after a full pass over the data, ``state.epoch`` already
@@ -78,6 +82,10 @@ class Event(NamedTuple):
         error: the exception that ended training (``"end"`` events only), else ``None``.
         outs: the outputs of every micro-batch of the window, in order, skipped ones
             included (``"step"`` events); at ``"end"``, those of a window left open.
+        batches: the window's batches as the data gave them, in the order of ``outs``
+            (the same objects, not copies; ``"step"`` events, and at ``"end"`` those of a
+            window left open): a plugin sees each micro-batch's inputs next to what the
+            loss function returned for it (put model outputs in its records).
 
     Example:
         >>> import torch
@@ -89,7 +97,7 @@ class Event(NamedTuple):
         >>> _ = run(step, state, [torch.ones(1, 2)] * 4, epochs=1,
         ...         plugins=[lambda event: seen.append((event.kind, len(event.outs)))])
         >>> seen
-        [('start', 0), ('step', 2), ('step', 2), ('epoch_end', 0), ('end', 0)]
+        [('start', 0), ('epoch_start', 0), ('step', 2), ('step', 2), ('epoch_end', 0), ('end', 0)]
     """
 
     kind: EventKind
@@ -100,6 +108,7 @@ class Event(NamedTuple):
     step_time: float = 0.0
     error: BaseException | None = None
     outs: tuple[StepOutput, ...] = ()
+    batches: tuple[Any, ...] = ()
 
 
 Plugin = Callable[[Event], "TrainState | None"]
@@ -136,13 +145,27 @@ def _close(iterator: Iterator[Any] | None) -> None:
 
 
 def _total_steps(
-    state: TrainState, max_steps: int | None, epochs: int | None, batches: int | None, k: int
+    state: TrainState,
+    max_steps: int | None,
+    epochs: int | None,
+    batches: int | None,
+    k: int,
+    partial: PartialWindow = "carry",
 ) -> int | None:
     by_epochs = None
-    if epochs is not None and batches is not None:
+    if epochs is not None and batches is not None and epochs > state.epoch:
         # Micro-batches of a window left open by the previous run still count toward it.
-        left = (epochs - state.epoch) * batches - state.batches_seen + state.window.micro_step
-        by_epochs = state.step + left // k
+        this = batches - state.batches_seen + state.window.micro_step
+        rest = (epochs - state.epoch - 1) * batches
+        if partial == "epoch":  # every pass ends with a window of its own, however short
+            left = -(-this // k) + (epochs - state.epoch - 1) * -(-batches // k)
+        elif partial == "end":
+            left = -(-(this + rest) // k)
+        else:
+            left = (this + rest) // k
+        by_epochs = state.step + left
+    elif epochs is not None and batches is not None:
+        by_epochs = state.step
     if max_steps is not None and by_epochs is not None:
         return min(max_steps, by_epochs)
     return max_steps if max_steps is not None else by_epochs
@@ -238,6 +261,7 @@ def run(
     max_steps: int | None = None,
     epochs: int | None = None,
     plugins: Sequence[Plugin] = (),
+    partial_window: PartialWindow = "carry",
 ) -> TrainState:
     """Train: feed batches from ``data`` to ``step``, threading the state, calling plugins.
 
@@ -258,9 +282,23 @@ def run(
     the reason and the fix; so does a DataLoader with ``persistent_workers=True``, whose
     order after a resume differs.
 
+    An accumulation window that the data's end leaves short (fewer than ``micro_batches``
+    micro-batches) is, by ``partial_window``: ``"carry"`` (the default) continued by the
+    next pass, so windows may straddle epochs and a window open when the run ends is not
+    applied; ``"epoch"`` applied at every pass's end (a pass of 45 batches with
+    ``accumulate(micro_batches=2)`` makes 23 updates, as pytorch_accelerated does); or
+    ``"end"`` carried across passes and applied at the end of the last one (or of a
+    one-shot iterator). An applied short window is normalised exactly: the mean over its
+    micro-batches (by the total count with :class:`LossSum`), through the step's
+    ``close=True``. The pass's last batch is known from ``len(data)``, or else by reading
+    one batch ahead (a stateful loader's saved position is then one batch ahead too).
+    Under data parallelism every rank must have as many batches (``DistributedSampler``
+    pads them so).
+
     Plugins are plain functions ``plugin(event) -> TrainState | None`` (see :class:`Event`),
-    called in list order at ``"start"``, once per optimizer update (``"step"``, with the
-    outputs of the window's micro-batches in ``event.outs``), at ``"epoch_end"`` and at
+    called in list order at ``"start"``, at ``"epoch_start"`` before each pass, once per
+    optimizer update (``"step"``, with the outputs of the window's micro-batches in
+    ``event.outs`` and their batches in ``event.batches``), at ``"epoch_end"`` and at
     ``"end"``. The state is the same between updates (only the accumulation window moves),
     so a plugin sees every change of ``state.step``, and a stop request takes effect at the
     next update. A returned state replaces the current one and the
@@ -284,18 +322,21 @@ def run(
         max_steps: stop after this many applied updates in total (not per run).
         epochs: stop after this many passes over ``data`` in total.
         plugins: plugin functions, called in order.
+        partial_window: ``"carry"``, ``"epoch"`` or ``"end"``: what becomes of a window the
+            data's end leaves short (see above).
 
     Returns:
         The final state.
 
     Raises:
         ValueError: neither ``max_steps`` nor ``epochs``, a negative budget, ``epochs``
-            with a one-shot iterator; a pass without an accepted micro-batch under
-            ``max_steps`` alone.
+            with a one-shot iterator, an unknown ``partial_window``; a pass without an
+            accepted micro-batch under ``max_steps`` alone.
         TypeError: ``state`` not a TrainState; ``data`` not an iterable of batches (a
             mapping iterates over its keys); ``plugins`` not a list of plugin functions (or
             holding an uncalled factory); a step not returning ``(TrainState, StepOutput)``;
-            a plugin returning something else than a TrainState or None.
+            a plugin returning something else than a TrainState or None; a
+            ``partial_window`` other than ``"carry"`` with a step that takes no ``close=``.
 
     Example:
         >>> import torch
@@ -308,6 +349,7 @@ def run(
         (6, 2)
     """
     _validate(state, data, max_steps, epochs, plugins)
+    _check_partial(step, partial_window)
     k = _micro_batches(step)
     batches = batches_per_epoch(data)
     state = state.replace(stop=None) if state.stop is not None else state
@@ -317,7 +359,7 @@ def run(
         batches,
         k,
         state.step,
-        _total_steps(state, max_steps, epochs, batches, k),
+        _total_steps(state, max_steps, epochs, batches, k, partial_window),
         data,
     )
     one_shot = isinstance(data, Iterator)
@@ -325,6 +367,7 @@ def run(
     clock = time.perf_counter
     error: BaseException | None = None
     window: list[StepOutput] = []  # outputs of the open accumulation window
+    window_batches: list[Any] = []  # ... and their batches (references, not copies)
     pending = 0  # batches drawn since state.batches_seen was last written
     data_time = step_time = 0.0
     stalled = False  # a pass without progress was reported (once per run)
@@ -333,6 +376,14 @@ def run(
         state = _call(plugins, Event("start", state, loop))
         while not _done(state, max_steps, epochs):
             _set_epoch(data, state.epoch)
+            state = _call(plugins, Event("epoch_start", state, loop))
+            if _done(state, max_steps, epochs):
+                break
+            # Close the window on the pass's last batch: at every pass's end, or the last.
+            flush = partial_window == "epoch" or (
+                partial_window == "end"
+                and (one_shot or (epochs is not None and state.epoch + 1 >= epochs))
+            )
             resumed = state.batches_seen > 0  # a partial pass may hold nothing new
             if resumed:
                 iterator, why = _resume(data, state)
@@ -345,10 +396,20 @@ def run(
                 iterator = iter(data)  # closed on every exit
             exhausted = True
             accepted = 0  # micro-batches of this pass that the loss function did not skip
+            source: Iterator[Any] = iterator
+            if flush and batches is None:
+                source = _read_ahead(iterator)  # the last batch is known when it comes
             t0 = clock()
-            for batch in iterator:
+            for batch in source:
                 t1 = clock()
-                state, out = step(state, batch)
+                if not flush:
+                    state, out = step(state, batch)
+                elif batches is None:
+                    batch, last = batch
+                    state, out = step(state, batch, close=last)  # type: ignore[call-arg]
+                else:
+                    last = state.batches_seen + pending + 1 >= batches
+                    state, out = step(state, batch, close=last)  # type: ignore[call-arg]
                 t2 = clock()
                 if type(out) is not StepOutput:
                     raise _bad_step_return(state, out)
@@ -357,15 +418,25 @@ def run(
                 step_time += t2 - t1
                 pending += 1
                 window.append(out)
+                window_batches.append(batch)
                 # Plugins see updates, not micro-batches: nothing they read (state.step,
                 # the LR, a stop request) changes in between, and calling them per
                 # micro-batch would cost more than the loop itself.
                 if out.closed:
                     state = state._evolve({"batches_seen": state.batches_seen + pending})
                     event = Event(
-                        "step", state, loop, out, data_time, step_time, None, tuple(window)
+                        "step",
+                        state,
+                        loop,
+                        out,
+                        data_time,
+                        step_time,
+                        None,
+                        tuple(window),
+                        tuple(window_batches),
                     )
-                    window, pending, data_time, step_time = [], 0, 0.0, 0.0
+                    window, window_batches, pending = [], [], 0
+                    data_time = step_time = 0.0
                     state = _call(plugins, event)
                     if _done(state, max_steps, epochs):
                         exhausted = False
@@ -391,9 +462,41 @@ def run(
         _close(iterator)
         if pending:
             state = state._evolve({"batches_seen": state.batches_seen + pending})
-        end = Event("end", state, loop, error=error, outs=tuple(window))
+        end = Event(
+            "end", state, loop, error=error, outs=tuple(window), batches=tuple(window_batches)
+        )
         state = _end(plugins, end, error)
     return state
+
+
+def _check_partial(step: Any, partial_window: Any) -> None:
+    if partial_window not in ("carry", "epoch", "end"):
+        raise ValueError(
+            f"run: partial_window must be 'carry', 'epoch' or 'end'; got {partial_window!r}. "
+            "'epoch' applies the short window at every pass's end, 'end' at the last one."
+        )
+    if partial_window == "carry":
+        return
+    try:
+        takes_close = "close" in inspect.signature(step).parameters
+    except (TypeError, ValueError):
+        takes_close = False
+    if not takes_close:
+        raise TypeError(
+            f"run: partial_window={partial_window!r} closes a window through "
+            f"step(state, batch, close=True); this step ({type(step).__name__}) takes no "
+            "close= argument. Pass a step of make_step, or let a wrapper pass close= on."
+        )
+
+
+def _read_ahead(iterator: Iterator[Any]) -> Iterator[tuple[Any, bool]]:
+    """``(batch, is_last)``: one batch read ahead, so that the last is known as it comes."""
+    end = object()
+    current = next(iterator, end)
+    while current is not end:
+        following = next(iterator, end)
+        yield current, following is end
+        current = following
 
 
 def _resume(data: Any, state: TrainState) -> tuple[Iterator[Any], str | None]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import types
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -242,20 +243,38 @@ class Step:
         (1.0, True)
     """
 
-    loss_fn: Callable[[torch.nn.Module, Any], Any]
+    loss_fn: Callable[..., Any]  # (model, batch) or (model, batch, step=)
     amp: AmpConfig | None = None
     accumulation: AccumulateConfig | None = None
     grad_transforms: GradTransformConfig | None = None
     clipping: ClipConfig | None = None
     guard: GuardConfig | None = None
     _k: int = dataclasses.field(init=False, repr=False, compare=False)
+    _with_step: bool = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # The window length, read on every call: derived from accumulation, not given.
         k = self.accumulation.micro_batches if self.accumulation is not None else 1
         object.__setattr__(self, "_k", k)
+        object.__setattr__(self, "_with_step", _takes_step(self.loss_fn))
 
-    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, StepOutput]:
+    def _forward_with_step(self, state: TrainState, batch: Any, optimizer: Any) -> Any:
+        # Off the common path: only loss functions with a `step` parameter come here.
+        if self.amp is not None:
+            with self.amp.autocast(optimizer):
+                return self.loss_fn(state.model, batch, step=state.step)
+        return self.loss_fn(state.model, batch, step=state.step)
+
+    def __call__(
+        self, state: TrainState, batch: Any, *, close: bool = False
+    ) -> tuple[TrainState, StepOutput]:
+        """Run one micro-batch; ``close=True`` closes the window after it, however short.
+
+        ``close`` is for the end of the data (:func:`run`'s ``partial_window``): the window
+        is applied with the micro-batches it holds, its mean normalised by their number
+        instead of ``micro_batches`` (exactly, by the total count, for :class:`LossSum`).
+        Under data parallelism give it on every rank alike.
+        """
         optimizer = getattr(state, "optimizer", None)
         if optimizer is None:
             raise _no_optimizer(state)
@@ -264,7 +283,7 @@ class Step:
         model, window, amp, k = state.model, state.window, self.amp, self._k
         if window.micro_step and window.length != k:
             raise _other_window(window, k)
-        closes = window.micro_step + 1 == k
+        closes = close or window.micro_step + 1 == k
         sync = SYNC_KIND.get(type(model)) or sync_kind(model)  # "none", "ddp" or "fsdp2"
         scaler = None  # a scaler left in the state by someone else is not ours to use
         if amp is not None and amp.fp16:
@@ -280,7 +299,9 @@ class Step:
             no_sync.__enter__()
         try:
             # 1. forward, under autocast
-            if amp is not None:
+            if self._with_step:  # loss_fn(model, batch, step=...) reads the update number
+                result = self._forward_with_step(state, batch, optimizer)
+            elif amp is not None:
                 with amp.autocast(optimizer):
                     result = self.loss_fn(model, batch)
             else:
@@ -347,8 +368,11 @@ class Step:
         transforms, clipping, guard = self.grad_transforms, self.clipping, self.guard
         params: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
+        # A window closed early (close=True) holds m < k micro-batches of loss / k.
+        short = close and window.micro_step + 1 != k
         if (
             window_count is not None
+            or short
             or transforms is not None
             or clipping is not None
             or guard is not None
@@ -367,7 +391,10 @@ class Step:
         if scaler is not None:
             scaler.unscale_(optimizer)
 
-        # 5. divide by the window's total target count, summed over ranks
+        # 5. divide by the window's total target count, summed over ranks (or, for a short
+        # window of mean losses, turn the sum of m losses / k into their mean)
+        if short and window_count is None and grads:
+            torch._foreach_mul_(grads, k / (window.micro_step + 1))
         empty = False  # a total count of 0: nothing to learn from, the window is skipped
         total = None  # the total as a tensor, for phase 6 to check within its host sync
         # The data-parallel group (None in one process, or for a model no wrapper syncs):
@@ -495,6 +522,19 @@ class Step:
 _EMPTY_WINDOW = WindowState()
 
 
+def _takes_step(loss_fn: Callable[..., Any]) -> bool:
+    """Whether ``loss_fn`` has a parameter named ``step`` to receive the update number."""
+    try:
+        parameters = inspect.signature(loss_fn).parameters
+    except (TypeError, ValueError):  # a builtin or C callable without a signature
+        return False
+    param = parameters.get("step")
+    return param is not None and param.kind in (
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        inspect.Parameter.KEYWORD_ONLY,
+    )
+
+
 def _skipped_in_lockstep(state: TrainState, window: WindowState) -> TrainState:
     new = state._evolve({"window": window._replace(skipped=window.skipped + 1)})
     state.__dict__["_consumed"] = True
@@ -547,7 +587,7 @@ def _mixed_counts(detail: str) -> ValueError:
     )
 
 
-def make_step(loss_fn: Callable[[torch.nn.Module, Any], Any]) -> Step:
+def make_step(loss_fn: Callable[..., Any]) -> Step:
     """Build a plain train step around ``loss_fn``: forward, backward, optimizer, scheduler.
 
     ``loss_fn(model, batch)`` returns one of:
@@ -569,6 +609,12 @@ def make_step(loss_fn: Callable[[torch.nn.Module, Any], Any]) -> Step:
       torch's collective timeout ends it). FSDP2 gathers parameters in every forward and
       backward, so a skip on one rank mismatches those collectives at once, before the
       comparison: keep skips alike there.
+
+    A loss function with a parameter named ``step`` (``loss_fn(model, batch, step)`` or
+    ``loss_fn(model, batch, *, step)``) gets the number of applied updates so far,
+    ``state.step``, the same for every micro-batch of a window: for curricula and warm-ups
+    of auxiliary losses. The signature is read once, here; loss functions without it are
+    called as before, at no cost.
 
     Without decorators the step applies one update per call: ``loss.backward()``,
     ``optimizer.step()``, ``optimizer.zero_grad(set_to_none=True)``, ``scheduler.step()``.
