@@ -44,7 +44,7 @@ def _torchrun(
             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
             capture_output=True,
             text=True,
-            timeout=180,
+            timeout=120,
         )
         output = result.stdout + result.stderr
         if result.returncode == 0:

@@ -1,0 +1,65 @@
+"""Collective calls per DDP update, counted (issue 11, item 7): a count, not a timing.
+
+``benchmarks/ddp.py`` prints these counts next to its timings; this test pins them on 2
+spawned gloo ranks: the hand-written DDP loop makes one all-reduce per update (DDP's
+gradient bucket, on the closing micro-batch only), toolkit's accumulate + clip + guard step
+one more (the guard's verdict, which also carries the skipped-micro-batch check).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from tests.spawning import spawn
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _count(rank: int, store: str, out: str) -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import ddp  # benchmarks/ddp.py
+
+    import toolkit._step
+
+    # A collective that never completes fails after 30 s instead of hanging the suite.
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(store, 2),
+        rank=rank,
+        world_size=2,
+        timeout=timedelta(seconds=30),
+    )
+    try:
+        counts = {
+            "hand": ddp.collectives_per_update(ddp.hand_written),
+            "toolkit": ddp.collectives_per_update(ddp.composed),
+        }
+        # The counter is not blind: a step that syncs every micro-batch shows 4 buckets.
+        toolkit._step.suppress_grad_sync = lambda model, kind: None
+        counts["toolkit, no no_sync"] = ddp.collectives_per_update(ddp.composed)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    pathlib.Path(out, f"rank{rank}.json").write_text(json.dumps(counts))
+
+
+@pytest.mark.slow
+def test_a_ddp_update_makes_one_bucket_all_reduce_and_one_verdict(tmp_path) -> None:
+    def arguments(attempt: int) -> tuple[str, str]:
+        out = tmp_path / str(attempt)
+        out.mkdir()
+        return str(out / "store"), str(out)
+
+    spawn(_count, arguments, nprocs=2)
+    out = sorted(p for p in tmp_path.iterdir() if p.is_dir())[-1]
+    for rank in (0, 1):
+        counts = json.loads((out / f"rank{rank}.json").read_text())
+        assert counts["hand"] == {"ddp bucket all_reduce": 1.0}
+        assert counts["toolkit"] == {"all_reduce": 1.0, "ddp bucket all_reduce": 1.0}
+        assert counts["toolkit, no no_sync"]["ddp bucket all_reduce"] == 4.0
