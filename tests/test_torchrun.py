@@ -41,7 +41,13 @@ def _torchrun(
         result = subprocess.run(
             command,
             cwd=folder,
-            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+            # Warnings are errors in the workers too, as in the rest of the suite.
+            env={
+                **os.environ,
+                "OMP_NUM_THREADS": "1",
+                "PYTHONPATH": str(ROOT),
+                "PYTHONWARNINGS": "error",
+            },
             capture_output=True,
             text=True,
             timeout=120,
