@@ -1,5 +1,6 @@
 # Every target builds its own virtual environment on first use.
-# make bench BENCH_ARGS="--repeat 5" measures five times and prints the range.
+# make bench BENCH_ARGS="--repeat 5" measures five times and prints the range;
+# CHECKPOINT_BENCH_ARGS="--rounds 9 --dir /mnt/fast" goes to the checkpoint benchmark.
 #
 # torch is installed first, pinned, from pip's configured index: on an ordinary Linux x86
 # machine PyPI's torch==2.13.0 is the CUDA build (several GB of NVIDIA packages). For the CPU
@@ -13,7 +14,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: FORCE install test test-fast lint type example example-transformer bench bench-instructions clean
+.PHONY: FORCE install test test-fast lint type example example-transformer example-ddp bench bench-instructions clean
 
 # The torch choice is a file, rewritten only when it changes, so that a new TORCH or
 # TORCH_INDEX reinstalls instead of silently keeping the torch already in $(VENV).
@@ -49,8 +50,13 @@ example: install
 example-transformer: install
 	$(BIN)/python examples/char_transformer.py
 
+example-ddp: install
+	$(BIN)/torchrun --standalone --nproc_per_node=2 examples/ddp_digits.py
+
 bench: install
 	$(BIN)/python benchmarks/overhead.py $(BENCH_ARGS)
+	$(BIN)/python benchmarks/checkpoint.py $(CHECKPOINT_BENCH_ARGS)
+	$(BIN)/python benchmarks/ddp.py
 
 # Instruction counts under valgrind (no timing noise; about 1.5 minutes per variant, two at
 # a time: some 6 minutes for all five).
