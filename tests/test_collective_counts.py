@@ -16,7 +16,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from tests.spawning import spawn
+from tests.timed_spawn import spawn
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -56,7 +56,7 @@ def test_a_ddp_update_makes_one_bucket_all_reduce_and_one_verdict(tmp_path) -> N
         out.mkdir()
         return str(out / "store"), str(out)
 
-    spawn(_count, arguments, nprocs=2)
+    spawn(_count, arguments, nprocs=2, timeout=90)
     out = sorted(p for p in tmp_path.iterdir() if p.is_dir())[-1]
     for rank in (0, 1):
         counts = json.loads((out / f"rank{rank}.json").read_text())

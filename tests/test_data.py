@@ -289,14 +289,14 @@ def _lengths(rank: int, lengths: tuple[int, int], store: str, out: str) -> None:
 def test_ranks_with_passes_of_different_lengths_are_refused(
     lengths: tuple[int, int], said: str, tmp_path
 ) -> None:
-    from tests.spawning import spawn
+    from tests.timed_spawn import spawn
 
     def arguments(attempt: int) -> tuple[tuple[int, int], str, str]:
         out = tmp_path / str(attempt)
         out.mkdir()
         return lengths, str(out / "store"), str(out)
 
-    spawn(_lengths, arguments, nprocs=2)
+    spawn(_lengths, arguments, nprocs=2, timeout=60)
     out = sorted(p for p in tmp_path.iterdir() if p.is_dir())[-1]
     for rank in (0, 1):  # both ranks raise, neither waits for the other
         assert re.search(said, (out / f"rank{rank}.txt").read_text())

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import toolkit.distributed
-from tests.spawning import spawn
+from tests.timed_spawn import spawn
 from toolkit.distributed import process_group, setup, teardown
 
 LAUNCH_VARIABLES = (
@@ -159,7 +159,7 @@ def test_two_ranks_meet_through_a_store_hosted_by_rank_0(tmp_path: pathlib.Path)
         out.mkdir()
         return _free_port(), str(out)
 
-    spawn(_rank, arguments, nprocs=2)
+    spawn(_rank, arguments, nprocs=2, timeout=90)
     out = sorted(tmp_path.iterdir())[-1]
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r[:6] for r in results] == [[0, 2, 0, 1, 3, 3.0], [1, 2, 1, 1, 4, 3.0]]
