@@ -1,0 +1,341 @@
+"""Pictures of a run: PNG plots of a metrics.jsonl written by ``log_metrics``.
+
+    python -m toolkit.plot runs/a/metrics.jsonl              # PNGs into runs/a/plots/
+    python -m toolkit.plot runs/a/metrics.jsonl --out DIR    # PNGs into DIR
+
+One PNG per group of metrics, for whatever keys the file has, each with the update number
+(``step``) on the x axis: ``loss.png`` (every key ending in ``loss``: ``train/loss``,
+``train/epoch_loss``, ``val/loss``, ``val_ema/loss``... on one axis),
+``learning_rate.png`` (``train/lr`` and ``train/lr/<group>``), ``grad_norm.png``,
+``throughput.png`` (samples/s, tokens/s, MFU, seconds per update), ``metrics.png`` (one
+axis per other metric name, every prefix on it: ``train/accuracy`` beside
+``val/accuracy``), ``memory.png`` and ``counters.png`` (run totals, non-finite and
+overflow counts, epochs). Groups with no key in the file are not drawn.
+
+Needs matplotlib: the ``plot`` extra, ``pip install -e ".[plot]"``. Exit status: 0 when
+the plots were written, 1 on an error (a message says which file and what to do).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["GROUPS", "group_of", "main", "plot_metrics", "read_series"]
+
+# The PNG files, in the order they are written, with the title of each.
+GROUPS = {
+    "loss": "loss",
+    "learning_rate": "learning rate",
+    "grad_norm": "gradient norm (before clipping)",
+    "throughput": "throughput",
+    "metrics": "metrics",
+    "memory": "memory",
+    "counters": "counters",
+}
+
+_THROUGHPUT = {
+    "train/samples_per_s": "samples/s",
+    "train/tokens_per_s": "tokens/s",
+    "train/mfu": "MFU",
+}
+_COUNTERS = {"train/nonfinite", "train/overflow", "train/epoch"}
+
+Series = dict[str, tuple[list[int], list[float]]]
+
+
+def group_of(key: str) -> tuple[str, str]:
+    """The PNG (a key of :data:`GROUPS`) and the axis that a metric key is drawn on.
+
+    Keys that share an axis are drawn on it together, so a training metric and its
+    validation counterpart can be compared at a glance.
+
+    Args:
+        key: a key of a metrics.jsonl line, e.g. ``"val/accuracy"``.
+
+    Returns:
+        ``(group, axis title)``.
+
+    Raises:
+        Nothing: every key has a group (``metrics`` for those no rule names).
+
+    Example:
+        >>> from toolkit.plot import group_of
+        >>> group_of("train/loss"), group_of("val/loss"), group_of("train/lr/head")
+        (('loss', 'loss'), ('loss', 'loss'), ('learning_rate', 'learning rate'))
+        >>> group_of("train/accuracy"), group_of("val_ema/accuracy")
+        (('metrics', 'accuracy'), ('metrics', 'accuracy'))
+    """
+    if key == "train/lr" or key.startswith("train/lr/"):
+        return "learning_rate", "learning rate"
+    if key == "train/grad_norm":
+        return "grad_norm", "gradient norm"
+    if key in _THROUGHPUT:
+        return "throughput", _THROUGHPUT[key]
+    if key.startswith("time/"):
+        return "throughput", "seconds per update"
+    if key in _COUNTERS or key.startswith("train/total/"):
+        return "counters", key
+    if key.startswith("memory/"):
+        return "memory", key
+    name = key.rsplit("/", 1)[-1]
+    if name.endswith("loss"):
+        return "loss", "loss"
+    # "val/accuracy" -> "accuracy"; nested records keep their path ("train/f1/macro").
+    return "metrics", key.split("/", 1)[1] if "/" in key else key
+
+
+def read_series(path: str | os.PathLike[str]) -> tuple[Series, list[str]]:
+    """The numeric series of a metrics.jsonl file: ``{key: (steps, values)}``, and notes.
+
+    Every line is a JSON object with a ``"step"`` (what the ``jsonl`` sink writes). A value
+    that is not a number (a string, a list, ``null``, a bool) is not a series and is left
+    out; non-finite numbers (``NaN``, ``Infinity``) are kept as NaN, a gap in the line.
+
+    A file that holds several runs (``jsonl`` appends by default) is read as a log: a line
+    whose step is lower than the line before starts over from that step, and the earlier
+    lines at that step or later are dropped. A rerun in the same folder thus replaces the
+    old run, and a run resumed from an earlier checkpoint replaces what the killed run
+    published after it. Each such restart adds a note. A key given again at the same
+    step (a resume from the checkpoint of the last publish) keeps the later value.
+
+    Args:
+        path: the metrics.jsonl file.
+
+    Returns:
+        ``(series, notes)``: the series by key in first-seen order, and human-readable
+        notes about what was dropped.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        IsADirectoryError: ``path`` is a folder (the message names the file it may mean).
+        ValueError: the file is empty, a line is not JSON, not an object or has no integer
+            ``"step"``, or no line holds a numeric value.
+
+    Example:
+        >>> import json, pathlib, tempfile
+        >>> from toolkit.plot import read_series
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     path = pathlib.Path(tmp) / "metrics.jsonl"
+        ...     lines = [{"step": 1, "train/loss": 2.0}, {"step": 2, "train/loss": 1.5},
+        ...              {"step": 1, "train/loss": 1.9}]  # a rerun appended to the file
+        ...     _ = path.write_text("".join(json.dumps(line) + "\\n" for line in lines))
+        ...     series, notes = read_series(path)
+        >>> series
+        {'train/loss': ([1], [1.9])}
+        >>> notes
+        ['line 3: step 1 after step 2 (a rerun or a resume): 2 earlier line(s) dropped']
+    """
+    file = pathlib.Path(path)
+    if file.is_dir():
+        raise IsADirectoryError(
+            f"toolkit.plot: path must be a metrics.jsonl file; got the folder {str(file)!r} "
+            f"(did you mean {str(file / 'metrics.jsonl')!r}?)."
+        )
+    if not file.exists():
+        raise FileNotFoundError(
+            f"toolkit.plot: no file {str(file)!r}; pass the metrics.jsonl that "
+            "log_metrics(sinks=[jsonl(path)]) writes, e.g. runs/a/metrics.jsonl."
+        )
+    records: list[tuple[int, int, dict[str, Any]]] = []  # (line number, step, record)
+    notes: list[str] = []
+    with open(file, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            step, record = _parse(file, number, line)
+            if records and step < records[-1][1]:
+                kept = [r for r in records if r[1] < step]
+                notes.append(
+                    f"line {number}: step {step} after step {records[-1][1]} (a rerun or a "
+                    f"resume): {len(records) - len(kept)} earlier line(s) dropped"
+                )
+                records = kept
+            records.append((number, step, record))
+    if not records:
+        raise ValueError(
+            f"toolkit.plot: {str(file)!r} is empty: no metrics were published to it yet "
+            "(log_metrics writes a line every `every` updates and at the end of a run)."
+        )
+    series: Series = {}
+    for _, step, record in records:
+        for key, value in record.items():
+            if key == "step" or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            steps, values = series.setdefault(key, ([], []))
+            if steps and steps[-1] == step:  # published again at that step: a resume
+                steps.pop()
+                values.pop()
+            steps.append(step)
+            values.append(float(value) if math.isfinite(value) else math.nan)
+    if not series:
+        keys = sorted({key for _, _, record in records for key in record} - {"step"})
+        raise ValueError(
+            f"toolkit.plot: {str(file)!r} has no numeric series to plot: its "
+            f"{len(records)} line(s) hold no number besides the step (keys: {keys})."
+        )
+    return series, notes
+
+
+def _parse(file: pathlib.Path, number: int, line: str) -> tuple[int, dict[str, Any]]:
+    where = f"toolkit.plot: {str(file)!r} line {number}"
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ValueError(
+            f"{where} is not JSON ({error.msg}); expected one JSON object per line, as the "
+            f"jsonl sink writes; got {line.strip()[:80]!r}."
+        ) from None
+    if not isinstance(record, dict):
+        raise ValueError(
+            f"{where} is a JSON {type(record).__name__}; expected an object such as "
+            '{"step": 10, "train/loss": 0.5}.'
+        )
+    step = record.get("step")
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise ValueError(
+            f'{where} has no integer "step" (got {step!r}); every line the jsonl sink '
+            'writes starts with {"step": <update number>, ...}.'
+        )
+    return step, record
+
+
+def _matplotlib() -> Any:
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as error:
+        raise ImportError(
+            "toolkit.plot needs matplotlib, which is not installed: install the plot extra, "
+            'pip install -e ".[plot]" (or pip install matplotlib).'
+        ) from error
+    return Figure
+
+
+def plot_metrics(
+    path: str | os.PathLike[str], out: str | os.PathLike[str] | None = None
+) -> list[pathlib.Path]:
+    """Write one PNG per group of metrics found in a metrics.jsonl (see :func:`group_of`).
+
+    Each PNG has one axis per metric name, every series of that name drawn on it against
+    the update number, with a legend when there are several. Files of groups absent
+    from the metrics are not written (nor removed when an earlier call wrote them).
+
+    Args:
+        path: the metrics.jsonl file (read with :func:`read_series`).
+        out: the folder for the PNGs, created if needed; default: ``plots`` beside
+            ``path``.
+
+    Returns:
+        The paths of the PNGs written, in the order of :data:`GROUPS`.
+
+    Raises:
+        ImportError: matplotlib is not installed (``pip install -e ".[plot]"``).
+        FileNotFoundError, IsADirectoryError, ValueError: as :func:`read_series`.
+
+    Example:
+        >>> import json, pathlib, tempfile
+        >>> from toolkit.plot import plot_metrics
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     path = pathlib.Path(tmp) / "metrics.jsonl"
+        ...     lines = [{"step": s, "train/loss": 1 / s, "train/lr": 0.1} for s in (1, 2, 3)]
+        ...     _ = path.write_text("".join(json.dumps(line) + "\\n" for line in lines))
+        ...     [p.name for p in plot_metrics(path)]
+        ['loss.png', 'learning_rate.png']
+    """
+    figure_class = _matplotlib()
+    series, _ = read_series(path)
+    return _write(figure_class, series, path, out)
+
+
+def _write(
+    figure_class: Any,
+    series: Series,
+    path: str | os.PathLike[str],
+    out: str | os.PathLike[str] | None,
+) -> list[pathlib.Path]:
+    folder = pathlib.Path(path).parent / "plots" if out is None else pathlib.Path(out)
+    axes: dict[str, dict[str, list[str]]] = {group: {} for group in GROUPS}
+    for key in series:
+        group, axis = group_of(key)
+        axes[group].setdefault(axis, []).append(key)
+    # Rates before the seconds they come from; otherwise the order the keys first appear in.
+    axes["throughput"] = dict(
+        sorted(axes["throughput"].items(), key=lambda item: item[0] == "seconds per update")
+    )
+    written = []
+    for group, by_axis in axes.items():
+        if not by_axis:
+            continue
+        folder.mkdir(parents=True, exist_ok=True)
+        target = folder / f"{group}.png"
+        _draw(figure_class, f"{GROUPS[group]}: {path}", by_axis, series).savefig(target)
+        written.append(target)
+    return written
+
+
+def _draw(figure_class: Any, title: str, by_axis: dict[str, list[str]], series: Series) -> Any:
+    # A Figure without pyplot: no global state, no display backend needed.
+    figure = figure_class(figsize=(8, 1 + 2.6 * len(by_axis)), dpi=100, layout="constrained")
+    figure.suptitle(title, fontsize=10)
+    for ax, (axis, keys) in zip(
+        figure.subplots(len(by_axis), 1, squeeze=False)[:, 0], by_axis.items()
+    ):
+        for key in keys:
+            steps, values = series[key]
+            # Sparse series (per-epoch, validation) show their points; dense ones a line.
+            ax.plot(steps, values, label=key, marker="o" if len(steps) <= 30 else None, ms=3)
+        ax.set_ylabel(axis)
+        ax.grid(True, alpha=0.3)
+        if len(keys) > 1 or keys[0] != axis:
+            ax.legend(fontsize=8)
+    ax.set_xlabel("update (step)")
+    return figure
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The shell tool: ``python -m toolkit.plot METRICS.jsonl [--out DIR]``.
+
+    Args:
+        argv: the arguments (default: ``sys.argv[1:]``).
+
+    Returns:
+        0 when the plots were written; 1 after printing an error to stderr.
+
+    Raises:
+        SystemExit: from argparse, on bad arguments (status 2).
+
+    Example:
+        >>> from toolkit.plot import main
+        >>> main(["/nonexistent/metrics.jsonl"])
+        1
+    """
+    parser = argparse.ArgumentParser(
+        prog="python -m toolkit.plot", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("metrics", help="a metrics.jsonl written by log_metrics's jsonl sink")
+    parser.add_argument(
+        "--out", help="folder for the PNGs (default: plots/ beside the metrics file)"
+    )
+    args = parser.parse_args(argv)
+    try:
+        figure_class = _matplotlib()
+        series, notes = read_series(args.metrics)
+        written = _write(figure_class, series, args.metrics, args.out)
+    except (ImportError, OSError, ValueError) as error:
+        print(error, file=sys.stderr)
+        return 1
+    for note in notes:
+        print(f"note: {note}")
+    for target in written:
+        print(target)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
