@@ -1,0 +1,190 @@
+"""accel_hydra's workflow in toolkit: a Hydra config builds everything, toolkit trains it.
+
+    pip install -e ".[hydra]"                              # hydra-core: the example's extra
+    python examples/from_accel_hydra.py                    # config: accel_hydra_conf/config.yaml
+    python examples/from_accel_hydra.py epochs=3 lr_scheduler_interval=step optimizer.lr=3e-3
+    python examples/from_accel_hydra.py hydra.run.dir=runs/ah   # where the run folder goes
+
+Everything the run writes (metrics.jsonl, checkpoints/, Hydra's .hydra/ and log) goes to
+Hydra's run folder. The task: two concentric noisy circles, an MLP classifier, validation
+and early stopping on the validation loss every epoch, the best checkpoint kept.
+
+accel_hydra                                   toolkit
+--------------------------------------------  ---------------------------------------------
+Trainer subclass: training_step(batch,        loss_fn(model, batch) -> loss
+  batch_idx) -> loss
+validation_step + get_val_metrics()           eval_fn(model, batch) -> {"loss", "accuracy"}
+                                                + validate(eval_fn, loader, every=updates
+                                                per epoch)
+hydra.utils.instantiate(cfg.model, ...)       the same: Hydra builds, toolkit trains
+epochs / epoch_length (micro-batches)         run(epochs=) / run(max_steps=) (updates)
+gradient_accumulation_steps (accelerate:      accumulate(micro_batches=) and
+  the epoch's last window still steps)          run(partial_window="epoch")
+max_grad_norm (default 2.0)                   clip(max_norm=2.0)
+lr_scheduler_interval: step                   TrainState(scheduler=): stepped per update
+lr_scheduler_interval: epoch                  stepped at each epoch's end (step_per_epoch
+                                                below), saved in the checkpoints
+metric_monitor(metric_name, mode)             validate(monitor=, mode=) -> val/<metric>
+checkpoints/best                              checkpoints(keep_best=("val/loss", "min", 1))
+early_stop (patience, in epochs)              early_stop("val/loss", patience=)
+save_every_n_epochs, save_last_k              checkpoints(every=updates per epoch,
+                                                keep_last=)
+resume_from_checkpoint                        checkpoints(resume=path or "latest")
+log_every_n_steps + report_to                 log_metrics(every=, sinks=[jsonl, tensorboard,
+                                                wandb])
+train(seed)                                   torch.manual_seed(seed)
+
+What differs: accel_hydra's "step" counts micro-batches and its scheduler is stepped
+num_processes times per update (Accelerate), so its schedules are sized in those units;
+toolkit's state.step counts updates and the scheduler steps once per applied update. Its
+retention deletes old checkpoints (by modification time) before the new one is written, and
+a best save prunes the epoch checkpoint just written; toolkit prunes after an atomic write,
+from the steps on disk, and the newest is never deleted. It logs the raw loss of one
+micro-batch every log_every_n_steps and misses grad_norm when both counts are even;
+toolkit logs interval means. A mid-epoch resume restarts its epoch's data; toolkit's
+continues the pass exactly. Its checkpoint load is strict=False; toolkit's names every
+difference.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from toolkit import TrainState, accumulate, clip, compose, make_step, run
+from toolkit.plugins import (
+    checkpoints,
+    early_stop,
+    jsonl,
+    log_metrics,
+    progress,
+    tensorboard,
+    validate,
+    wandb,
+)
+
+try:
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import DictConfig
+except ImportError:
+    sys.exit('examples/from_accel_hydra.py needs Hydra: pip install -e ".[hydra]" (hydra-core)')
+
+
+def circles(n: int, noise: float, generator: torch.Generator) -> TensorDataset:
+    """Points on two circles (radius 1: class 0, radius 0.5: class 1), with Gaussian noise."""
+    y = torch.arange(n) % 2
+    angle = 2 * math.pi * torch.rand(n, generator=generator)
+    radius = 1.0 - 0.5 * y
+    x = torch.stack([radius * angle.cos(), radius * angle.sin()], dim=1)
+    return TensorDataset(x + noise * torch.randn(n, 2, generator=generator), y)
+
+
+def training_step(model: nn.Module, batch) -> torch.Tensor:
+    features, labels = batch
+    return F.cross_entropy(model(features), labels)
+
+
+def validation_step(model: nn.Module, batch) -> dict[str, torch.Tensor]:
+    features, labels = batch
+    logits = model(features)
+    return {
+        "loss": F.cross_entropy(logits, labels),
+        "accuracy": (logits.argmax(-1) == labels).float().mean(),
+    }
+
+
+def sinks(cfg: DictConfig, out: pathlib.Path) -> list:
+    known = {
+        "jsonl": lambda: jsonl(out / "metrics.jsonl"),
+        "tensorboard": lambda: tensorboard(out / "tensorboard"),
+        "wandb": lambda: wandb(project="accel_hydra_example", dir=str(out)),
+    }
+    unknown = set(cfg.logging_config.report_to) - set(known)
+    if unknown:
+        raise ValueError(f"logging_config.report_to: unknown {sorted(unknown)}; use {list(known)}")
+    return [known[name]() for name in cfg.logging_config.report_to]
+
+
+@hydra.main(version_base=None, config_path="accel_hydra_conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    out = pathlib.Path(HydraConfig.get().runtime.output_dir)
+    torch.manual_seed(cfg.seed)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    train_loader = DataLoader(
+        circles(cfg.data.n_train, cfg.data.noise, generator),
+        batch_size=cfg.data.batch_size,
+        shuffle=True,
+        generator=generator,
+    )
+    val_loader = DataLoader(circles(cfg.data.n_val, cfg.data.noise, generator), batch_size=256)
+
+    model = hydra.utils.instantiate(cfg.model)
+    optimizer = hydra.utils.instantiate(cfg.optimizer)(model.parameters())
+    lr_scheduler = hydra.utils.instantiate(cfg.lr_scheduler)(optimizer)
+    per_epoch = cfg.lr_scheduler_interval == "epoch"
+    if cfg.lr_scheduler_interval not in ("step", "epoch"):
+        raise ValueError(
+            f"lr_scheduler_interval must be step or epoch; got {cfg.lr_scheduler_interval}"
+        )
+    # STEP: the state's scheduler, stepped after every applied update. EPOCH: kept out of
+    # the state, stepped by a plugin at each epoch's end and saved with the checkpoints.
+    state = TrainState(
+        model=model, optimizer=optimizer, scheduler=None if per_epoch else lr_scheduler
+    )
+
+    k = cfg.gradient_accumulation_steps
+    decorators = [accumulate(micro_batches=k)]
+    if cfg.max_grad_norm:  # null: no clipping
+        decorators.append(clip(max_norm=cfg.max_grad_norm))
+    step = compose(*decorators)(make_step(training_step))
+    updates_per_epoch = math.ceil(len(train_loader) / k)  # the epoch's short window steps too
+
+    def step_per_epoch(event) -> None:
+        if per_epoch and event.kind == "epoch_end":
+            lr_scheduler.step()
+
+    monitor, mode = cfg.metric_monitor.metric_name, cfg.metric_monitor.mode
+    # Every epoch's last update (the epoch's short window is applied): evaluated at the same
+    # step as the checkpoint saved there, so keep_best sees the score. (per_epoch=True would
+    # evaluate at "epoch_end", after that save.)
+    plugins = [
+        validate(validation_step, val_loader, every=updates_per_epoch, monitor=monitor, mode=mode),
+        step_per_epoch,
+    ]
+    if cfg.early_stop:
+        plugins.append(early_stop(f"val/{monitor}", patience=cfg.early_stop, mode=mode))
+    plugins += [
+        checkpoints(
+            out / "checkpoints",
+            every=cfg.save_every_n_epochs * updates_per_epoch if cfg.save_every_n_epochs else None,
+            keep_last=cfg.save_last_k,
+            keep_best=(f"val/{monitor}", mode, 1),
+            resume=cfg.resume_from_checkpoint,
+            objects={"lr_scheduler": lr_scheduler} if per_epoch else None,
+        ),
+        progress(every=cfg.log_every_n_steps),
+        log_metrics(every=cfg.log_every_n_steps, sinks=sinks(cfg, out)),
+    ]
+    state = run(
+        step, state, train_loader, epochs=cfg.epochs, plugins=plugins, partial_window="epoch"
+    )
+
+    val = state.extras["val"]
+    print(f"stopped: {state.stop}" if state.stop else f"trained {state.epoch} epochs")
+    lr = optimizer.param_groups[0]["lr"]
+    print(
+        f"{state.step} updates; best val/{monitor} {val['best']:.4f} at update "
+        f"{val['best_step']}; last val/accuracy {val['metrics']['accuracy']:.4f}; lr {lr:.2e}"
+    )
+    print(f"run folder: {out}")
+
+
+if __name__ == "__main__":
+    main()
