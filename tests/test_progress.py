@@ -11,7 +11,17 @@ import rich.console
 import torch
 from counting import CountSyncs, count_tolists, read_as_on_an_accelerator
 
-from toolkit import Event, LossSum, TrainState, clip, guard_nonfinite, make_step, run
+from toolkit import (
+    Event,
+    LoopInfo,
+    LossSum,
+    StepOutput,
+    TrainState,
+    clip,
+    guard_nonfinite,
+    make_step,
+    run,
+)
 from toolkit.plugins import _progress
 from toolkit.plugins._progress import progress
 
@@ -385,8 +395,65 @@ def test_silent_on_other_ranks(monkeypatch: pytest.MonkeyPatch, terminal: bool) 
         ({"min_interval": "0.1"}, ValueError, r"min_interval must be a number .*got '0.1'"),
         ({"min_interval": float("nan")}, ValueError, r"min_interval must be a number"),
         ({"min_interval": True}, ValueError, r"min_interval must be a number"),
+        ({"records": "acc"}, TypeError, r"records must be a sequence of the loss function's"),
+        ({"records": [1]}, TypeError, r"records must be a sequence .*; got \(1,\)"),
+        ({"times": 1}, TypeError, r"times must be True or False; got 1"),
     ],
 )
 def test_bad_arguments(kwargs: dict, error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         progress(**kwargs)
+
+
+# ---------------------------------------------------------------- records and times
+
+
+def _plain(plugin_kwargs: dict) -> tuple[Callable[[Event], Any], rich.console.Console]:
+    console = recorded(False)
+    ticks = iter(range(100))
+    plugin = progress(2, console=console, clock=lambda: next(ticks), min_interval=0, warmup=0,
+                      **plugin_kwargs)  # fmt: skip
+    return plugin, console
+
+
+def test_chosen_records_are_shown_as_their_weighted_mean() -> None:
+    # Update 1: 1 token of accuracy 1, 3 tokens of accuracy 0; update 2: 4 of 0.5, with
+    # logits kept for another plugin (not a scalar, not chosen: ignored).
+    batches = [(1, 1.0), (3, 0.0), (4, 0.5), (4, 0.5)]
+
+    def loss_fn(model: torch.nn.Module, batch: tuple) -> LossSum:
+        n, acc = batch
+        records = {"acc": torch.tensor(acc), "other": 9.0, "logits": torch.ones(n, 3)}
+        return LossSum(model.weight.sum() * 0 + n, n, records)
+
+    plugin, console = _plain({"records": ["acc"]})
+    run(make_step(loss_fn), frozen_state(), batches, max_steps=4, plugins=[plugin])
+    first, second = lines(console)
+    assert "| acc 0.25 |" in first and "| acc 0.5 |" in second  # (1*1 + 3*0) / 4
+    assert "other" not in first + second
+
+
+def test_a_chosen_record_that_is_not_a_scalar_is_refused() -> None:
+    plugin, _ = _plain({"records": ["logits"]})
+    loss_fn = lambda m, b: (m.weight.sum() * 0 + b, {"logits": torch.ones(2, 3)})  # noqa: E731
+    with pytest.raises(ValueError, match=r"progress: record 'logits' is a tensor of shape"):
+        run(make_step(loss_fn), frozen_state(), [1.0, 2.0], max_steps=2, plugins=[plugin])
+
+
+def test_times_show_the_mean_data_and_step_time_per_update() -> None:
+    plugin, console = _plain({"times": True})
+    state = frozen_state()
+    loop = LoopInfo(None, None, None, 1, 0, 4)
+    plugin(Event("start", state, loop))
+    times = [(0.002, 0.010), (0.004, 0.030), (0.5, 2.0), (1.5, 4.0)]
+    for i, (data_time, step_time) in enumerate(times, start=1):
+        state = state.replace(step=i)
+        o = StepOutput(torch.tensor(1.0), {}, None, 4, True, True, lr=0.1)
+        plugin(Event("step", state, loop, o, data_time, step_time, None, (o,)))
+    first, second = lines(console)
+    assert "| 8 samples/s | data 3ms | step 20ms | eta" in first  # (2 + 4) / 2, (10 + 30) / 2
+    assert "| data 1s | step 3s | eta" in second
+    plugin, console = _plain({})
+    plugin(Event("start", state.replace(step=0), loop))
+    plugin(Event("step", state.replace(step=2), loop, o, 0.5, 0.5, None, (o,)))
+    assert "data" not in text(console)

@@ -6,12 +6,17 @@ micro-batches of different sizes is the exact mean over targets (or samples). Sk
 micro-batches (no loss) and the windows :func:`toolkit.guard_nonfinite` rejected are left
 out. The plugins keep each window's outputs as they come and read them here, once per
 refresh or publish: per update they only append and compare.
+
+Records are flattened with "/" by :func:`flat_scalars`; a record can be reduced over the
+interval by another kind than the weighted mean (``kinds``): its plain ``"sum"``, its
+``"max"`` or its ``"min"`` over the micro-batches.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import chain, compress
@@ -22,19 +27,25 @@ import torch
 from toolkit._step import StepOutput
 from toolkit._weighted import Column, columns, weighted_sums
 
-__all__ = ["Interval", "read"]
+__all__ = ["KINDS", "Interval", "combine", "flat_scalars", "merge", "read"]
+
+# How a record may be reduced over an interval (and over ranks) besides the weighted mean.
+KINDS = ("mean", "sum", "max", "min")
 
 
 @dataclasses.dataclass(slots=True)
 class Interval:
     """Sums over the windows read so far.
 
-    ``sums`` maps ``"loss"`` (and each flattened record) to ``(weighted sum, weight)``;
-    ``targets`` is None while no loss reported counts, ``samples`` while no micro-batch had
-    a sample count; ``lr`` is the last applied update's learning rate, None before one.
+    ``sums`` maps ``"loss"`` (and each flattened record averaged by weight) to ``(weighted
+    sum, weight)``; ``reduced`` maps each record of another kind to its sum, maximum or
+    minimum; ``targets`` is None while no loss reported counts, ``samples`` while no
+    micro-batch had a sample count; ``lr`` is the last applied update's learning rate, None
+    before one.
     """
 
     sums: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    reduced: dict[str, Any] = dataclasses.field(default_factory=dict)
     targets: float | None = None
     samples: int | None = None
     norm_total: float = 0.0
@@ -50,11 +61,16 @@ def read(
     windows: Sequence[tuple[StepOutput, ...]],
     open_window: Sequence[StepOutput] = (),
     flatten: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None,
-) -> None:
+    kinds: Mapping[str, str] = {},
+    also: Sequence[torch.Tensor] = (),
+) -> list[Any]:
     """Add ``windows`` (each ending with its closing output) to ``interval``: one host read.
 
     ``flatten`` turns a micro-batch's records into flat ones (log_metrics); without it
-    records are not read (progress).
+    records are not read (progress). ``kinds`` maps a record (or ``"loss"``,
+    ``"grad_norm"``) to ``"sum"``, ``"max"`` or ``"min"``: it goes to ``interval.reduced``
+    instead of the weighted means. The 0-d tensors ``also`` are read in the same host read;
+    their values are returned.
     """
     # Each field is taken out of all outputs at once (zip), not by a python loop per field:
     # python steps per output show in the overhead of a refresh every few updates.
@@ -94,7 +110,13 @@ def read(
     norms = [n for n in compress(closing.grad_norm, closing.updated) if n is not None]
     lr = applied[-1] if applied else None
     lr_tensor = [lr.reshape(())] if isinstance(lr, torch.Tensor) else []
-    got = weighted_sums(cols, weights, [*norms, *lr_tensor])
+    extra: list[torch.Tensor] = [*norms, *lr_tensor, *also]
+    # Records of another kind than the mean: their tensors ride along in the same read.
+    other = {key: cols.pop(key) for key in kinds if key in cols} if kinds else {}
+    other_tensors = [[v for v in c.values if isinstance(v, torch.Tensor)] for c in other.values()]
+    for ts in other_tensors:
+        extra += ts
+    got = weighted_sums(cols, weights, extra)
 
     sums = interval.sums
     for key, (total, weight) in got.sums.items():
@@ -105,14 +127,121 @@ def read(
         interval.targets = targets + (interval.targets or 0.0)
     if sized is not None and samples:
         interval.samples = sized + (interval.samples or 0)
+    host_norms = got.also[: len(norms)]
     if norms:
-        interval.norm_total += sum(got.also[: len(norms)])
+        interval.norm_total += sum(host_norms)
         interval.norms += len(norms)
+        if "grad_norm" in kinds:
+            _reduce_into(interval.reduced, "grad_norm", kinds["grad_norm"], host_norms)
     if applied:
-        interval.lr = got.also[-1] if lr_tensor else lr
+        interval.lr = got.also[len(norms)] if lr_tensor else lr
         interval.updates += len(applied)
     interval.nonfinite += sum(closing.nonfinite)
     interval.overflow += sum(closing.overflow)
+    start = len(norms) + len(lr_tensor)
+    returned = got.also[start : start + len(also)]
+    taken = iter(got.also[start + len(also) :])
+    for (key, column), ts in zip(other.items(), other_tensors):
+        values = column.values
+        if ts:
+            values = [next(taken) if isinstance(v, torch.Tensor) else v for v in values]
+        _reduce_into(interval.reduced, key, kinds[key], values)
+    return returned
+
+
+def combine(kind: str, a: Any, b: Any) -> Any:
+    """Two partial reductions of ``kind`` combined; a NaN wins a max or min (as in torch)."""
+    if kind == "sum":
+        return a + b
+    if a != a or b != b:
+        return math.nan
+    return max(a, b) if kind == "max" else min(a, b)
+
+
+def _reduce_into(into: dict[str, Any], key: str, kind: str, values: Sequence[Any]) -> None:
+    if kind == "sum":
+        floats = any(isinstance(v, float) for v in values)
+        got: Any = _fsum(values) if floats else sum(values)
+    elif any(v != v for v in values):
+        got = math.nan
+    else:
+        got = max(values) if kind == "max" else min(values)
+    before = into.get(key)
+    into[key] = got if before is None else combine(kind, before, got)
+
+
+def _fsum(values: Sequence[Any]) -> float:
+    try:
+        return math.fsum(values)
+    except (ValueError, OverflowError):  # inf - inf, or an overflowing partial sum
+        return float(sum(values))
+
+
+def merge(into: Interval, part: Interval, kinds: Mapping[str, str]) -> None:
+    """Add the interval ``part`` (read after ``into``) to ``into``."""
+    for key, (total, weight) in part.sums.items():
+        before = into.sums.get(key)
+        into.sums[key] = (
+            (total, weight) if before is None else (before[0] + total, before[1] + weight)
+        )
+    for key, value in part.reduced.items():
+        before = into.reduced.get(key)
+        into.reduced[key] = value if before is None else combine(kinds[key], before, value)
+    if part.targets is not None:
+        into.targets = part.targets + (into.targets or 0.0)
+    if part.samples is not None:
+        into.samples = part.samples + (into.samples or 0)
+    into.norm_total += part.norm_total
+    into.norms += part.norms
+    if part.lr is not None:
+        into.lr = part.lr
+    into.updates += part.updates
+    into.nonfinite += part.nonfinite
+    into.overflow += part.overflow
+
+
+def flat_scalars(
+    records: Mapping[str, Any], chosen: frozenset[str] | None = None, who: str = "log_metrics"
+) -> dict[str, Any]:
+    """A micro-batch's records flattened with "/": the numbers and one-element tensors.
+
+    Other values (a tensor of logits kept for a plugin, a string) are left out, unless
+    their name is ``chosen``: then they raise. With ``chosen``, only those names are kept.
+    """
+    flat: dict[str, Any] = {}
+    _flatten(records, "", flat, chosen, who)
+    if chosen is not None and len(flat) > len(chosen):
+        return {k: v for k, v in flat.items() if k in chosen}
+    return flat
+
+
+def _flatten(
+    tree: Mapping[str, Any],
+    prefix: str,
+    into: dict[str, Any],
+    chosen: frozenset[str] | None,
+    who: str,
+) -> None:
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, torch.Tensor):
+            if value.numel() == 1:
+                into[name] = value.detach().reshape(()) if value.ndim else value.detach()
+            elif chosen is not None and name in chosen:
+                raise ValueError(
+                    f"{who}: record {name!r} is a tensor of shape {tuple(value.shape)}; "
+                    "expected a number or a one-element tensor; reduce it first (.mean(), "
+                    ".sum()) or leave it out of records=."
+                )
+        elif isinstance(value, (int, float)):
+            into[name] = value
+        elif isinstance(value, Mapping):
+            _flatten(value, f"{name}/", into, chosen, who)
+        elif chosen is not None and name in chosen:
+            raise TypeError(
+                f"{who}: record {name!r} is a {type(value).__name__}; expected a number, a "
+                "one-element tensor or a nested mapping of them; leave it out of records=."
+            )
 
 
 def _fields(outs: Iterable[StepOutput]) -> Any:
