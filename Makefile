@@ -26,7 +26,7 @@ $(BIN)/.installed: pyproject.toml Makefile $(VENV)/torch-choice
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
-	$(BIN)/pip install --quiet -e ".[dev,examples,loggers]"
+	$(BIN)/pip install --quiet -e ".[dev,examples,loggers,plot,hydra]"
 	touch $@
 
 install: $(BIN)/.installed
