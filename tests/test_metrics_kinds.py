@@ -34,14 +34,15 @@ def test_sum_max_and_min_over_the_interval_leave_rejected_windows_out() -> None:
             out(float("nan"), count=10, records={"n": 10, "peak": 99.0, "low": -9.0},
                 updated=False, closed=True, nonfinite=True),
             out(2.0, count=40, records={"n": 40, "peak": 6.0, "low": torch.tensor(3.0)}),
-            # The partial interval at the end: a NaN wins the max.
+            # The partial interval at the end: a NaN wins the max, wherever it comes.
+            out(4.0, count=8, records={"n": 8, "peak": 1.0, "low": 0.5}, updated=False),
             out(4.0, count=8, records={"n": 8, "peak": float("nan"), "low": 0.5}),
         ],
     )  # fmt: skip
     (s1, m1), (s2, m2) = rows
     assert (s1, m1["train/n"], m1["train/peak"], m1["train/low"]) == (2, 200, 7.0, 1.0)
     assert m1["train/loss"] == pytest.approx((100 * 1 + 60 * 3 + 40 * 2) / 200)
-    assert (s2, m2["train/n"], m2["train/low"]) == (3, 8, 0.5) and math.isnan(m2["train/peak"])
+    assert (s2, m2["train/n"], m2["train/low"]) == (3, 16, 0.5) and math.isnan(m2["train/peak"])
 
 
 def test_a_summed_count_is_the_sum_not_the_mean() -> None:
@@ -132,9 +133,9 @@ def test_sinks_start_at_the_step_the_run_resumes_from(tmp_path: Path) -> None:
             write=lambda s, m: rows.append((s, m)), close=lambda: None, start=started.append
         )
 
-    def val(event: Event) -> TrainState | None:  # a plugin publishing at step 2
-        if event.kind == "step" and event.state.step == 2:
-            entry = {"step": 2, "metrics": {"score": 0.5}}
+    def val(event: Event) -> TrainState | None:  # a plugin publishing at step 1
+        if event.kind == "step" and event.state.step == 1:
+            entry = {"step": 1, "metrics": {"score": 0.5}}
             return event.state.replace(extras={**event.state.extras, "val": entry})
         return None
 
@@ -147,10 +148,11 @@ def test_sinks_start_at_the_step_the_run_resumes_from(tmp_path: Path) -> None:
         max_steps=4,
         plugins=[val, log_metrics(4, sinks=[sink()]), save],
     )
-    assert started == [0] and [s for s, m in rows if "val/score" in m] == [2]
+    # The entry made at the run's first update is published (it is not from an earlier run).
+    assert started == [0] and [s for s, m in rows if "val/score" in m] == [1]
     rows.clear()
     # log_metrics before checkpoints: it sees the restored state at the first update, and
-    # the restored val entry of step 2 is not published again.
+    # the restored val entry of step 1 is not published again.
     load = checkpoints(tmp_path / "ckpt", every=4, at_end=False)
     run(
         step,
