@@ -24,6 +24,11 @@ class Sink(NamedTuple):
         write: ``write(step, metrics)`` records ``metrics`` (flat ``{"train/loss": 0.5}``,
             python floats) at update ``step``.
         close: ``close()`` flushes and releases the file or run; calling it twice is harmless.
+        start: ``start(step)``, optional (default: does nothing): called by
+            :func:`toolkit.plugins.log_metrics` at the run's ``"start"`` event on rank 0 with
+            ``state.step`` (0 for a fresh run, N after a resume); checks what can be checked
+            before training (folder writable, parent not a file, wandb arguments valid) and
+            aligns the logs with the resumed step.
 
     Example:
         >>> from toolkit.plugins import Sink
@@ -36,6 +41,7 @@ class Sink(NamedTuple):
 
     write: Callable[[int, dict[str, float]], None]
     close: Callable[[], None]
+    start: Callable[[int], None] = lambda step: None  # a sink with nothing to check
 
 
 def _check_path(fn: str, name: str, value: Any) -> pathlib.Path:
