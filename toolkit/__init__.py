@@ -11,6 +11,7 @@ from toolkit._export import export_model
 from toolkit._guards import guard_nonfinite
 from toolkit._load import load_checkpoint
 from toolkit._loop import Event, LoopInfo, run
+from toolkit._multi import MultiOptimizer, MultiScheduler, PerEpoch, per_epoch
 from toolkit._phases import LossScaleError, NonFiniteError
 from toolkit._save import save_checkpoint
 from toolkit._state import GuardState, TrainState, WindowState
@@ -27,7 +28,10 @@ __all__ = [
     "LoopInfo",
     "LossScaleError",
     "LossSum",
+    "MultiOptimizer",
+    "MultiScheduler",
     "NonFiniteError",
+    "PerEpoch",
     "Step",
     "StepOutput",
     "TrainState",
@@ -44,6 +48,7 @@ __all__ = [
     "load_checkpoint",
     "make_step",
     "map_nested_tensor",
+    "per_epoch",
     "run",
     "save_checkpoint",
     "set_data_parallel_group",

@@ -72,4 +72,4 @@ def evaluate(
             f"evaluate: data must be an iterable of batches (a DataLoader, a list); got "
             f"{type(data).__name__}."
         )
-    return _evaluate(eval_fn, module, data)
+    return _evaluate(eval_fn, module, data, who="evaluate")

@@ -12,6 +12,7 @@ from typing import Any, Literal, NamedTuple, TypeVar
 
 from toolkit._checks import check_count
 from toolkit._data import batches_per_epoch, is_stateful, snapshot, unseen
+from toolkit._multi import epoch_schedulers
 from toolkit._state import TrainState
 from toolkit._step import StepOutput
 
@@ -295,6 +296,9 @@ def run(
     Under data parallelism every rank must have as many batches (``DistributedSampler``
     pads them so).
 
+    A scheduler marked :func:`toolkit.per_epoch` in ``state.scheduler`` (alone or in a
+    list) is stepped at every completed pass, right before the ``"epoch_end"`` plugins.
+
     Plugins are plain functions ``plugin(event) -> TrainState | None`` (see :class:`Event`),
     called in list order at ``"start"``, at ``"epoch_start"`` before each pass, once per
     optimizer update (``"step"``, with the outputs of the window's micro-batches in
@@ -452,6 +456,9 @@ def run(
             # A window may span the epoch boundary: its outputs stay in `window`.
             pending = 0
             state = state._evolve({"epoch": state.epoch + 1, "batches_seen": 0})
+            # Before the plugins: a checkpoint taken at "epoch_end" holds the stepped one.
+            for scheduler in epoch_schedulers(state.scheduler):
+                scheduler.step()
             state = _call(plugins, Event("epoch_end", state, loop))
             if one_shot:
                 break

@@ -9,6 +9,8 @@ from typing import Any, ClassVar, NamedTuple
 import optree
 import torch
 
+from toolkit._multi import MultiOptimizer, MultiScheduler
+
 __all__ = ["GuardState", "TrainState", "WindowState"]
 
 
@@ -87,9 +89,14 @@ class TrainState:
             ``torch.compile``).
         optimizer: a ``torch.optim.Optimizer`` over the model's parameters (it may hold more,
             such as a learnable loss temperature, but not only others); required by every
-            train step.
-        scheduler: an optional LR scheduler over ``optimizer``, stepped once per *applied*
-            update; a ``ReduceLROnPlateau`` needs a metric, so the step leaves it alone and
+            train step. A list of optimizers over disjoint parameters becomes a
+            :class:`toolkit.MultiOptimizer`: one backward, every one stepped (e.g. Muon for
+            the matrices and AdamW for the rest).
+        scheduler: an optional LR scheduler over ``optimizer`` (or over one of several),
+            stepped once per *applied* update; a list becomes a
+            :class:`toolkit.MultiScheduler`. One marked :func:`toolkit.per_epoch` is
+            stepped by :func:`toolkit.run` at each epoch's end instead. A
+            ``ReduceLROnPlateau`` needs a metric, so the step leaves it alone and
             :func:`toolkit.plugins.validate` steps it with the metric it monitors.
         scaler: an optional ``torch.amp.GradScaler``; ``amp_wrap(dtype="fp16")`` creates one
             on the first step when this is ``None``.
@@ -109,11 +116,13 @@ class TrainState:
 
     Raises:
         TypeError: a field of the wrong type: ``model`` not a ``torch.nn.Module``,
-            ``optimizer`` not a ``torch.optim.Optimizer``, ``scheduler`` not an LR scheduler,
+            ``optimizer`` not a ``torch.optim.Optimizer`` (or a list with another element),
+            ``scheduler`` not an LR scheduler (or a list with another element),
             ``scaler`` not a ``torch.amp.GradScaler``, a counter not an int, ``stop`` not a
             str, ``extras`` not a mapping.
         ValueError: a negative counter; an optimizer that shares no parameter with the
-            model; a scheduler over another optimizer, or without one.
+            model; a scheduler over another optimizer, or without one; a parameter held
+            by two optimizers of a list.
 
     Example:
         >>> import torch
@@ -127,7 +136,9 @@ class TrainState:
     """
 
     model: torch.nn.Module
-    optimizer: torch.optim.Optimizer | None = None
+    # A torch.optim.Optimizer, a MultiOptimizer or None; typed Any for now because the
+    # checkpoint modules' signatures take a torch.optim.Optimizer only.
+    optimizer: Any = None
     scheduler: Any = None
     scaler: torch.amp.GradScaler | None = None
     step: int = 0
@@ -143,6 +154,8 @@ class TrainState:
     _consumed: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
+        for name, value in _several(vars(self)).items():
+            object.__setattr__(self, name, value)
         _check(self, _FIELD_CHECKS)
 
     def replace(self, **changes: Any) -> TrainState:
@@ -170,7 +183,7 @@ class TrainState:
                 f"TrainState.replace: unknown field(s) {sorted(unknown)}; "
                 f"expected some of {sorted(_FIELD_NAMES)}."
             )
-        new = self._evolve(changes)
+        new = self._evolve({**changes, **_several(changes)})
         _check(new, [c for c in _FIELD_CHECKS if changes.keys() & c.fields])
         return new
 
@@ -205,26 +218,42 @@ def _model(state: TrainState) -> None:
         )
 
 
+def _several(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """A list or tuple given as ``optimizer``/``scheduler``, made a Multi* (else nothing)."""
+    out: dict[str, Any] = {}
+    for name, kind in (("optimizer", MultiOptimizer), ("scheduler", MultiScheduler)):
+        value = fields.get(name)
+        if isinstance(value, (list, tuple)):
+            try:
+                out[name] = kind(*value)
+            except (TypeError, ValueError) as error:
+                raise type(error)(f"TrainState.{name}: {error}") from None
+    return out
+
+
 def _optimizer(state: TrainState) -> None:
     optimizer = state.optimizer
     if optimizer is None:
         return
-    if not isinstance(optimizer, torch.optim.Optimizer):
+    if not isinstance(optimizer, (torch.optim.Optimizer, MultiOptimizer)):
         raise TypeError(
-            "TrainState.optimizer: expected a torch.optim.Optimizer, got "
-            f"{type(optimizer).__name__}. Build it over the model's parameters, "
-            "e.g. torch.optim.AdamW(model.parameters(), lr=1e-3)."
+            "TrainState.optimizer: expected a torch.optim.Optimizer, or a list of them (one "
+            f"backward, each stepped); got {type(optimizer).__name__}. Build it over the "
+            "model's parameters, e.g. torch.optim.AdamW(model.parameters(), lr=1e-3)."
         )
     # Once per state built by hand (steps copy states without this check). No shared
     # parameter means the optimizer steps another model: training would change nothing.
     own = {id(p) for p in state.model.parameters()}
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if not any(id(p) in own for p in params):
-        raise ValueError(
-            f"TrainState.optimizer: none of its {len(params)} parameters belongs to the "
-            "model, so training would never change the model; build it over this model's "
-            "parameters, e.g. torch.optim.AdamW(model.parameters())."
-        )
+    inner = optimizer.optimizers if isinstance(optimizer, MultiOptimizer) else (optimizer,)
+    for i, one in enumerate(inner):
+        params = [p for group in one.param_groups for p in group["params"]]
+        if not any(id(p) in own for p in params):
+            which = f"optimizer[{i}]" if isinstance(optimizer, MultiOptimizer) else "optimizer"
+            raise ValueError(
+                f"TrainState.{which}: none of its {len(params)} parameters belongs to the "
+                "model, so training would never change the model; build it over this "
+                "model's parameters, e.g. torch.optim.AdamW(model.parameters())."
+            )
 
 
 def _scheduler(state: TrainState) -> None:
@@ -233,19 +262,29 @@ def _scheduler(state: TrainState) -> None:
         return
     if not (callable(getattr(scheduler, "step", None)) and hasattr(scheduler, "state_dict")):
         raise TypeError(
-            f"TrainState.scheduler: expected an LR scheduler from torch.optim.lr_scheduler; "
-            f"got {type(scheduler).__name__} {scheduler!r:.40}. Build one over the optimizer, "
-            "e.g. torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=1000)."
+            f"TrainState.scheduler: expected an LR scheduler from torch.optim.lr_scheduler "
+            f"(or a list of them); got {type(scheduler).__name__} {scheduler!r:.40}. Build "
+            "one over the optimizer, e.g. "
+            "torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=1000)."
         )
-    if state.optimizer is None or getattr(scheduler, "optimizer", state.optimizer) is not (
-        state.optimizer
-    ):
-        raise ValueError(
-            f"TrainState.scheduler: expected a scheduler over the state's optimizer; this "
-            f"{type(scheduler).__name__} steps "
-            f"{'no optimizer of the state' if state.optimizer is None else 'another one'}. "
-            "Build it over the same optimizer: Scheduler(optimizer, ...)."
-        )
+    optimizer = state.optimizer
+    # A scheduler may drive the state's optimizer or, with several, any one of them.
+    allowed = [optimizer]
+    if isinstance(optimizer, MultiOptimizer):
+        allowed += optimizer.optimizers
+    several = isinstance(scheduler, MultiScheduler)
+    members = scheduler.schedulers if several else (scheduler,)
+    for i, member in enumerate(members):
+        driven = getattr(member, "optimizer", optimizer)
+        if optimizer is None or not any(driven is o for o in allowed):
+            which = f"scheduler[{i}]" if several else "scheduler"
+            raise ValueError(
+                f"TrainState.{which}: expected a scheduler over the state's optimizer; this "
+                f"{type(member).__name__} steps "
+                f"{'no optimizer of the state' if optimizer is None else 'another one'}. "
+                "Build it over the same optimizer: Scheduler(optimizer, ...) (with several "
+                "optimizers, over one of them)."
+            )
 
 
 def _scaler(state: TrainState) -> None:

@@ -17,6 +17,7 @@ from toolkit._distributed import (
     suppress_grad_sync,
     sync_kind,
 )
+from toolkit._multi import PerEpoch
 from toolkit._phases import (
     AccumulateConfig,
     AmpConfig,
@@ -114,7 +115,9 @@ _FP16 = torch.float16
 # The fields after samples of an output whose window stays open: updated, closed, skipped,
 # nonfinite, overflow, empty, grad_norm, lr (see StepOutput).
 _OPEN_FLAGS = (False, False, False, False, False, False, None, None)
-_ON_METRIC = torch.optim.lr_scheduler.ReduceLROnPlateau
+# Schedulers the step leaves alone: a ReduceLROnPlateau needs a metric (validate steps it),
+# a per_epoch one is run()'s to step at each epoch's end.
+_NOT_PER_UPDATE = (torch.optim.lr_scheduler.ReduceLROnPlateau, PerEpoch)
 _tuple_new = tuple.__new__
 _object_new = object.__new__
 _object_setattr = object.__setattr__  # past the frozen dataclass's __setattr__
@@ -491,9 +494,9 @@ class Step:
             raise failure  # the window is thrown away (scaler updated, grads cleared) first
 
         # 10. scheduler step, only after an applied update (a ReduceLROnPlateau needs a
-        # metric: validate() steps it)
+        # metric: validate() steps it; a per_epoch one is stepped by run())
         scheduler = state.scheduler
-        if apply and scheduler is not None and not isinstance(scheduler, _ON_METRIC):
+        if apply and scheduler is not None and not isinstance(scheduler, _NOT_PER_UPDATE):
             scheduler.step()
 
         # 11. counters

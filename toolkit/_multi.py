@@ -1,0 +1,388 @@
+"""Several optimizers (and schedulers) stepped from one backward, and per-epoch schedulers.
+
+``MultiOptimizer`` and ``MultiScheduler`` present a few real optimizers (schedulers) as the
+one object a train step, the GradScaler, the checkpoint code and the plugins expect: the
+parameter groups concatenated, ``step``/``zero_grad`` over every one, and the standard
+state-dict format numbered across all of them. ``per_epoch`` marks a scheduler that
+:func:`toolkit.run` steps once per pass over the data instead of once per update.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch.optim.lr_scheduler import ReduceLROnPlateau
+
+__all__ = ["MultiOptimizer", "MultiScheduler", "PerEpoch", "epoch_schedulers", "per_epoch"]
+
+
+class MultiOptimizer:
+    """Several optimizers over disjoint parameters, used as one: VeOmni's Muon + AdamW.
+
+    One backward fills every gradient; the train step then treats the optimizers as one:
+    the GradScaler unscales them together and skips them together on an overflow, the
+    guard rejects a non-finite window for all of them, clipping takes the norm over all
+    their parameters, and each is stepped once per applied update. Passing a list to
+    ``TrainState(optimizer=[muon, adamw])`` builds one.
+
+    ``param_groups`` is the concatenation of the optimizers' groups, in order (the
+    group dicts themselves, so changing a group's ``lr`` changes that optimizer's);
+    ``state_dict()`` is in ``torch.optim.Optimizer``'s format with the parameters numbered
+    across the optimizers in that order, which ``load_state_dict`` splits back. Build a
+    scheduler over each real optimizer (``.optimizers``), not over this object.
+
+    Args:
+        *optimizers: one or more ``torch.optim.Optimizer``, no parameter held by two.
+
+    Raises:
+        TypeError: no optimizer, or an element that is not a ``torch.optim.Optimizer``.
+        ValueError: the same optimizer twice, or a parameter held by two of them (it would
+            be updated twice per step).
+
+    Example:
+        >>> import torch
+        >>> from toolkit import MultiOptimizer
+        >>> model = torch.nn.Linear(3, 2)
+        >>> muon_like = torch.optim.SGD([model.weight], lr=0.1, momentum=0.9)
+        >>> adamw = torch.optim.AdamW([model.bias], lr=1e-3)
+        >>> both = MultiOptimizer(muon_like, adamw)
+        >>> model(torch.ones(4, 3)).sum().backward()
+        >>> both.step(); both.zero_grad()
+        >>> [group["lr"] for group in both.param_groups], model.bias.grad is None
+        ([0.1, 0.001], True)
+    """
+
+    __slots__ = ("optimizers",)
+    optimizers: tuple[torch.optim.Optimizer, ...]
+
+    def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
+        _check_optimizers(optimizers)
+        object.__setattr__(self, "optimizers", tuple(optimizers))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(
+            f"MultiOptimizer is immutable; build a new one instead of setting {name!r}."
+        )
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """Every optimizer's parameter groups, in order (a new list of the same dicts)."""
+        return [group for optimizer in self.optimizers for group in optimizer.param_groups]
+
+    @property
+    def state(self) -> dict[torch.Tensor, Any]:
+        """Per-parameter state of every optimizer, merged (a new dict of the same states)."""
+        return {p: s for optimizer in self.optimizers for p, s in optimizer.state.items()}
+
+    def __iter__(self) -> Iterator[torch.optim.Optimizer]:
+        # torch.distributed.checkpoint's get_state_dict takes an iterable of optimizers.
+        return iter(self.optimizers)
+
+    def step(self, closure: Any = None) -> None:
+        """Step every optimizer, in order."""
+        if closure is not None:
+            raise TypeError(
+                "MultiOptimizer.step: a closure would be evaluated once per optimizer (one "
+                "forward and backward each); step without one, after a single backward."
+            )
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients of every optimizer's parameters."""
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"state", "param_groups"}`` as one optimizer's, numbered across all of them."""
+        state: dict[int, Any] = {}
+        groups: list[dict[str, Any]] = []
+        offset = 0
+        for optimizer in self.optimizers:
+            inner = optimizer.state_dict()
+            state.update({offset + i: value for i, value in inner["state"].items()})
+            groups += [
+                {**group, "params": [offset + i for i in group["params"]]}
+                for group in inner["param_groups"]
+            ]
+            offset += sum(len(group["params"]) for group in inner["param_groups"])
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Split a :meth:`state_dict` back over the optimizers and load each one.
+
+        Raises:
+            ValueError: the state dict has another number of parameter groups (it was
+                saved from other optimizers); each optimizer's own check reports groups
+                of other sizes.
+        """
+        groups = list(state_dict["param_groups"])
+        counts = [len(optimizer.param_groups) for optimizer in self.optimizers]
+        if len(groups) != sum(counts):
+            raise ValueError(
+                f"MultiOptimizer.load_state_dict: the state dict has {len(groups)} parameter "
+                f"group(s); these optimizers have {sum(counts)} ({counts}). Load a state "
+                "saved from the same optimizers, built over the same parameter groups."
+            )
+        saved = state_dict["state"]
+        offset = start = 0
+        for optimizer, count in zip(self.optimizers, counts, strict=True):
+            own = groups[start : start + count]
+            start += count
+            indices = [i for group in own for i in group["params"]]
+            optimizer.load_state_dict(
+                {
+                    "state": {i - offset: saved[i] for i in indices if i in saved},
+                    "param_groups": [
+                        {**group, "params": [i - offset for i in group["params"]]} for group in own
+                    ],
+                }
+            )
+            offset += len(indices)
+
+    def __repr__(self) -> str:
+        return f"MultiOptimizer({', '.join(type(o).__name__ for o in self.optimizers)})"
+
+
+def _check_optimizers(optimizers: tuple[Any, ...]) -> None:
+    if not optimizers:
+        raise TypeError(
+            "MultiOptimizer: expected one or more torch.optim.Optimizer; got none. "
+            "Example: MultiOptimizer(torch.optim.SGD(matrices), torch.optim.AdamW(rest))."
+        )
+    owner: dict[int, int] = {}
+    for i, optimizer in enumerate(optimizers):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            hint = (
+                " (already several: pass its .optimizers)"
+                if isinstance(optimizer, MultiOptimizer)
+                else ""
+            )
+            raise TypeError(
+                f"MultiOptimizer: optimizers[{i}] is a {type(optimizer).__name__}{hint}; "
+                "expected a torch.optim.Optimizer, e.g. torch.optim.AdamW(params)."
+            )
+        if any(optimizer is other for other in optimizers[:i]):
+            raise ValueError(
+                f"MultiOptimizer: optimizers[{i}] is the same {type(optimizer).__name__} as "
+                "an earlier one; it would be stepped twice per update. Give each once."
+            )
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                first = owner.setdefault(id(param), i)
+                if first != i:
+                    raise ValueError(
+                        f"MultiOptimizer: a parameter of shape {list(param.shape)} is held by "
+                        f"optimizers[{first}] ({type(optimizers[first]).__name__}) and "
+                        f"optimizers[{i}] ({type(optimizer).__name__}); it would be updated "
+                        "twice per step. Split the parameters so each optimizer has its own."
+                    )
+
+
+@dataclasses.dataclass(frozen=True)
+class PerEpoch:
+    """A scheduler that :func:`toolkit.run` steps once per pass over the data.
+
+    Build it with :func:`per_epoch`. The train step leaves it alone; ``run()`` calls its
+    ``step()`` at every ``"epoch_end"``, before the plugins (so a checkpoint taken there
+    holds the stepped scheduler). ``state_dict``, ``load_state_dict`` and
+    ``get_last_lr`` are the wrapped scheduler's.
+
+    Attributes:
+        scheduler: the wrapped LR scheduler.
+
+    Example:
+        >>> import torch
+        >>> from toolkit import per_epoch
+        >>> optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1.0)
+        >>> every_epoch = per_epoch(torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5))
+        >>> optimizer.step(); every_epoch.step(); every_epoch.get_last_lr()
+        [0.5]
+    """
+
+    scheduler: Any
+
+    @property
+    def optimizer(self) -> Any:
+        return self.scheduler.optimizer
+
+    def step(self) -> None:
+        self.scheduler.step()
+
+    def get_last_lr(self) -> list[Any]:
+        return list(self.scheduler.get_last_lr())
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.scheduler.state_dict())
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        self.scheduler.load_state_dict(state_dict)
+
+
+def per_epoch(scheduler: Any) -> PerEpoch:
+    """Mark ``scheduler`` to be stepped once per epoch (accel_hydra's ``EPOCH`` interval).
+
+    Put the result in ``TrainState(scheduler=...)`` (alone, or in a list with per-update
+    schedulers). The train step never steps it; :func:`toolkit.run` steps it at every
+    ``"epoch_end"`` (every completed pass over the data, whether or not the pass applied
+    an update, as a hand-written ``for epoch: ...; scheduler.step()`` loop does), before
+    calling the plugins. A run stopped by ``max_steps`` in the middle of a pass does not
+    step it for that pass. In a loop of your own, call its ``step()`` after each epoch.
+
+    Args:
+        scheduler: an LR scheduler from ``torch.optim.lr_scheduler`` (not a
+            ``ReduceLROnPlateau``).
+
+    Returns:
+        A :class:`PerEpoch` wrapping it.
+
+    Raises:
+        TypeError: ``scheduler`` is a ``ReduceLROnPlateau`` (it needs a metric: let
+            ``validate(plateau_metric=...)`` step it), already per-epoch, several
+            schedulers, or not a scheduler.
+
+    Example:
+        >>> import torch
+        >>> from toolkit import TrainState, make_step, per_epoch, run
+        >>> model = torch.nn.Linear(2, 1)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        >>> decay = per_epoch(torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5))
+        >>> state = TrainState(model=model, optimizer=optimizer, scheduler=decay)
+        >>> state = run(make_step(lambda m, b: m(b).mean()), state, [torch.ones(1, 2)] * 3,
+        ...             epochs=2)
+        >>> state.step, optimizer.param_groups[0]["lr"]
+        (6, 0.25)
+    """
+    if isinstance(scheduler, ReduceLROnPlateau):
+        raise TypeError(
+            "per_epoch: got a ReduceLROnPlateau, which steps on a metric, not on a count of "
+            "epochs. Put it in the state as it is and let validation step it: "
+            "plugins=[validate(eval_fn, data, per_epoch=True, plateau_metric='loss')]."
+        )
+    if isinstance(scheduler, (PerEpoch, MultiScheduler)):
+        raise TypeError(
+            f"per_epoch: got a {type(scheduler).__name__}; expected one LR scheduler. Mark "
+            "each per-epoch scheduler alone: scheduler=[per_epoch(a), b]."
+        )
+    _check_scheduler(scheduler, "per_epoch: scheduler")
+    return PerEpoch(scheduler)
+
+
+class MultiScheduler:
+    """Several LR schedulers used as one (a scheduler per optimizer of a MultiOptimizer).
+
+    ``step()`` steps the per-update schedulers (a :func:`per_epoch` one is left to
+    :func:`toolkit.run`'s ``"epoch_end"``); ``get_last_lr()`` concatenates theirs, in
+    the order given (give them in the optimizers' order to match ``param_groups``);
+    ``state_dict()`` holds one state per scheduler, in order. Passing a list to
+    ``TrainState(scheduler=[...])`` builds one.
+
+    Args:
+        *schedulers: LR schedulers, possibly :func:`per_epoch`-marked.
+
+    Raises:
+        TypeError: no scheduler, or an element that is not an LR scheduler, or a
+            ``ReduceLROnPlateau`` (the validate plugin steps one only alone in
+            ``TrainState.scheduler``), or a nested MultiScheduler.
+
+    Example:
+        >>> import torch
+        >>> from toolkit import MultiScheduler
+        >>> a = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1.0)
+        >>> b = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=2.0)
+        >>> lr = torch.optim.lr_scheduler
+        >>> both = MultiScheduler(lr.StepLR(a, 1, gamma=0.5), lr.StepLR(b, 1, gamma=0.1))
+        >>> a.step(); b.step(); both.step(); both.get_last_lr()
+        [0.5, 0.2]
+    """
+
+    __slots__ = ("per_epoch", "per_update", "schedulers")
+    schedulers: tuple[Any, ...]
+    per_update: tuple[Any, ...]
+    per_epoch: tuple[PerEpoch, ...]
+
+    def __init__(self, *schedulers: Any) -> None:
+        if not schedulers:
+            raise TypeError(
+                "MultiScheduler: expected one or more LR schedulers; got none. Example: "
+                "MultiScheduler(CosineAnnealingLR(muon, 1000), LinearLR(adamw))."
+            )
+        for i, scheduler in enumerate(schedulers):
+            if isinstance(scheduler, ReduceLROnPlateau):
+                raise TypeError(
+                    f"MultiScheduler: schedulers[{i}] is a ReduceLROnPlateau; validate("
+                    "plateau_metric=...) steps one only when it is alone in "
+                    "TrainState.scheduler. Use a schedule by count here, or a single "
+                    "optimizer with the ReduceLROnPlateau."
+                )
+            if isinstance(scheduler, MultiScheduler):
+                raise TypeError(
+                    f"MultiScheduler: schedulers[{i}] is a MultiScheduler; pass its "
+                    "schedulers one by one: MultiScheduler(*inner.schedulers, other)."
+                )
+            if not isinstance(scheduler, PerEpoch):
+                _check_scheduler(scheduler, f"MultiScheduler: schedulers[{i}]")
+        set_ = object.__setattr__
+        set_(self, "schedulers", tuple(schedulers))
+        set_(self, "per_update", tuple(s for s in schedulers if not isinstance(s, PerEpoch)))
+        set_(self, "per_epoch", tuple(s for s in schedulers if isinstance(s, PerEpoch)))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(
+            f"MultiScheduler is immutable; build a new one instead of setting {name!r}."
+        )
+
+    @property
+    def optimizers(self) -> tuple[Any, ...]:
+        """The optimizer of each scheduler, in order."""
+        return tuple(s.optimizer for s in self.schedulers)
+
+    def step(self) -> None:
+        """Step the per-update schedulers (not the :func:`per_epoch` ones)."""
+        for scheduler in self.per_update:
+            scheduler.step()
+
+    def get_last_lr(self) -> list[Any]:
+        return [lr for s in self.schedulers for lr in s.get_last_lr()]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"schedulers": [dict(s.state_dict()) for s in self.schedulers]}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        saved = list(state_dict["schedulers"])
+        if len(saved) != len(self.schedulers):
+            raise ValueError(
+                f"MultiScheduler.load_state_dict: the state dict holds {len(saved)} "
+                f"scheduler state(s); this MultiScheduler has {len(self.schedulers)}. Load "
+                "a state saved from the same schedulers."
+            )
+        for scheduler, state in zip(self.schedulers, saved, strict=True):
+            scheduler.load_state_dict(state)
+
+    def __repr__(self) -> str:
+        return f"MultiScheduler({', '.join(type(s).__name__ for s in self.schedulers)})"
+
+
+def _check_scheduler(scheduler: Any, who: str) -> None:
+    if not (
+        callable(getattr(scheduler, "step", None))
+        and callable(getattr(scheduler, "state_dict", None))
+        and hasattr(scheduler, "optimizer")
+    ):
+        raise TypeError(
+            f"{who}: expected an LR scheduler from torch.optim.lr_scheduler; got "
+            f"{type(scheduler).__name__} {scheduler!r:.40}. Build one over an optimizer, "
+            "e.g. torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)."
+        )
+
+
+def epoch_schedulers(scheduler: Any) -> tuple[PerEpoch, ...]:
+    """The :func:`per_epoch` schedulers in ``TrainState.scheduler``, for run()'s epoch end."""
+    if isinstance(scheduler, PerEpoch):
+        return (scheduler,)
+    if isinstance(scheduler, MultiScheduler):
+        return scheduler.per_epoch
+    return ()
