@@ -219,6 +219,9 @@ def test_multi_optimizer_state_dict_round_trips_and_refuses_another_layout() -> 
     fresh.load_state_dict(saved)
     assert fresh.state_dict()["param_groups"] == saved["param_groups"]
     assert torch.equal(fresh.state_dict()["state"][3]["exp_avg"], saved["state"][3]["exp_avg"])
+    swapped = MultiOptimizer(*reversed(_two_optimizer_state().optimizer.optimizers))
+    with pytest.raises(ValueError, match=r"optimizers\[0\] \(AdamW\) has options \['dampening'"):
+        swapped.load_state_dict(saved)
     single = _model()
     with pytest.raises(ValueError, match=r"state dict has 1 parameter group\(s\); these .* 2"):
         fresh.load_state_dict(torch.optim.SGD(single.parameters(), lr=0.1).state_dict())

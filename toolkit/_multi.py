@@ -115,9 +115,9 @@ class MultiOptimizer:
         """Split a :meth:`state_dict` back over the optimizers and load each one.
 
         Raises:
-            ValueError: the state dict has another number of parameter groups (it was
-                saved from other optimizers); each optimizer's own check reports groups
-                of other sizes.
+            ValueError: the state dict has another number of parameter groups, or a group
+                with options its optimizer does not know (it was saved from other
+                optimizers); each optimizer's own check reports groups of other sizes.
         """
         groups = list(state_dict["param_groups"])
         counts = [len(optimizer.param_groups) for optimizer in self.optimizers]
@@ -128,12 +128,24 @@ class MultiOptimizer:
                 "saved from the same optimizers, built over the same parameter groups."
             )
         saved = state_dict["state"]
+        pieces = []  # every optimizer's part is checked before any is loaded
         offset = start = 0
-        for optimizer, count in zip(self.optimizers, counts, strict=True):
+        for position, (optimizer, count) in enumerate(zip(self.optimizers, counts, strict=True)):
             own = groups[start : start + count]
             start += count
+            # The numbering says nothing of the optimizer kind: SGD's state loaded into an
+            # AdamW would only fail at its first step. Their options tell them apart.
+            for group, live in zip(own, optimizer.param_groups, strict=True):
+                foreign = sorted(set(group) - set(live) - {"params"})
+                if foreign:
+                    raise ValueError(
+                        f"MultiOptimizer.load_state_dict: the state for optimizers[{position}] "
+                        f"({type(optimizer).__name__}) has options {foreign} it does not "
+                        "know; it was saved from another kind of optimizer. Build the "
+                        "optimizers in the saved run's order and kinds."
+                    )
             indices = [i for group in own for i in group["params"]]
-            optimizer.load_state_dict(
+            pieces.append(
                 {
                     "state": {i - offset: saved[i] for i in indices if i in saved},
                     "param_groups": [
@@ -142,6 +154,8 @@ class MultiOptimizer:
                 }
             )
             offset += len(indices)
+        for optimizer, piece in zip(self.optimizers, pieces, strict=True):
+            optimizer.load_state_dict(piece)
 
     def __repr__(self) -> str:
         return f"MultiOptimizer({', '.join(type(o).__name__ for o in self.optimizers)})"
