@@ -624,7 +624,10 @@ def test_every_must_be_a_positive_int(every: Any) -> None:
         log_metrics(every, sinks=[])
 
 
-@pytest.mark.parametrize("sinks", ["metrics.jsonl", None, [print]])
+_NO_START = mock.Mock(spec=["write", "close"])
+
+
+@pytest.mark.parametrize("sinks", ["metrics.jsonl", None, [print], [_NO_START]])
 def test_sinks_must_be_sinks(sinks: Any) -> None:
     with pytest.raises(TypeError, match=r"log_metrics: (sinks must be a list|each sink needs)"):
         log_metrics(1, sinks=sinks)

@@ -130,10 +130,11 @@ def _check(
             f"{type(sinks).__name__}."
         )
     for sink in sinks:
-        if not (callable(getattr(sink, "write", None)) and callable(getattr(sink, "close", None))):
+        if not all(callable(getattr(sink, name, None)) for name in ("write", "close", "start")):
             raise TypeError(
-                f"log_metrics: each sink needs write(step, metrics) and close(); got "
-                f"{type(sink).__name__}; build one with jsonl, tensorboard, wandb or Sink."
+                f"log_metrics: each sink needs write(step, metrics), close() and start(step); "
+                f"got {type(sink).__name__}; build one with jsonl, tensorboard, wandb or "
+                "Sink(write, close)."
             )
     if not isinstance(reduce, Mapping):
         raise TypeError(
@@ -338,8 +339,8 @@ def log_metrics(
       their step.
 
     At the run's first event after ``"start"`` (so that a ``checkpoints`` plugin placed
-    after it has restored the state), rank 0 calls ``start(step)`` of each sink that has
-    one with the step the run resumes from. At ``"end"`` the sinks are closed (they reopen
+    after it has restored the state), rank 0 calls each sink's ``start(step)`` with the
+    step the run resumes from. At ``"end"`` the sinks are closed (they reopen
     if written again, e.g. by a second run). When training raised, the partial interval is
     still published, from this rank's data only (no collective: the other ranks may be
     gone).
@@ -526,9 +527,7 @@ def log_metrics(
         memory.extras = None  # scan everything at this event
         if is_rank_zero():
             for sink in sink_list:
-                start = getattr(sink, "start", None)
-                if start is not None:
-                    start(resumed)
+                sink.start(resumed)
             _check_totals(state, options.totals, resumed)
         memory.slow = len(memory.next_lrs) > 1
 
