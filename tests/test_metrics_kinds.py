@@ -331,3 +331,14 @@ def test_jsonl_rows_of_a_resumed_run_hold_the_totals(tmp_path: Path) -> None:
     assert [(r["step"], r["train/ntokens"], r["train/total/ntokens"]) for r in lines] == [
         (4, 9, 9), (8, 22, 31)
     ]  # fmt: skip
+
+
+def test_several_optimizers_log_every_group() -> None:
+    model = torch.nn.Linear(2, 1)
+    adam = torch.optim.Adam([model.weight], lr=0.1)
+    sgd = torch.optim.SGD([model.bias], lr=0.01)
+    state = TrainState(model=model, optimizer=[adam, sgd])
+    rows, _, sink = recorder()
+    step = make_step(lambda m, b: m(b).square().mean())
+    run(step, state, [torch.randn(4, 2)], max_steps=1, plugins=[log_metrics(1, sinks=[sink])])
+    assert (rows[0][1]["train/lr/0"], rows[0][1]["train/lr/1"]) == (0.1, 0.01)

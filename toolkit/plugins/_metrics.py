@@ -201,12 +201,8 @@ def _names(what: str, value: Any) -> list[str]:
 
 
 def _groups(optimizer: Any) -> list[dict[str, Any]]:
-    """The parameter groups of the state's optimizer (or of each of several)."""
-    if optimizer is None:
-        return []
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return list(optimizer.param_groups)
-    return [g for opt in optimizer for g in opt.param_groups]
+    """The parameter groups of the state's optimizer (a MultiOptimizer's: all of them)."""
+    return list(getattr(optimizer, "param_groups", None) or ())
 
 
 def _group_names(groups: Sequence[Mapping[str, Any]]) -> list[str]:
