@@ -1,39 +1,65 @@
-"""Metric sinks for :func:`toolkit.plugins.log_metrics`: JSON lines, TensorBoard, W&B."""
+"""Sinks for :func:`toolkit.plugins.log_metrics` and :func:`toolkit.plugins.log_images`:
+JSON lines, TensorBoard, W&B, PNG files; each follows a resumed run's step."""
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import os
 import pathlib
-from collections.abc import Callable
+import re
+import tempfile
+import weakref
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-__all__ = ["Sink", "jsonl", "tensorboard", "wandb"]
+from toolkit.plugins._pixels import check_name, pixels
+
+__all__ = ["Sink", "jsonl", "png_dir", "tensorboard", "wandb"]
+
+_LOGGERS = 'pip install -e ".[loggers]" from a checkout of toolkit'
+
+
+def _no_start(step: int) -> None:
+    """The default ``Sink.start``: a sink with nothing to check or align."""
+
+
+def _no_images(step: int, images: dict[str, Any]) -> None:
+    """The default ``Sink.images``: a sink that records no images."""
 
 
 class Sink(NamedTuple):
-    """Where :func:`toolkit.plugins.log_metrics` sends what it publishes: two functions.
+    """Where :func:`toolkit.plugins.log_metrics` (and :func:`toolkit.plugins.log_images`)
+    send what they publish: two to four functions.
 
-    Any pair of functions works as a sink; :func:`jsonl`, :func:`tensorboard` and
-    :func:`wandb` build the usual ones. The built-in sinks open their file or run lazily at
-    the first ``write``, so a sink that is never written (on ranks other than 0) creates
-    nothing, and they may be written again after ``close`` (they reopen).
+    Any ``write`` and ``close`` make a sink; :func:`jsonl`, :func:`tensorboard`,
+    :func:`wandb` and :func:`png_dir` build the usual ones. The built-in sinks open their
+    file or run at ``start`` (or at the first ``write`` when nothing started them), so a
+    sink used only on ranks other than 0 creates nothing, and they may be written again
+    after ``close`` (they reopen and continue).
 
     Attributes:
         write: ``write(step, metrics)`` records ``metrics`` (flat ``{"train/loss": 0.5}``,
             python floats) at update ``step``.
         close: ``close()`` flushes and releases the file or run; calling it twice is harmless.
+            A built-in sink started by two plugins (one sink shared by ``log_metrics`` and
+            ``log_images``) is released at the second ``close``.
         start: ``start(step)``, optional (default: does nothing): called by
             :func:`toolkit.plugins.log_metrics` at the run's ``"start"`` event on rank 0 with
             ``state.step`` (0 for a fresh run, N after a resume); checks what can be checked
             before training (folder writable, parent not a file, wandb arguments valid) and
             aligns the logs with the resumed step.
+        images: ``images(step, {name: image})``, optional (default: records nothing):
+            records images at ``step``; an image is a tensor (uint8 pixels, or float
+            intensities in [0, 1]; ``(H, W)``, CHW when the first dimension is 1, 3 or 4,
+            else HWC) or a matplotlib figure.
 
     Example:
         >>> from toolkit.plugins import Sink
         >>> seen = []
         >>> sink = Sink(write=lambda step, m: seen.append((step, m)), close=lambda: None)
+        >>> sink.start(0)  # the default: nothing to do
         >>> sink.write(10, {"train/loss": 0.5})
         >>> seen
         [(10, {'train/loss': 0.5})]
@@ -41,7 +67,8 @@ class Sink(NamedTuple):
 
     write: Callable[[int, dict[str, float]], None]
     close: Callable[[], None]
-    start: Callable[[int], None] = lambda step: None  # a sink with nothing to check
+    start: Callable[[int], None] = _no_start
+    images: Callable[[int, dict[str, Any]], None] = _no_images
 
 
 def _check_path(fn: str, name: str, value: Any) -> pathlib.Path:
@@ -52,65 +79,245 @@ def _check_path(fn: str, name: str, value: Any) -> pathlib.Path:
     return pathlib.Path(value)
 
 
-@dataclasses.dataclass(slots=True)
-class _Lazy:
-    """A sink's target (file, writer, run), opened at the first write and after a close."""
+_EXISTING = ("refuse", "replace", "append")
 
-    open: Callable[[int], Any]  # called with the number of earlier opens
-    put: Callable[[Any, int, dict[str, float]], None]
+
+def _check_existing(fn: str, existing: Any) -> str:
+    if existing not in _EXISTING:
+        raise ValueError(
+            f"{fn}: existing must be 'refuse', 'replace' or 'append' (what a fresh run does "
+            f"with logs already there); got {existing!r}."
+        )
+    return str(existing)
+
+
+def _refuse(fn: str, what: str, where: pathlib.Path, arg: str) -> FileExistsError:
+    return FileExistsError(
+        f"{fn}: {str(where)!r} already holds {what} of another run, and this run starts "
+        f"fresh (step 0). Pass {fn}({arg}, existing='replace') to start afresh, "
+        f"existing='append' to add this run after them, or choose another {arg}. (A run "
+        "resumed from a checkpoint continues them from its step.)"
+    )
+
+
+def _check_folder(fn: str, name: str, folder: pathlib.Path) -> None:
+    """Create ``folder`` and check that a file can be written in it, or say why not."""
+    for parent in (folder, *folder.parents):
+        if parent.exists() or parent.is_symlink():
+            if not parent.is_dir():
+                raise NotADirectoryError(
+                    f"{fn}: {name} needs the folder {str(folder)!r}, but {str(parent)!r} is a "
+                    f"file, not a folder; choose another {name} or move the file."
+                )
+            break
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as exc:
+        raise type(exc)(
+            f"{fn}: cannot write in {str(folder)!r} ({exc.strerror or exc}); make it writable "
+            f"or choose another {name}."
+        ) from exc
+
+
+def _replace_file(path: pathlib.Path, data: bytes) -> None:
+    """Write ``path`` atomically: a crash leaves the old file or the new one, never half."""
+    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=False) as f:
+        try:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        except BaseException:
+            os.unlink(f.name)
+            raise
+    os.replace(f.name, path)
+
+
+@dataclasses.dataclass(slots=True, weakref_slot=True, eq=False)  # hashed by identity
+class _Lazy:
+    """A sink's target (file, writer, run): prepared and opened at ``start`` (or at the first
+    write), reopened by a write after a close."""
+
+    # prepare(step, first): checks, and aligns the logs with the step a run starts from;
+    # first: this sink's first start, when logs already there are another run's.
+    prepare: Callable[[int, bool], None]
+    open: Callable[[], Any]
     shut: Callable[[Any], None]
+    put: Callable[[Any, int, dict[str, float]], None] | None = None
+    put_images: Callable[[Any, int, dict[str, Any]], None] | None = None
     target: Any = None
-    opens: int = 0
+    prepared: bool = False
+    started: int | None = None  # the step of the last start
+    users: int = 0  # plugins that started this sink and have not closed it yet
+
+    def start(self, step: int) -> None:
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(
+                f"Sink.start: step must be an int >= 0 (the state.step the run starts from); "
+                f"got {step!r}."
+            )
+        if self.target is not None and self.started == step:
+            self.users += 1  # a second plugin sharing this sink: nothing to do again
+            return
+        self.shut_now()
+        self.prepare(step, not self.prepared)
+        self.prepared, self.started = True, step
+        self.target = self.open()
+        self.users = 1
+
+    def opened(self) -> Any:
+        if self.target is None:
+            if not self.prepared:  # written without a start: a fresh run
+                self.prepare(0, True)
+                self.prepared = True
+            self.target = self.open()
+        return self.target
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
-        if self.target is None:
-            self.target = self.open(self.opens)
-            self.opens += 1
-        self.put(self.target, step, metrics)
+        if self.put is not None:
+            self.put(self.opened(), step, metrics)
+
+    def images(self, step: int, images: dict[str, Any]) -> None:
+        if self.put_images is not None:
+            self.put_images(self.opened(), step, images)
 
     def close(self) -> None:
+        if self.users > 1:
+            self.users -= 1
+            return
+        self.users = 0
+        self.shut_now()
+
+    def shut_now(self) -> None:
         target, self.target = self.target, None
         if target is not None:
             self.shut(target)
 
     def sink(self) -> Sink:
-        return Sink(self.write, self.close)
+        return Sink(
+            self.write,
+            self.close,
+            self.start,
+            _no_images if self.put_images is None else self.images,
+        )
 
 
-def jsonl(path: str | os.PathLike[str], *, mode: str = "a") -> Sink:
+# ------------------------------------------------------------------------------ jsonl
+
+# The jsonl sinks holding each file (resolved path) in this process: a second sink on the
+# same file would interleave (or truncate) the first one's lines.
+_HOLDERS: weakref.WeakValueDictionary[str, _Lazy] = weakref.WeakValueDictionary()
+_LABELS: weakref.WeakKeyDictionary[_Lazy, str] = weakref.WeakKeyDictionary()
+
+
+def _hold(key: str, holder: _Lazy) -> None:
+    other = _HOLDERS.get(key)
+    if other is not None and other is not holder:
+        raise ValueError(
+            f"jsonl: two sinks write to {key!r}: {_LABELS[other]} and {_LABELS[holder]}; "
+            "their lines would overwrite each other. Give each sink its own path, or pass "
+            "the same sink object wherever that file is wanted."
+        )
+    _HOLDERS[key] = holder
+
+
+def _kept_lines(data: bytes, step: int) -> bytes:
+    """The lines of a metrics file that a run resumed at ``step`` keeps.
+
+    The last run in the file starts after the last line whose step is lower than the line
+    before it (a fresh run appended after an older one); of its lines, those past ``step``
+    go (the resumed run writes them again), and so does a last line cut short by a crash.
+    """
+    lines = data.splitlines(keepends=True)
+    if lines and not lines[-1].endswith(b"\n"):
+        lines.pop()  # a line the crash cut short
+    steps: list[int | None] = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        value = row.get("step") if isinstance(row, dict) else None
+        steps.append(value if isinstance(value, int) else None)
+    last_run, before = 0, None
+    for i, value in enumerate(steps):
+        if value is not None:
+            if before is not None and value < before:
+                last_run = i
+            before = value
+    kept = lines[:last_run] + [
+        line
+        for line, value in zip(lines[last_run:], steps[last_run:])
+        if value is None or value <= step
+    ]
+    return b"".join(kept)
+
+
+def jsonl(
+    path: str | os.PathLike[str], *, existing: str | None = None, mode: str | None = None
+) -> Sink:
     """A sink appending one JSON object per publish to ``path``: ``{"step": s, **metrics}``.
 
-    Needs no extra package. Parent directories are created at the first write; every line
-    goes to the operating system in one unbuffered write as soon as it is published, so a
-    crashed run loses no published line. By default the file is opened in append mode, so
-    a resumed run continues the same file; ``mode="w"`` starts it afresh at this sink's
-    first write (later writes append, also after a close and reopen), for a new run in a
-    reused folder. Non-finite values are written as ``NaN`` / ``Infinity`` (what Python's
-    ``json`` writes and reads back).
+    Needs no extra package. Every line goes to the operating system in one unbuffered write
+    as soon as it is published, so a crashed run loses no published line. Non-finite
+    values are written as ``NaN`` / ``Infinity`` (what Python's ``json`` writes and reads
+    back). It records no images.
+
+    At ``start(step)`` (from :func:`toolkit.plugins.log_metrics`, on rank 0) the parent
+    folders are created and checked writable, and the file follows the run:
+
+    * **a resumed run** (``step > 0``) continues the file: the lines past ``step``, written
+      by the run before the crash after its last checkpoint, are dropped (the file is
+      rewritten atomically: a temporary file, fsync, rename), so each step is in the file
+      once and in order;
+    * **a fresh run** (``step == 0``) into a file that is not empty (at this sink's first
+      start; a later one, a second ``run()`` with the same sink, continues its own lines)
+      does what ``existing`` says: ``"refuse"`` (the default) raises ``FileExistsError``
+      naming the path and the options, before any training; ``"replace"`` empties the
+      file; ``"append"`` adds the new run after the old one (a resume later drops only the
+      last run's lines past its step).
+
+    A sink written without a start (used by hand) acts as a fresh run at its first write.
+    Two jsonl sinks on one file in a process are refused (``ValueError`` naming both) at
+    the second one's start. After ``close``, a write reopens the file and appends.
 
     Args:
-        path: the file to append to, e.g. ``"runs/exp1/metrics.jsonl"``.
-        mode: ``"a"`` to append to an existing file, ``"w"`` to replace it.
+        path: the file, e.g. ``"runs/exp1/metrics.jsonl"``.
+        existing: ``"refuse"`` (default), ``"replace"`` or ``"append"``: what a fresh run
+            does with a non-empty file.
+        mode: the older spelling: ``"w"`` is ``existing="replace"``, ``"a"`` is
+            ``existing="append"``; give ``existing`` or ``mode``, not both.
 
     Returns:
         A :class:`Sink`.
 
     Raises:
         TypeError: when ``path`` is not a str or path-like.
-        ValueError: when ``mode`` is not ``"a"`` or ``"w"``.
+        ValueError: when ``existing`` or ``mode`` is not one of its values, or both given.
         IsADirectoryError: when ``path`` is an existing directory.
+        FileExistsError: at a fresh start into a non-empty file with ``existing="refuse"``.
+        NotADirectoryError, PermissionError: at start, when a parent is a file or the
+            folder cannot be written.
 
     Example:
         >>> import json, pathlib, tempfile
         >>> from toolkit.plugins import jsonl
         >>> with tempfile.TemporaryDirectory() as tmp:
-        ...     sink = jsonl(pathlib.Path(tmp) / "run" / "metrics.jsonl")
-        ...     sink.write(1, {"train/loss": 0.5})
-        ...     sink.write(2, {"train/loss": 0.25})
+        ...     path = pathlib.Path(tmp) / "run" / "metrics.jsonl"
+        ...     sink = jsonl(path)
+        ...     sink.start(0)  # a fresh run (log_metrics does this)
+        ...     for step in (2, 4, 6):
+        ...         sink.write(step, {"train/loss": 1 / step})
         ...     sink.close()
-        ...     lines = (pathlib.Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()
-        >>> [json.loads(line) for line in lines]
-        [{'step': 1, 'train/loss': 0.5}, {'step': 2, 'train/loss': 0.25}]
+        ...     resumed = jsonl(path)
+        ...     resumed.start(4)  # resumed from a checkpoint at step 4: step 6 comes again
+        ...     resumed.write(6, {"train/loss": 0.125})
+        ...     resumed.close()
+        ...     for line in path.read_text().splitlines():
+        ...         print(json.loads(line))
+        {'step': 2, 'train/loss': 0.5}
+        {'step': 4, 'train/loss': 0.25}
+        {'step': 6, 'train/loss': 0.125}
     """
     file_path = _check_path("jsonl", "path", path)
     if file_path.is_dir():
@@ -118,38 +325,89 @@ def jsonl(path: str | os.PathLike[str], *, mode: str = "a") -> Sink:
             f"jsonl: path must be a file, e.g. {str(file_path / 'metrics.jsonl')!r}; got the "
             f"directory {str(file_path)!r}."
         )
-    if mode not in ("a", "w"):
-        raise ValueError(f"jsonl: mode must be 'a' (append) or 'w' (replace); got {mode!r}.")
+    if mode is not None:
+        if existing is not None:
+            raise ValueError(
+                f"jsonl: give existing= or its older spelling mode=, not both; got "
+                f"existing={existing!r} and mode={mode!r}."
+            )
+        if mode not in ("a", "w"):
+            raise ValueError(f"jsonl: mode must be 'a' (append) or 'w' (replace); got {mode!r}.")
+        existing = "append" if mode == "a" else "replace"
+    policy = _check_existing("jsonl", "refuse" if existing is None else existing)
+    key = str(file_path.resolve())
 
-    def open_file(opens: int) -> Any:
-        file_path.parent.mkdir(parents=True, exist_ok=True)
-        # Replaced at the first open only: this sink's own lines are kept from then on.
+    def prepare(step: int, first: bool) -> None:
+        _hold(key, lazy)
+        _check_folder("jsonl", "path", file_path.parent)
+        if file_path.is_dir():
+            raise IsADirectoryError(f"jsonl: path {str(file_path)!r} is now a directory.")
+        if not file_path.exists():
+            return
+        data = file_path.read_bytes()
+        if step > 0:
+            kept = _kept_lines(data, step)
+            if kept != data:
+                _replace_file(file_path, kept)
+        elif first and data and policy == "refuse":
+            raise _refuse("jsonl", f"{len(data.splitlines())} lines", file_path, "path")
+        elif first and data and policy == "replace":
+            _replace_file(file_path, b"")
+
+    def open_file() -> Any:
+        _hold(key, lazy)
         # Unbuffered bytes: each line reaches the operating system in one write call.
-        return open(file_path, ("a" if opens else mode) + "b", buffering=0)
+        return open(file_path, "ab", buffering=0)
 
     def put(handle: Any, step: int, metrics: dict[str, float]) -> None:
         data = (json.dumps({"step": step, **metrics}) + "\n").encode()
         while data:  # a regular file takes it all at once; a short write is retried
             data = data[handle.write(data) :]
 
-    return _Lazy(open_file, put, lambda handle: handle.close()).sink()
+    def shut(handle: Any) -> None:
+        handle.close()
+        if _HOLDERS.get(key) is lazy:
+            del _HOLDERS[key]
+
+    lazy = _Lazy(prepare, open_file, shut, put)
+    _LABELS[lazy] = f"jsonl({str(path)!r})"
+    return lazy.sink()
 
 
-def tensorboard(log_dir: str | os.PathLike[str]) -> Sink:
-    """A sink writing each metric as a TensorBoard scalar (``SummaryWriter.add_scalar``).
+# ------------------------------------------------------------------------ tensorboard
 
-    Needs the ``tensorboard`` package. The event file is created in ``log_dir`` at the first
-    write and flushed after every write; view it with ``tensorboard --logdir <log_dir>``.
+
+def tensorboard(log_dir: str | os.PathLike[str], *, existing: str = "refuse") -> Sink:
+    """A sink writing each metric as a TensorBoard scalar and each image as an image.
+
+    Needs the ``tensorboard`` package (``pip install -e ".[loggers]"`` from a checkout).
+    Metrics go through ``SummaryWriter.add_scalar``, images (see :class:`Sink`) through
+    ``add_image`` as uint8 pixels (a figure as its drawn RGBA pixels); the writer is
+    flushed after every write. View with ``tensorboard --logdir <log_dir>``.
+
+    At ``start(step)`` the folder is created and checked writable, and:
+
+    * **a resumed run** (``step > 0``) opens its writer with ``purge_step=step + 1``:
+      TensorBoard hides the events past ``step`` that the run before the crash wrote
+      (they come again from this run), so each step shows once;
+    * **a fresh run** (``step == 0``) into a folder with event files (at this sink's first
+      start, as for :func:`jsonl`) does what ``existing`` says: ``"refuse"`` (the
+      default) raises ``FileExistsError``; ``"replace"`` deletes the folder's
+      ``events.out.tfevents.*`` files; ``"append"`` keeps them (TensorBoard then draws
+      both runs on the same steps).
 
     Args:
         log_dir: the directory for the event files, e.g. ``"runs/exp1/tb"``.
+        existing: ``"refuse"`` (default), ``"replace"`` or ``"append"``.
 
     Returns:
         A :class:`Sink`.
 
     Raises:
         TypeError: when ``log_dir`` is not a str or path-like.
+        ValueError: when ``existing`` is not one of its values.
         ImportError: when tensorboard is not installed (the message says how to install it).
+        FileExistsError, NotADirectoryError, PermissionError: at start (see above).
 
     Example:
         >>> import tempfile
@@ -157,43 +415,127 @@ def tensorboard(log_dir: str | os.PathLike[str]) -> Sink:
         >>> from toolkit.plugins import tensorboard
         >>> with tempfile.TemporaryDirectory() as tmp:
         ...     sink = tensorboard(tmp)
+        ...     sink.start(0)
         ...     sink.write(3, {"train/loss": 0.5})
+        ...     sink.write(6, {"train/loss": 0.25})
         ...     sink.close()
+        ...     resumed = tensorboard(tmp)
+        ...     resumed.start(3)  # resumed at step 3: the old step 6 is purged
+        ...     resumed.write(6, {"train/loss": 0.125})
+        ...     resumed.close()
         ...     events = EventAccumulator(tmp)
         ...     _ = events.Reload()
         ...     [(e.step, e.value) for e in events.Scalars("train/loss")]
-        [(3, 0.5)]
+        [(3, 0.5), (6, 0.125)]
     """
     directory = _check_path("tensorboard", "log_dir", log_dir)
+    policy = _check_existing("tensorboard", existing)
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as exc:
         raise ImportError(
-            "tensorboard(): needs the tensorboard package: pip install tensorboard (or pip "
-            'install "toolkit[loggers]"), or log with jsonl(path), which needs nothing.'
+            f"tensorboard(): needs the tensorboard package: pip install tensorboard (or "
+            f"{_LOGGERS}), or log with jsonl(path), which needs nothing."
         ) from exc
+    purge: list[int] = []  # the purge step of the next writer, after a resumed start
+
+    def prepare(step: int, first: bool) -> None:
+        _check_folder("tensorboard", "log_dir", directory)
+        purge.clear()
+        events = sorted(directory.glob("events.out.tfevents.*"))
+        if step > 0:
+            purge.append(step + 1)  # events at steps >= step + 1 are hidden
+        elif first and events and policy == "refuse":
+            raise _refuse("tensorboard", f"{len(events)} event files", directory, "log_dir")
+        elif first and policy == "replace":
+            for event_file in events:
+                event_file.unlink()
+
+    def open_writer() -> Any:
+        return SummaryWriter(log_dir=str(directory), purge_step=purge.pop() if purge else None)
 
     def put(writer: Any, step: int, metrics: dict[str, float]) -> None:
         for key, value in metrics.items():
             writer.add_scalar(key, value, step)
         writer.flush()
 
-    opened = _Lazy(lambda _: SummaryWriter(log_dir=str(directory)), put, lambda w: w.close())
-    return opened.sink()
+    def put_images(writer: Any, step: int, images: dict[str, Any]) -> None:
+        for name, image in images.items():
+            hwc = pixels("tensorboard", name, image)
+            writer.add_image(name, hwc.numpy(), step, dataformats="HWC")
+        writer.flush()
+
+    return _Lazy(prepare, open_writer, lambda w: w.close(), put, put_images).sink()
+
+
+# ------------------------------------------------------------------------------ wandb
+
+_MODES = ("online", "offline", "disabled", "shared")
+_RESUME = ("allow", "never", "must", "auto", True, False)
+_TEXT = ("entity", "project", "id", "name", "notes", "group", "job_type")
+RUN_FILE = "toolkit-run.json"  # in <dir>/wandb/: {"id": the run's id, "step": last logged}
+
+
+def _check_wandb(module: Any, kwargs: Mapping[str, Any]) -> None:
+    """What wandb.init would refuse (or silently work around) later, checked now."""
+    params: Mapping[str, inspect.Parameter]
+    try:
+        params = inspect.signature(module.init).parameters
+    except (TypeError, ValueError):  # not introspectable: wandb.init checks at start
+        params = {}
+    if params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        unknown = sorted(set(kwargs) - set(params))
+        if unknown:
+            raise TypeError(
+                f"wandb: {unknown} {'is not an argument' if len(unknown) == 1 else 'are not'} "
+                f"of wandb.init; it takes {sorted(params)}."
+            )
+    for name in _TEXT:
+        value = kwargs.get(name)
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"wandb: {name} must be a str; got {type(value).__name__} {value!r}.")
+    folder = kwargs.get("dir")
+    if folder is not None and not isinstance(folder, (str, os.PathLike)):
+        raise TypeError(f"wandb: dir must be a path (str or os.PathLike); got {folder!r}.")
+    if kwargs.get("mode") is not None and kwargs["mode"] not in _MODES:
+        raise ValueError(f"wandb: mode must be one of {list(_MODES)}; got {kwargs['mode']!r}.")
+    if kwargs.get("resume") is not None and kwargs["resume"] not in _RESUME:
+        raise ValueError(f"wandb: resume must be one of {list(_RESUME)}; got {kwargs['resume']!r}.")
+    tags = kwargs.get("tags")
+    if tags is not None and (
+        isinstance(tags, str)
+        or not isinstance(tags, Sequence)
+        or not all(isinstance(t, str) for t in tags)
+    ):
+        raise TypeError(f"wandb: tags must be a list of str, e.g. ['baseline']; got {tags!r}.")
 
 
 def wandb(**init_kwargs: Any) -> Sink:
-    """A sink logging to Weights & Biases: ``wandb.init(**init_kwargs)`` at the first write.
+    """A sink logging to Weights & Biases: metrics with ``run.log(metrics, step=step)``,
+    images as ``wandb.Image``.
 
-    Needs the ``wandb`` package. Each publish is ``run.log(metrics, step=step)`` with the
-    update count as the W&B step, so steps keep increasing across a resume; to continue the
-    same W&B run after a restart, pass its id: ``wandb(project="p", id=run_id,
-    resume="allow")``. ``close`` calls ``run.finish()``; a write after that starts a new run
-    with the same arguments. Offline runs (``WANDB_MODE=offline`` or ``mode="offline"``)
-    need no account.
+    Needs the ``wandb`` package (``pip install -e ".[loggers]"`` from a checkout). The
+    arguments are checked when the sink is made (names that ``wandb.init`` does not take,
+    a ``mode`` or ``resume`` it does not know, a non-str ``project``, ``name``, ``id``...,
+    ``tags`` not a list of str). At ``start(step)`` the folder ``dir`` (default:
+    ``$WANDB_DIR``, else the working directory) is created and checked writable, and
+    ``wandb.init(**init_kwargs)`` is called, so a bad argument, a missing login or an
+    unreachable server fail before training. The run's id and last logged step are kept
+    in ``<dir>/wandb/toolkit-run.json``:
+
+    * **a resumed run** (``step > 0``) continues the same W&B run (``id=`` the stored one,
+      ``resume="allow"``), and the steps up to the last one the run before the crash
+      logged are not sent again: W&B steps must increase, and it would drop them anyway;
+    * **a fresh run** (``step == 0``) starts a new W&B run (its own id); earlier runs stay
+      in W&B as they were. Give each experiment its own ``dir``.
+
+    An ``id`` or ``resume`` given here is used as given. The W&B step is the update count,
+    so steps keep increasing across a resume. ``close`` calls ``run.finish()``; a write
+    after it resumes the same run. Offline runs (``WANDB_MODE=offline`` or
+    ``mode="offline"``) need no account.
 
     Args:
-        **init_kwargs: passed to ``wandb.init`` unchanged (``project``, ``name``, ``config``,
+        **init_kwargs: passed to ``wandb.init`` (``project``, ``name``, ``config``,
             ``dir``, ``mode``, ``id``, ``resume``...).
 
     Returns:
@@ -201,12 +543,14 @@ def wandb(**init_kwargs: Any) -> Sink:
 
     Raises:
         ImportError: when wandb is not installed (the message says how to install it).
+        TypeError, ValueError: when an argument is not what ``wandb.init`` takes.
 
     Example:
         >>> import pathlib, tempfile
         >>> from toolkit.plugins import wandb
         >>> with tempfile.TemporaryDirectory() as tmp:
         ...     sink = wandb(project="demo", dir=tmp, mode="disabled")
+        ...     sink.start(0)
         ...     sink.write(1, {"train/loss": 0.5})
         ...     sink.close()
     """
@@ -214,11 +558,148 @@ def wandb(**init_kwargs: Any) -> Sink:
         import wandb as wandb_module
     except ImportError as exc:
         raise ImportError(
-            'wandb(): needs the wandb package: pip install wandb (or pip install "toolkit[loggers]'
-            '"), or log with jsonl(path), which needs nothing.'
+            f"wandb(): needs the wandb package: pip install wandb (or {_LOGGERS}), or log "
+            "with jsonl(path), which needs nothing."
         ) from exc
-    return _Lazy(
-        lambda _: wandb_module.init(**init_kwargs),
-        lambda run, step, metrics: run.log(metrics, step=step),
-        lambda run: run.finish(),
-    ).sink()
+    _check_wandb(wandb_module, init_kwargs)
+    folder = init_kwargs.get("dir") or os.environ.get("WANDB_DIR") or os.getcwd()
+    run_file = pathlib.Path(folder) / "wandb" / RUN_FILE
+    # What the next init continues: {"id": ..., "step": last logged}, and the floor: steps
+    # up to it were logged to that run before and are not sent again.
+    memory: dict[str, Any] = {"id": None, "step": -1, "floor": -1}
+
+    def prepare(step: int, first: bool) -> None:
+        _check_folder("wandb", "dir", run_file.parent)
+        memory.update(id=None, step=-1, floor=-1)
+        if step > 0 and run_file.exists():
+            stored = json.loads(run_file.read_text())
+            if init_kwargs.get("id") in (None, stored["id"]):
+                memory.update(id=stored["id"], step=stored["step"], floor=stored["step"])
+
+    def open_run() -> Any:
+        kwargs = dict(init_kwargs)
+        if memory["id"] is not None and "id" not in kwargs:
+            kwargs["id"] = memory["id"]
+            kwargs.setdefault("resume", "allow")
+        run = wandb_module.init(**kwargs)
+        memory["id"] = run.id
+        save()
+        return run
+
+    def save() -> None:
+        if isinstance(memory["id"], str):
+            data = json.dumps({"id": memory["id"], "step": memory["step"]}).encode()
+            _replace_file(run_file, data)
+
+    def put(run: Any, step: int, metrics: dict[str, float]) -> None:
+        if step > memory["floor"]:
+            run.log(metrics, step=step)
+            logged(step)
+
+    def put_images(run: Any, step: int, images: dict[str, Any]) -> None:
+        if step > memory["floor"]:
+            logs = {}
+            for name, image in images.items():
+                hwc = pixels("wandb", name, image).numpy()
+                logs[name] = wandb_module.Image(hwc[..., 0] if hwc.shape[-1] == 1 else hwc)
+            run.log(logs, step=step)
+            logged(step)
+
+    def logged(step: int) -> None:
+        if step > memory["step"]:
+            memory["step"] = step
+            save()
+
+    def shut(run: Any) -> None:
+        run.finish()
+        memory["floor"] = memory["step"]  # a reopened run continues after it
+
+    return _Lazy(prepare, open_run, shut, put, put_images).sink()
+
+
+# ---------------------------------------------------------------------------- png_dir
+
+_PNG = re.compile(r"step_(\d+)\.png")
+
+
+def png_dir(path: str | os.PathLike[str], *, existing: str = "refuse") -> Sink:
+    """A sink writing each image as a PNG file: ``<path>/<name>/step_000100.png``.
+
+    For :func:`toolkit.plugins.log_images`; it records no metrics (``write`` does
+    nothing). Needs Pillow and numpy (``pip install pillow numpy``; matplotlib installs
+    both). Images are those of :class:`Sink`: uint8 pixels or float intensities in [0, 1]
+    (``round(x * 255)``), ``(H, W)`` grey, CHW when the first dimension is 1, 3 or 4, else
+    HWC; a matplotlib figure is written as its drawn RGBA pixels. A name with ``/`` makes
+    sub-folders (``"val/samples"``). Each file is written to a temporary name and renamed,
+    so a crash leaves no half-written PNG.
+
+    At ``start(step)`` the folder is created and checked writable; **a resumed run**
+    (``step > 0``) deletes the ``step_*.png`` files past ``step`` (this run writes those
+    steps again); **a fresh run** (``step == 0``) into a folder with ``step_*.png`` files
+    (at this sink's first start, as for :func:`jsonl`) does what ``existing`` says:
+    ``"refuse"`` (default) raises ``FileExistsError``, ``"replace"`` deletes them,
+    ``"append"`` keeps them (same steps are overwritten).
+
+    Args:
+        path: the folder, e.g. ``"runs/exp1/images"``.
+        existing: ``"refuse"`` (default), ``"replace"`` or ``"append"``.
+
+    Returns:
+        A :class:`Sink`.
+
+    Raises:
+        TypeError: when ``path`` is not a str or path-like.
+        ValueError: when ``existing`` is not one of its values.
+        ImportError: when Pillow or numpy is not installed.
+        FileExistsError, NotADirectoryError, PermissionError: at start (see above).
+
+    Example:
+        >>> import pathlib, tempfile, torch
+        >>> from PIL import Image
+        >>> from toolkit.plugins import png_dir
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     sink = png_dir(tmp)
+        ...     sink.start(0)
+        ...     sink.images(100, {"samples": torch.full((3, 2, 4), 255, dtype=torch.uint8)})
+        ...     sink.close()
+        ...     with Image.open(pathlib.Path(tmp) / "samples" / "step_000100.png") as png:
+        ...         (png.size, png.mode, png.getpixel((0, 0)))
+        ((4, 2), 'RGB', (255, 255, 255))
+    """
+    directory = _check_path("png_dir", "path", path)
+    policy = _check_existing("png_dir", existing)
+    try:
+        import numpy  # noqa: F401  (Pillow reads the pixels through it)
+        from PIL import Image
+    except ImportError as exc:
+        raise ImportError(
+            f"png_dir(): needs Pillow and numpy: pip install pillow numpy (or {_LOGGERS})."
+        ) from exc
+
+    def prepare(step: int, first: bool) -> None:
+        _check_folder("png_dir", "path", directory)
+        pngs = [p for p in directory.rglob("step_*.png") if _PNG.fullmatch(p.name)]
+        if first and step == 0 and pngs and policy == "refuse":
+            raise _refuse("png_dir", f"{len(pngs)} step_*.png files", directory, "path")
+        for png in pngs:
+            number = int(_PNG.fullmatch(png.name).group(1))  # type: ignore[union-attr]
+            if number > step > 0 or (first and step == 0 and policy == "replace"):
+                png.unlink()
+
+    def put_images(folder: pathlib.Path, step: int, images: dict[str, Any]) -> None:
+        for name, image in images.items():
+            hwc = pixels("png_dir", check_name("png_dir", name), image).numpy()
+            picture = Image.fromarray(hwc[..., 0] if hwc.shape[-1] == 1 else hwc)
+            target = folder / name / f"step_{step:06d}.png"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(
+                dir=target.parent, prefix=".step_", suffix=".png", delete=False
+            ) as f:
+                try:
+                    picture.save(f, format="PNG")
+                except BaseException:
+                    os.unlink(f.name)
+                    raise
+            os.replace(f.name, target)
+
+    return _Lazy(prepare, lambda: directory, lambda _: None, None, put_images).sink()
