@@ -1,0 +1,167 @@
+"""log_images: images made from the state, every N updates, to image sinks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from toolkit._checks import check_count
+from toolkit._distributed import is_rank_zero
+from toolkit._loop import Event, plugin_factory
+from toolkit._state import TrainState
+from toolkit.plugins._shared import due
+from toolkit.plugins._sinks import Sink, _no_images
+
+__all__ = ["log_images"]
+
+
+def _check(fn: Any, every: Any, sinks: Any) -> list[Sink]:
+    if not callable(fn):
+        raise TypeError(
+            f"log_images: fn must be a function state -> {{name: image}}, e.g. lambda state: "
+            f"{{'samples': draw(state.model)}}; got {type(fn).__name__}."
+        )
+    check_count("log_images", "every", every, 1, "updates between images")
+    if isinstance(sinks, Sink):
+        sinks = [sinks]
+    if not isinstance(sinks, Sequence) or isinstance(sinks, str) or not sinks:
+        raise TypeError(
+            f"log_images: sinks must be a non-empty list of sinks, e.g. [png_dir(path)]; got "
+            f"{sinks!r}."
+        )
+    for i, sink in enumerate(sinks):
+        images = getattr(sink, "images", None)
+        if (
+            not callable(images)
+            or images is _no_images
+            or not callable(getattr(sink, "close", None))
+        ):
+            raise TypeError(
+                f"log_images: sinks[{i}] records no images ({type(sink).__name__} without an "
+                "images member; jsonl records metrics only); use png_dir(path), "
+                "tensorboard(log_dir), wandb(...) or a Sink with images=."
+            )
+    return list(sinks)
+
+
+def _images(fn: Callable[[TrainState], Any], state: TrainState) -> dict[str, Any]:
+    made = fn(state)
+    if not isinstance(made, Mapping) or not all(isinstance(k, str) for k in made):
+        raise TypeError(
+            f"log_images: fn must return a mapping {{name: image}} with str names, e.g. "
+            f"{{'samples': tensor}}; got {type(made).__name__}."
+        )
+    return dict(made)
+
+
+@plugin_factory
+def log_images(
+    fn: Callable[[TrainState], Mapping[str, Any]],
+    every: int = 1000,
+    *,
+    sinks: Sequence[Sink] | Sink,
+) -> Callable[[Event], TrainState | None]:
+    """A plugin recording the images ``fn(state)`` returns, every ``every`` updates.
+
+    On rank 0 only, after each applied update that makes ``state.step`` a multiple of
+    ``every`` and at the end of a run that made updates since the last images, ``fn(state)``
+    returns ``{name: image}`` and each sink's ``images(state.step, images)`` records them.
+    An image is a tensor, uint8 pixels or float intensities in [0, 1], shaped ``(H, W)``,
+    CHW when its first dimension is 1, 3 or 4, else HWC; or a matplotlib figure (see
+    :class:`Sink`). ``fn`` runs on rank 0 alone: it must not call collectives (no forward
+    of an FSDP2 model); it is not called at the end of a run that raised.
+
+    The sinks are started at the run's first event after ``"start"`` (after a
+    ``checkpoints`` plugin restored the state: a resumed run's images follow its step, as
+    its metrics do) and closed at ``"end"``. One sink may serve both this plugin and
+    :func:`toolkit.plugins.log_metrics` (e.g. one W&B run): it is started once and
+    released at the second close.
+
+    Args:
+        fn: ``fn(state) -> {name: image}``; a name with ``/`` groups images
+            (``"val/samples"``).
+        every: updates between images (>= 1).
+        sinks: sinks that record images: :func:`png_dir`, :func:`tensorboard`,
+            :func:`wandb`, or a :class:`Sink` with ``images=``.
+
+    Returns:
+        The plugin.
+
+    Raises:
+        TypeError: ``fn`` is not callable, a sink records no images, or ``fn`` returns no
+            mapping of names.
+        ValueError: ``every`` is not an int >= 1; an image has an unsupported shape.
+
+    Example:
+        >>> import torch
+        >>> from toolkit import TrainState, make_step, run
+        >>> from toolkit.plugins import Sink, log_images
+        >>> seen = []
+        >>> sink = Sink(write=lambda s, m: None, close=lambda: None,
+        ...             images=lambda step, images: seen.append((step, sorted(images))))
+        >>> model = torch.nn.Linear(2, 1)
+        >>> state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> weights = lambda state: {"weights": state.model.weight.detach().abs().clamp(0, 1)}
+        >>> _ = run(make_step(lambda m, b: m(b).mean()), state, [torch.ones(1, 2)] * 5,
+        ...         max_steps=5, plugins=[log_images(weights, every=2, sinks=[sink])])
+        >>> seen
+        [(2, ['weights']), (4, ['weights']), (5, ['weights'])]
+    """
+    sink_list = _check(fn, every, sinks)
+    memory: dict[str, Any] = {"begun": False, "last": None}
+
+    def begin(event: Event) -> None:
+        memory["begun"] = True
+        state = event.state
+        # The step the run resumed from: the first "step" event's update is past it.
+        resumed = state.step - (
+            event.kind == "step" and event.out is not None and event.out.updated
+        )
+        memory["last"] = resumed
+        for sink in sink_list:
+            start = getattr(sink, "start", None)
+            if start is not None:
+                start(resumed)
+
+    def record(state: TrainState) -> None:
+        images = _images(fn, state)
+        memory["last"] = state.step
+        if images:
+            for sink in sink_list:
+                sink.images(state.step, images)
+
+    def plugin(event: Event) -> TrainState | None:
+        if not is_rank_zero():
+            return None
+        kind = event.kind
+        if kind == "start":
+            memory["begun"] = False
+            return None
+        if kind == "end":
+            try:
+                if not memory["begun"]:
+                    begin(event)
+                if event.error is None and event.state.step != memory["last"]:
+                    record(event.state)
+            finally:
+                memory["begun"] = False
+                _close_all(sink_list)
+            return None
+        if not memory["begun"]:
+            begin(event)
+        if kind == "step" and due(event, every):
+            record(event.state)
+        return None
+
+    return plugin
+
+
+def _close_all(sinks: Sequence[Sink]) -> None:
+    first: BaseException | None = None
+    for sink in sinks:
+        try:
+            sink.close()
+        except Exception as exc:
+            first = first or exc
+    if first is not None:
+        raise first
