@@ -207,18 +207,20 @@ def test_two_jsonl_sinks_on_one_path_are_refused_at_start(tmp_path: Path) -> Non
     (tmp_path / "sub").mkdir()
     first, second = jsonl(path), jsonl(tmp_path / "sub" / ".." / "m.jsonl")
     first.start(0)
+    first.write(1, {"a": 1.0})
+    first.write(2, {"a": 2.0})
     with pytest.raises(
         ValueError,
         match=r"jsonl: two sinks write to '.*m.jsonl': jsonl\('.*/m.jsonl'\) and "
         r"jsonl\('.*/sub/\.\./m.jsonl'\); their lines would overwrite each other. Give each sink",
     ):
-        second.start(0)
-    first.write(1, {"a": 1.0})
+        second.start(1)
+    assert _steps(path) == [1, 2]  # refused before touching the file (no cut at step 1)
     first.close()  # released: another sink may take the file now
-    second.start(1)
-    second.write(2, {"a": 2.0})
+    second.start(2)
+    second.write(3, {"a": 3.0})
     second.close()
-    assert _steps(path) == [1, 2]
+    assert _steps(path) == [1, 2, 3]
 
 
 def test_two_jsonl_sinks_on_one_path_fail_a_run_before_its_first_publish(
