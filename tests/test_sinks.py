@@ -496,6 +496,18 @@ def test_wandb_resume_continues_the_stored_run_without_resending_steps(
     assert json.loads((tmp_path / "wandb" / RUN_FILE).read_text()) == {"id": "run2", "step": 2}
 
 
+def test_wandb_a_damaged_run_file_is_named(fake_wandb: FakeWandb, tmp_path: Path) -> None:
+    (tmp_path / "wandb").mkdir()
+    for text in ('{"id": "r1"', '{"id": 3, "step": 4}', "[]"):
+        (tmp_path / "wandb" / RUN_FILE).write_text(text)
+        with pytest.raises(
+            ValueError,
+            match=r"wandb: cannot read the W&B run to resume from '.*toolkit-run.json' .*Delete",
+        ):
+            wandb(dir=str(tmp_path)).start(4)
+    assert fake_wandb.calls == []
+
+
 def test_wandb_an_explicit_id_is_used_as_given(fake_wandb: FakeWandb, tmp_path: Path) -> None:
     sink = wandb(dir=str(tmp_path), id="mine", resume="must")
     sink.start(3)

@@ -572,7 +572,15 @@ def wandb(**init_kwargs: Any) -> Sink:
         _check_folder("wandb", "dir", run_file.parent)
         memory.update(id=None, step=-1, floor=-1)
         if step > 0 and run_file.exists():
-            stored = json.loads(run_file.read_text())
+            try:
+                stored = json.loads(run_file.read_text())
+                if not (isinstance(stored["id"], str) and isinstance(stored["step"], int)):
+                    raise ValueError("expected an id and a step")
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(
+                    f"wandb: cannot read the W&B run to resume from {str(run_file)!r} ({exc}); "
+                    "it holds {'id': str, 'step': int}. Delete it to start a new W&B run."
+                ) from exc
             if init_kwargs.get("id") in (None, stored["id"]):
                 memory.update(id=stored["id"], step=stored["step"], floor=stored["step"])
 
