@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import math
+import numbers
+import warnings
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
 from toolkit._state import TrainState
+from toolkit._step import _leading_dim
+from toolkit._weighted import columns, sum_over_ranks, weighted_sums
 
 __all__ = ["evaluate"]
 
@@ -53,9 +58,6 @@ def evaluate(
         >>> sorted(evaluate(eval_fn, model, data)), model.training
         (['mse'], True)
     """
-    # Imported here: the plugins package imports the loop, which imports toolkit's core.
-    from toolkit.plugins._validation import _evaluate
-
     if not callable(eval_fn):
         raise TypeError(
             f"evaluate: eval_fn must be callable as eval_fn(model, batch); got "
@@ -73,3 +75,135 @@ def evaluate(
             f"{type(data).__name__}."
         )
     return _evaluate(eval_fn, module, data, who="evaluate")
+
+
+def _bad_result(result: Any, why: str, who: str = "validate") -> TypeError:
+    return TypeError(
+        f"{who}: eval_fn returned {type(result).__name__}: {why}; expected a mapping of "
+        "metric name -> number or 0-d tensor, or (mapping, count)."
+    )
+
+
+def _bad_weight(index: int, weight: Any, who: str = "validate") -> ValueError:
+    return ValueError(
+        f"{who}: the count eval_fn returned for batch {index} of the {_data_of(who)} is "
+        f"{weight!r}; expected a finite number >= 0 (the batch's sample or target count, "
+        "which weights its metrics; 0 for a batch that counts for nothing)."
+    )
+
+
+def _data_of(who: str) -> str:
+    return "validation data" if who == "validate" else "data"
+
+
+def _check_count(index: int, count: Any, who: str = "validate") -> Any:
+    """The batch's count, 0-d; its type checked now, its value now for a python number."""
+    if isinstance(count, torch.Tensor):
+        if count.numel() != 1 or count.is_complex() or count.dtype == torch.bool:
+            raise TypeError(
+                f"{who}: the count eval_fn returned for batch {index} is a {count.dtype} "
+                f"tensor of shape {tuple(count.shape)}; expected a number or a one-element "
+                "real tensor, e.g. (metrics, mask.sum())."
+            )
+        # A tensor's value is checked after the one read at the end of the evaluation.
+        return count.reshape(()) if count.ndim else count
+    if isinstance(count, bool) or not isinstance(count, numbers.Real):
+        raise TypeError(
+            f"{who}: the count eval_fn returned for batch {index} is a "
+            f"{type(count).__name__} ({count!r:.40}); expected a number >= 0 or a one-element "
+            "real tensor, e.g. (metrics, len(batch))."
+        )
+    if not (math.isfinite(count) and float(count) >= 0):
+        raise _bad_weight(index, count, who)
+    return count
+
+
+def _parse(
+    result: Any, batch: Any, index: int = 0, who: str = "validate"
+) -> tuple[Mapping[str, Any], Any]:
+    """``eval_fn``'s metrics (tensors made 0-d, views copied) and the batch's weight."""
+    if isinstance(result, Mapping):
+        metrics, count = result, None
+    elif isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], Mapping):
+        metrics, count = result
+        if count is None:
+            raise _bad_result(result, "its count is None; give a number or a 0-d tensor", who)
+    else:
+        raise _bad_result(result, "not a mapping of metrics", who)
+    flat = {}
+    for name, value in metrics.items():
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                raise _bad_result(
+                    result, f"metric {name!r} is a tensor of shape {tuple(value.shape)}", who
+                )
+            value = value.reshape(()) if value.ndim else value
+            if value._base is not None:  # kept till the end: not the tensor it is a view of
+                value = value.clone()
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _bad_result(result, f"metric {name!r} is a {type(value).__name__}", who)
+        flat[name] = value
+    if count is None:
+        samples = _leading_dim(batch)
+        return flat, 1 if samples is None else samples
+    return flat, _check_count(index, count, who)
+
+
+def _evaluate(
+    eval_fn: Callable[[torch.nn.Module, Any], Any],
+    model: torch.nn.Module,
+    data: Iterable[Any],
+    where: str = "",
+    who: str = "validate",
+) -> dict[str, float]:
+    """Count-weighted means of ``eval_fn``'s metrics over ``data`` (see :func:`validate`).
+
+    ``where`` (e.g. ``" at step 40"``) completes the warning about a pass of weight 0;
+    ``who`` names the caller in errors and warnings (``"evaluate"`` for the function).
+    """
+    # Per submodule: a model in train mode may hold frozen parts in eval mode on purpose.
+    modules = list(model.modules())
+    modes = [(module, module.training) for module in modules]
+    records, weights = [], []
+    model.eval()
+    try:
+        with torch.no_grad():
+            for index, batch in enumerate(data):
+                metrics, count = _parse(eval_fn(model, batch), batch, index, who)
+                records.append(metrics)
+                weights.append(count)
+            # The batches' tensors are read back once, at the end: one host sync.
+            reduced = weighted_sums(columns(records), weights)
+    finally:
+        for module, training in modes:
+            module.training = training
+        # FSDP2 keeps the root's parameters gathered after a forward without backward (it
+        # expects one); training found them sharded, so it gets them back sharded.
+        for module in modules:
+            kind = type(module)  # fully_shard gives the module an FSDPModule subclass
+            if hasattr(kind, "set_requires_gradient_sync") and hasattr(kind, "reshard"):
+                module.reshard()  # type: ignore[operator]
+    if not records:
+        raise ValueError(
+            f"{who}: the {_data_of(who)} yielded no batches; pass a non-empty, re-iterable "
+            "source (a DataLoader, a list of batches)."
+        )
+    for index, weight in enumerate(reduced.weights):
+        if not (math.isfinite(weight) and weight >= 0):  # only tensor counts can fail here
+            raise _bad_weight(index, weight, who)
+    sums, _ = sum_over_ranks(who, reduced.sums)  # type: ignore[arg-type]
+    if sums and not any(weight for _, weight in sums.values()):
+        warnings.warn(
+            f"{who}: every batch of the {'validation ' if who == 'validate' else ''}"
+            f"pass{where} had weight 0 (the counts "
+            "eval_fn returned sum to 0, over all ranks), so every metric is NaN: it never "
+            "becomes best, early_stop counts it as no improvement, a ReduceLROnPlateau as a "
+            "bad epoch. Check the counts eval_fn returns (e.g. a mask that selects nothing).",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    # A metric whose weights sum to 0 (e.g. batches without tokens) has no mean: NaN.
+    return {
+        name: total / weight if weight else math.nan
+        for name, (total, weight) in sorted(sums.items())
+    }

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from toolkit._distributed import sync_kind
+from toolkit._distributed import data_parallel_group, sync_kind
 
 __all__ = ["Group", "agree", "broadcast_int", "broadcast_text", "group_of", "rank_of"]
 
@@ -34,12 +34,7 @@ def group_of(model: torch.nn.Module) -> Group | None:
     """
     if not (dist.is_available() and dist.is_initialized()) or sync_kind(model) == "none":
         return None
-    from toolkit import _distributed
-
-    finder = getattr(_distributed, "data_parallel_group", None)
-    if callable(finder):
-        return finder(model)
-    return dist.group.WORLD if dist.get_world_size() > 1 else None
+    return data_parallel_group(model)
 
 
 def rank_of(group: Group | None) -> tuple[int, int]:

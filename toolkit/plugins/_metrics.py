@@ -13,9 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from toolkit import _distributed
 from toolkit._checks import check_count
-from toolkit._distributed import is_rank_zero
+from toolkit._distributed import data_parallel_group, is_distributed, is_rank_zero
 from toolkit._loop import Event, plugin_factory
 from toolkit._state import TrainState
 from toolkit._step import StepOutput
@@ -473,7 +472,7 @@ def log_metrics(
             if options.flops is not None and options.peak_flops is not None:
                 unit, flops = options.flops
                 done = samples if unit == "samples" else targets
-                devices = dist.get_world_size() if _distributed.is_distributed() else 1
+                devices = dist.get_world_size() if is_distributed() else 1
                 metrics["train/mfu"] = flops * done / elapsed / (options.peak_flops * devices)
         if interval.nonfinite:
             metrics["train/nonfinite"] = float(interval.nonfinite)
@@ -560,7 +559,7 @@ def log_metrics(
             memory.group_names = _group_names(groups)
             memory.next_lrs = _lrs(groups) if len(groups) > 1 else []
             memory.used_lrs = []
-            memory.group = _distributed.data_parallel_group(state.model)
+            memory.group = data_parallel_group(state.model)
             if options.totals:
                 claim(event, KEY, "log_metrics")
         elif kind == "epoch_end":
@@ -635,7 +634,7 @@ def _over_ranks(
     marker pair per key makes a key missing on some rank fail the layout check.
     """
     reduced = interval.reduced
-    if not (collective and _distributed.is_distributed()):
+    if not (collective and is_distributed()):
         return sorted(interval.sums.items()), dict(reduced), counts
     sums = dict(interval.sums)
     extremes = sorted(key for key in reduced if kinds[key] != "sum")
