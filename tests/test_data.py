@@ -306,3 +306,52 @@ def test_a_length_check_without_a_group_makes_no_call() -> None:
     from toolkit._data import check_even
 
     check_even(5, None)  # no process group initialised: a collective here would raise
+
+
+def _uneven_run(rank: int, store: str, out: str) -> None:
+    import datetime
+    import pathlib
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from toolkit import TrainState, make_step, run
+
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(store, 2),
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=30),
+    )
+    try:
+        model = DistributedDataParallel(torch.nn.Linear(2, 1))
+        state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        data = [torch.ones(2, 2)] * (3 if rank == 0 else 2)  # a hand-made split that is uneven
+        step = make_step(lambda m, b: m(b).square().mean())
+        try:
+            run(step, state, data, epochs=1)
+            said = f"ran {state.step} updates"
+        except ValueError as error:
+            said = str(error)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    pathlib.Path(out, f"rank{rank}.txt").write_text(said)
+
+
+@pytest.mark.slow
+def test_run_refuses_data_parallel_ranks_with_uneven_data_before_training(tmp_path) -> None:
+    # Without the check rank 0's third update waits forever for rank 1 in DDP's all-reduce.
+    from tests.timed_spawn import spawn
+
+    def arguments(attempt: int) -> tuple[str, str]:
+        out = tmp_path / str(attempt)
+        out.mkdir()
+        return str(out / "store"), str(out)
+
+    spawn(_uneven_run, arguments, nprocs=2, timeout=60)
+    out = sorted(p for p in tmp_path.iterdir() if p.is_dir())[-1]
+    for rank in (0, 1):
+        said = (out / f"rank{rank}.txt").read_text()
+        assert re.search(r"the ranks range from 2 batches to 3 batches", said), said

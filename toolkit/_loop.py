@@ -11,7 +11,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, NamedTuple, TypeVar
 
 from toolkit._checks import check_count
-from toolkit._data import batches_per_epoch, is_stateful, snapshot, unseen
+from toolkit._data import batches_per_epoch, check_even, is_stateful, snapshot, unseen
+from toolkit._distributed import data_parallel_group
 from toolkit._multi import epoch_schedulers
 from toolkit._state import TrainState
 from toolkit._step import StepOutput
@@ -335,7 +336,9 @@ def run(
     Raises:
         ValueError: neither ``max_steps`` nor ``epochs``, a negative budget, ``epochs``
             with a one-shot iterator, an unknown ``partial_window``; a pass without an
-            accepted micro-batch under ``max_steps`` alone.
+            accepted micro-batch under ``max_steps`` alone; under data parallelism (a DDP
+            or FSDP2 model), ranks whose ``data`` have different lengths (checked once, at
+            the start, with one all-reduce).
         TypeError: ``state`` not a TrainState; ``data`` not an iterable of batches (a
             mapping iterates over its keys); ``plugins`` not a list of plugin functions (or
             holding an uncalled factory); a step not returning ``(TrainState, StepOutput)``;
@@ -356,6 +359,9 @@ def run(
     _check_partial(step, partial_window)
     k = _micro_batches(step)
     batches = batches_per_epoch(data)
+    # Ranks whose passes differ in length would hang in the step's collectives at the end of
+    # the shortest: one all-reduce per run (none without data parallelism) refuses that.
+    check_even(batches, data_parallel_group(state.model))
     state = state.replace(stop=None) if state.stop is not None else state
     loop = LoopInfo(
         max_steps,
