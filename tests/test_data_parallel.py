@@ -25,10 +25,13 @@ from toolkit import (
     clip,
     compose,
     data_parallel_group,
+    evaluate,
     guard_nonfinite,
     make_step,
+    run,
     set_data_parallel_group,
 )
+from toolkit.plugins import Sink, log_metrics
 
 pytestmark = [
     pytest.mark.slow,
@@ -123,6 +126,17 @@ def _train(model: torch.nn.Module, full) -> dict:
     return report
 
 
+def _logged_loss(model: torch.nn.Module, rank: int) -> list[float]:
+    # log_metrics reduces over the model's group too: rank 0 publishes group 0's mean.
+    seen: list[float] = []
+    sink = Sink(write=lambda step, metrics: seen.append(metrics["train/loss"]), close=list)
+    step = make_step(lambda m, x: m(x).sum() * 0 + rank)  # a loss equal to the rank
+    state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0))
+    data = [torch.zeros(2, 4, dtype=torch.float64)]
+    run(step, state, data, max_steps=1, plugins=[log_metrics(every=1, sinks=[sink])])
+    return seen
+
+
 def _worker(rank: int, store_path: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -138,6 +152,10 @@ def _worker(rank: int, store_path: str, out_dir: str) -> None:
             report[name] = {"ranks": dist.get_process_group_ranks(group)}
             if name != "given":
                 report[name].update(_train(model, full))
+                # Evaluation sums over the same group: each group's mean of its own ranks.
+                said = evaluate(lambda m, b: {"rank": float(rank)}, model, [None, None])
+                report[name]["evaluated"] = said["rank"]
+                report[name]["logged"] = _logged_loss(model, rank)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
         dist.barrier()
     finally:
@@ -183,6 +201,8 @@ def test_counts_and_verdicts_stay_within_the_data_parallel_group(tmp_path: Path)
                     rtol=1e-12,
                     atol=1e-12,
                 )
+            assert report[name]["evaluated"] == sum(own) / GROUP, (name, rank)
+            assert report[name]["logged"] == ([sum(own) / GROUP] if rank == 0 else []), name
             rejected = group == 0  # the NaN was on rank 1
             assert report[name]["nan_window"] == {
                 "updated": not rejected,

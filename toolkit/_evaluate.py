@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from toolkit._distributed import data_parallel_group
 from toolkit._state import TrainState
 from toolkit._step import _leading_dim
 from toolkit._weighted import columns, sum_over_ranks, weighted_sums
@@ -30,7 +31,8 @@ def evaluate(
     ``eval_fn`` raises). ``eval_fn`` returns a mapping of metric name -> number or 0-d
     tensor, or ``(mapping, count)``; each metric is the mean weighted by ``count`` (by
     default the batch's leading dimension). One host sync at the end; under
-    ``torch.distributed`` the sums are all-reduced over the ranks (each rank evaluates its
+    ``torch.distributed`` the sums are all-reduced over the model's data-parallel ranks
+    (the default group for a model that is not DDP or FSDP2; each rank evaluates its
     own shard; all must return the same metric names).
 
     Args:
@@ -191,7 +193,7 @@ def _evaluate(
     for index, weight in enumerate(reduced.weights):
         if not (math.isfinite(weight) and weight >= 0):  # only tensor counts can fail here
             raise _bad_weight(index, weight, who)
-    sums, _ = sum_over_ranks(who, reduced.sums)  # type: ignore[arg-type]
+    sums, _ = sum_over_ranks(who, reduced.sums, group=data_parallel_group(model))  # type: ignore[arg-type]
     if sums and not any(weight for _, weight in sums.values()):
         warnings.warn(
             f"{who}: every batch of the {'validation ' if who == 'validate' else ''}"

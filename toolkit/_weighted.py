@@ -151,9 +151,15 @@ def _fsum(products: list[Any]) -> float:
 
 
 def sum_over_ranks(
-    who: str, sums: Mapping[str, tuple[float, float]], extra: Sequence[float] = ()
+    who: str,
+    sums: Mapping[str, tuple[float, float]],
+    extra: Sequence[float] = (),
+    group: Any = None,
 ) -> tuple[dict[str, tuple[float, float]], list[float]]:
-    """``sums`` and ``extra`` added over the data-parallel ranks: one collective, if any.
+    """``sums`` and ``extra`` added over the ranks of ``group``: one collective, if any.
+
+    ``group`` is the data-parallel process group (``None``: the default group, as in
+    ``torch.distributed``); nothing is exchanged outside a distributed job.
 
     Raises:
         ValueError: the ranks hold different keys (the sums travel as one vector).
@@ -164,12 +170,12 @@ def sum_over_ranks(
     layout = float(zlib.crc32("\0".join(keys).encode()))
     flat = [v for key in keys for v in sums[key]] + [*extra, layout]
     device = torch.device("cpu")
-    if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
+    if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     reduced = torch.tensor(flat, dtype=torch.float64, device=device)
-    dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
+    dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=group)
     values = reduced.tolist()
-    if values[-1] != layout * dist.get_world_size():
+    if values[-1] != layout * dist.get_world_size(group):
         raise ValueError(
             f"{who}: the data-parallel ranks reported different keys (this rank: {keys}); "
             "every rank must report the same ones."

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import time
 import warnings
@@ -608,16 +607,10 @@ def _put(metrics: dict[str, float], key: str, value: float) -> None:
     metrics[key] = value
 
 
-# sum_over_ranks reduces over the world until it takes the data-parallel group.
-_TAKES_GROUP = "group" in inspect.signature(sum_over_ranks).parameters
-
-
 def _sum_over_ranks(
     sums: Mapping[str, tuple[float, float]], extra: Sequence[float], group: Any
 ) -> tuple[dict[str, tuple[float, float]], list[float]]:
-    if _TAKES_GROUP:
-        return sum_over_ranks("log_metrics", sums, extra, group=group)  # type: ignore[call-arg]
-    return sum_over_ranks("log_metrics", sums, extra)
+    return sum_over_ranks("log_metrics", sums, extra, group=group)
 
 
 def _over_ranks(
@@ -641,7 +634,6 @@ def _over_ranks(
     for key, value in reduced.items():
         kind = kinds[key]
         sums[f"{key}\0{kind}"] = (float(value), 0.0) if kind == "sum" else (0.0, 0.0)
-    group = group if _TAKES_GROUP else None
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     slots = [0.0] * (world * len(extremes))
     for i, key in enumerate(extremes):
