@@ -133,6 +133,7 @@ def test_restore_best_needs_keep_best() -> None:
         ({"on_error": "ignore"}, ValueError, "checkpoints: on_error must be 'raise' or 'warn'"),
         ({"keep_best": "val/loss"}, TypeError, "keep_best must be (metric, mode, count)"),
         ({"background": 1}, TypeError, "checkpoints: background must be True or False"),
+        ({"per_epoch": "yes"}, TypeError, "checkpoints: per_epoch must be True or False"),
     ],
 )
 def test_bad_arguments(kwargs: dict, error: type, message: str) -> None:
@@ -193,6 +194,52 @@ def test_an_open_window_at_the_end_is_not_saved_and_said(tmp_path: Path) -> None
     with pytest.warns(RuntimeWarning, match="ended with an open accumulation window"):
         run(step, _state(), DATA, epochs=1, plugins=[checkpoints(tmp_path / "ckpt", every=1)])
     assert _steps(tmp_path / "ckpt") == [1]
+
+
+def test_per_epoch_saves_at_each_epoch_end_scored_by_per_epoch_validation(tmp_path: Path) -> None:
+    folder = tmp_path / "ckpt"
+    val = [DATA[0]]
+    plugin = checkpoints(
+        folder, per_epoch=True, at_end=False, keep_last=1, keep_best=("val/loss", "min", 3)
+    )
+    plugins = [validate(_eval_fn, val, per_epoch=True), plugin]
+    run(_step(), _state(), DATA, epochs=3, plugins=plugins)
+    infos = list_checkpoints(folder)
+    assert [i.step for i in infos] == [6, 12, 18]  # 6 batches per epoch
+    assert all("val/loss" in i.metrics for i in infos)  # validated before the save
+
+
+def test_per_epoch_resumes_at_the_next_epoch_exactly(tmp_path: Path) -> None:
+    reference = run(_step(), _state(), DATA, epochs=3)
+    folder = tmp_path / "ckpt"
+    run(
+        _step(),
+        _state(),
+        DATA,
+        epochs=2,
+        plugins=[checkpoints(folder, per_epoch=True, at_end=False)],
+    )
+    assert _steps(folder) == [12]
+    torch.manual_seed(99)
+    resumed = run(_step(), _state(), DATA, epochs=3, plugins=[checkpoints(folder, at_end=False)])
+    assert (resumed.step, resumed.epoch) == (18, 3)
+    for p, q in zip(reference.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_per_epoch_inside_an_open_window_saves_at_the_update_that_closes_it(tmp_path) -> None:
+    from toolkit import accumulate
+
+    folder = tmp_path / "ckpt"
+    step = accumulate(_step(), micro_batches=4)  # 6 batches per epoch: windows straddle
+    plugin = checkpoints(folder, per_epoch=True, at_end=False, keep_last=10)
+    state = run(step, _state(), DATA, epochs=2, plugins=[plugin])
+    assert state.step == 3
+    # Epoch 1 ends after batch 6, inside update 2 (batches 5-8): saved at update 2. Epoch 2
+    # ends after batch 12, which closes update 3: saved there.
+    assert _steps(folder) == [2, 3]
+    resumed = run(step, _state(), DATA, epochs=2, plugins=[checkpoints(folder, at_end=False)])
+    assert resumed.step == 3
 
 
 # --- subprocesses: signals and kills -----------------------------------------------------

@@ -47,6 +47,7 @@ class _Run:
     writing: Future[Path] | None = None  # a background save not yet finished
     group: Group | None = None  # the data-parallel group that saves together, if any
     lead: bool = True  # rank 0 of the group (or no group): writes the pointer, prunes
+    epoch_due: bool = False  # per_epoch: an epoch ended inside an accumulation window
 
 
 def _shared_signal(run_: _Run) -> None:
@@ -120,6 +121,7 @@ def checkpoints(
     folder: str | os.PathLike[str],
     *,
     every: int | None = None,
+    per_epoch: bool = False,
     at_end: bool = True,
     keep_last: int = 1,
     keep_every: int | None = None,
@@ -135,9 +137,11 @@ def checkpoints(
 ) -> Plugin:
     """A plugin that saves checkpoints, keeps some, resumes from the newest, stops on a signal.
 
-    **Saving.** After every ``every``-th applied update, once more at the end of a run that
-    did not raise (``at_end``), and when a configured signal arrived, the state is written
-    with :func:`toolkit.save_checkpoint` to ``folder/step_NNNNNN`` (atomically), with the
+    **Saving.** After every ``every``-th applied update, at every ``"epoch_end"``
+    (``per_epoch``; when the epoch ends inside an accumulation window, at the update that
+    closes it), once more at the end of a run that did not raise (``at_end``), and when a
+    configured signal arrived, the state is written with :func:`toolkit.save_checkpoint`
+    to ``folder/step_NNNNNN`` (atomically), with the
     metrics other plugins made at that very step (``{"val/loss": ...}``, for ``keep_best``)
     and a stateful loader's position; then the pointer ``folder/latest`` is replaced and
     retention prunes the folder. ``background=True`` writes in a thread and blocks the loop
@@ -182,6 +186,9 @@ def checkpoints(
     Args:
         folder: the folder of checkpoints, e.g. ``"runs/a/ckpt"``.
         every: save after every this many applied updates (>= 1), or ``None``.
+        per_epoch: save at the end of every pass over the data, after the plugins before
+            it in the list (a ``validate(per_epoch=True)`` there gives ``keep_best`` its
+            score). A step already saved by ``every`` is not written again.
         at_end: save when the run ends (not when training raised, nor with an accumulation
             window still open: no checkpoint holds its gradients).
         keep_last: keep the newest this many (>= 0; the newest is kept anyway).
@@ -234,6 +241,7 @@ def checkpoints(
         )
     for name, value in (
         ("at_end", at_end),
+        ("per_epoch", per_epoch),
         ("restore_best", restore_best),
         ("background", background),
     ):
@@ -399,12 +407,24 @@ def checkpoints(
                 return None
             state = event.state
             out = event.out
-            if every is not None and out is not None and out.updated and state.step % every == 0:
+            if (
+                out is not None
+                and out.updated
+                and (run_.epoch_due or (every is not None and state.step % every == 0))
+            ):
+                run_.epoch_due = False
                 save(run_, state, event.loop.data)
             if run_.group is not None and chosen_signals:
                 _shared_signal(run_)
             if run_.signum is not None:
                 return stop(run_, state, event.loop.data)
+            return None
+        if kind == "epoch_end" and per_epoch and "run" in live:
+            run_ = live["run"]
+            if event.state.window.micro_step:  # its gradients fit in no checkpoint
+                run_.epoch_due = True
+            else:
+                save(run_, event.state, event.loop.data)
             return None
         if kind == "start":
             return start(event)
