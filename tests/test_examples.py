@@ -90,3 +90,14 @@ def test_char_transformer_quick_lowers_validation_loss(tmp_path: pathlib.Path) -
     assert all(
         r["train/tokens_per_s"] > r["train/samples_per_s"] for r in records if "train/loss" in r
     )
+
+
+def test_gan_quick_alternates_two_states_and_moves_points_towards_the_modes(
+    tmp_path: pathlib.Path,
+) -> None:
+    stdout = _run_example("gan.py", tmp_path)
+    assert "updates: discriminator 300, generator 300" in stdout, stdout
+    share = [float(s) for s in re.findall(r"modes covered, ([0-9.]+)% of points near", stdout)]
+    assert len(share) == 2 and share[1] > share[0], stdout
+    for name in ("generator", "discriminator"):
+        assert (tmp_path / "run" / name / "model.safetensors").is_file(), name
