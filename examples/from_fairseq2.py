@@ -141,7 +141,7 @@ def main() -> None:
         progress(every=every),
         log_metrics(
             every=every,
-            sinks=[jsonl(args.out / "metrics.jsonl", mode="w")],
+            sinks=[jsonl(args.out / "metrics.jsonl", existing="replace")],
             reduce={"num_examples": "sum", "num_target_elements": "sum"},
             totals=["num_target_elements"],
         ),

@@ -131,7 +131,10 @@ def main() -> None:
         log_metrics(
             every=10,
             per_epoch=True,
-            sinks=[jsonl(args.out / "metrics.jsonl", mode="w"), Sink(print_epoch, lambda: None)],
+            sinks=[
+                jsonl(args.out / "metrics.jsonl", existing="replace"),
+                Sink(print_epoch, lambda: None),
+            ],
         ),
     ]
     state = run(

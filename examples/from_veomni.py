@@ -5,7 +5,7 @@
 
 A two-layer causal transformer learns packed token rows (documents that count up from a
 random token by a stride of 1 to 3, modulo 32, separated by EOS, the rest of a row padded);
-the full run reaches a validation loss of about 0.84 nats/token (3.5 at the start). Like VeOmni,
+the full run reaches a validation loss of about 0.72 nats/token (3.5 at the start). Like VeOmni,
 the global batch is split into micro-batches, the loss is a mean over every real token of
 the global batch (not a mean of micro-batch means), the learning rate warms up over a ratio
 of the updates then decays by a cosine to ``lr_min``, and throughput is reported as MFU.
@@ -24,6 +24,8 @@ lr_warmup_ratio, lr_decay_style="cosine",     a LambdaLR over the planned update
   lr_min, lr_start                              (warmup_cosine below)
 build_param_groups (a learning rate per part) optimizer param groups with a "name";
                                                 log_metrics logs train/lr/<name>
+optimizer: Muon for matrices + AdamW          TrainState(optimizer=[muon, adamw],
+  (MultiOptimizer)                              scheduler=[sched_muon, sched_adamw])
 num_train_epochs, train_steps                 run(epochs=), len(loader) // micro_batches
 EnvironMeter (tokens/s, MFU)                  log_metrics(flops_per_token=, peak_flops=)
                                                 -> train/tokens_per_s, train/mfu
@@ -151,11 +153,21 @@ def main() -> None:
     train_steps = len(train_loader) // micro_batches
 
     model = CausalLM()
+    # VeOmni's recipe: Muon for the blocks' weight matrices, AdamW for the rest, one backward.
     # build_param_groups: the embeddings learn at a lower rate than the rest.
+    matrices = [p for p in model.blocks.parameters() if p.ndim == 2]
     embeddings = [model.embed.weight, model.position]
-    rest = [p for p in model.parameters() if all(p is not e for e in embeddings)]
+    rest = [p for p in model.parameters() if all(p is not q for q in matrices + embeddings)]
     lr = 3e-3
-    optimizer = torch.optim.AdamW(
+    # match_rms_adamw scales Muon's update to AdamW's size; a rate 4x AdamW's did best here
+    # (full run: validation loss 0.95 at 1x, 0.80 at 2x, 0.72 at 4x).
+    muon = torch.optim.Muon(
+        [{"params": matrices, "name": "matrices"}],
+        lr=4 * lr,
+        weight_decay=0.01,
+        adjust_lr_fn="match_rms_adamw",
+    )
+    adamw = torch.optim.AdamW(
         [
             {"params": embeddings, "lr": lr / 3, "name": "embed"},
             {"params": rest, "lr": lr, "name": "body"},
@@ -164,8 +176,9 @@ def main() -> None:
         weight_decay=0.01,
     )
     schedule = warmup_cosine(train_steps * num_train_epochs, 0.1, lr, lr_min=lr / 30, lr_start=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    state = TrainState(model=model, optimizer=optimizer, scheduler=scheduler)
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in (muon, adamw)]
+    # A list makes a MultiOptimizer / MultiScheduler: stepped, clipped, guarded as one.
+    state = TrainState(model=model, optimizer=[muon, adamw], scheduler=schedulers)
     step = compose(accumulate(micro_batches=micro_batches), clip(max_norm=1.0))(make_step(loss_fn))
 
     # 6 FLOPs per parameter per token for a forward and backward (attention left out);
@@ -177,7 +190,7 @@ def main() -> None:
         progress(every=every),
         log_metrics(
             every=every,
-            sinks=[jsonl(args.out / "metrics.jsonl", mode="w")],
+            sinks=[jsonl(args.out / "metrics.jsonl", existing="replace")],
             flops_per_token=6 * n_params,
             peak_flops=1e11,
         ),

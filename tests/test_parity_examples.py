@@ -123,10 +123,13 @@ def test_veomni_token_mean_loss_mfu_lr_groups_and_export(tmp_path: pathlib.Path)
     records = _records(out / "metrics.jsonl")
     val = _series(records, "val/loss")
     assert val[-1] < val[0], val
-    # build_param_groups: each group's learning rate is logged, the embeddings' a third.
-    for r in records:
-        if "train/lr/body" in r:
-            assert r["train/lr/embed"] == pytest.approx(r["train/lr/body"] / 3)
+    # build_param_groups: each group's learning rate is logged, the embeddings' a third; the
+    # Muon group of the MultiOptimizer (TrainState(optimizer=[muon, adamw])) too, at 4x.
+    lrs = [r for r in records if "train/lr/body" in r]
+    assert lrs
+    for r in lrs:
+        assert r["train/lr/embed"] == pytest.approx(r["train/lr/body"] / 3)
+        assert r["train/lr/matrices"] == pytest.approx(r["train/lr/body"] * 4)
     # MFU = 6 * n_params * tokens/s / peak (1e11): n_params from the exported weights.
     weights = safetensors.load_file(out / "hf_ckpt" / "model.safetensors")
     assert "embed.weight" in weights and "head.weight" in weights  # plain names
