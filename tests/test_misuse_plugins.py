@@ -390,3 +390,12 @@ def test_validate_leaves_an_fsdp2_model_sharded_and_in_its_modes(tmp_path: Path)
     out_dir = max(tmp_path.glob("out*"))  # the last attempt's
     results = [(out_dir / f"rank{r}").read_text().split() for r in range(2)]
     assert results[0] == results[1] and results[0][:2] == ["4", "2"]
+
+
+def test_log_metrics_refuses_one_sink_listed_twice(tmp_path) -> None:
+    from toolkit.plugins import jsonl, log_metrics
+
+    sink = jsonl(tmp_path / "m.jsonl")
+    with pytest.raises(ValueError, match=r"sinks\[1\] is the same sink as an earlier one"):
+        log_metrics(every=1, sinks=[sink, sink])
+    log_metrics(every=1, sinks=[sink, jsonl(tmp_path / "other.jsonl")])  # distinct: fine

@@ -127,12 +127,17 @@ def _check(
             f"log_metrics: sinks must be a list of sinks, e.g. [jsonl(path)]; got "
             f"{type(sinks).__name__}."
         )
-    for sink in sinks:
+    for i, sink in enumerate(sinks):
         if not all(callable(getattr(sink, name, None)) for name in ("write", "close", "start")):
             raise TypeError(
                 f"log_metrics: each sink needs write(step, metrics), close() and start(step); "
                 f"got {type(sink).__name__}; build one with jsonl, tensorboard, wandb or "
                 "Sink(write, close)."
+            )
+        if any(sink is other for other in sinks[:i]):
+            raise ValueError(
+                f"log_metrics: sinks[{i}] is the same sink as an earlier one, so every "
+                "publish would be written to it twice; list each sink once."
             )
     if not isinstance(reduce, Mapping):
         raise TypeError(
@@ -358,8 +363,8 @@ def log_metrics(
         updated the run totals).
 
     Raises:
-        ValueError: ``every`` is not an int >= 1; a ``reduce`` kind that is not one of
-            the four, or a built-in key in it; a total not reduced by ``"sum"``;
+        ValueError: ``every`` is not an int >= 1; a sink listed twice; a ``reduce`` kind
+            that is not one of the four, or a built-in key in it; a total not reduced by ``"sum"``;
             ``flops_per_*`` without ``peak_flops`` (or the reverse), both ``flops_per_*``,
             or one that is not a number > 0; (while training) a record named like a
             published key (``loss``, ``lr``...), a record in ``records`` that is a tensor
