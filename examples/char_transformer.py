@@ -189,7 +189,8 @@ def main() -> None:
     plugins = [
         validate(eval_fn, val_loader, every=every, at_end=True),
         progress(every=every // 2, counts="tokens"),
-        # mode="w": a new run replaces the file (the default appends, for resumed runs).
+        # mode="w" (existing="replace"): a fresh run empties the file (the default refuses one
+        # that holds lines); a run resumed from a checkpoint would continue it.
         log_metrics(every=10, sinks=[jsonl(metrics_path, mode="w")]),
     ]
     print(

@@ -146,7 +146,8 @@ def main() -> None:
         peak_memory(every=every),
         # progress and log_metrics last, so they show what the plugins above produced.
         progress(every=every, show=("val", "val_ema", "memory")),
-        # mode="w": a new run replaces the file (the default appends, for resumed runs).
+        # mode="w" (existing="replace"): a fresh run empties the file (the default refuses one
+        # that holds lines); a run resumed from a checkpoint would continue it.
         log_metrics(every=10, sinks=[jsonl(metrics_path, mode="w")]),
     ]
     started = time.perf_counter()
