@@ -175,7 +175,16 @@ def main() -> None:
         checkpoints(args.ckpt, every=args.every or None, keep_last=2, exit_code=args.exit_code),
         announce,
     ]
-    state = run(step, state, loader, max_steps=args.steps, plugins=plugins)
+    try:
+        state = run(step, state, loader, max_steps=args.steps, plugins=plugins)
+    except SystemExit:
+        # A signal stopped every rank after the same update: leave the group together, or
+        # gloo may abort this process at exit ("terminate called without an active
+        # exception") when the ranks destroy it at different moments.
+        if args.world > 1:
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
+        raise
     result = {
         "step": state.step,
         "model": digest(model.state_dict()),
