@@ -22,8 +22,8 @@ gradient_accumulation_steps (accelerate:      accumulate(micro_batches=) and
   the epoch's last window still steps)          run(partial_window="epoch")
 max_grad_norm (default 2.0)                   clip(max_norm=2.0)
 lr_scheduler_interval: step                   TrainState(scheduler=): stepped per update
-lr_scheduler_interval: epoch                  stepped at each epoch's end (step_per_epoch
-                                                below), saved in the checkpoints
+lr_scheduler_interval: epoch                  TrainState(scheduler=per_epoch(sched)):
+                                                run() steps it at each epoch's end
 metric_monitor(metric_name, mode)             validate(monitor=, mode=) -> val/<metric>
 checkpoints/best                              checkpoints(keep_best=("val/loss", "min", 1))
 early_stop (patience, in epochs)              early_stop("val/loss", patience=)
@@ -57,7 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from toolkit import TrainState, accumulate, clip, compose, make_step, run
+from toolkit import TrainState, accumulate, clip, compose, make_step, per_epoch, run
 from toolkit.plugins import (
     checkpoints,
     early_stop,
@@ -128,16 +128,15 @@ def main(cfg: DictConfig) -> None:
     model = hydra.utils.instantiate(cfg.model)
     optimizer = hydra.utils.instantiate(cfg.optimizer)(model.parameters())
     lr_scheduler = hydra.utils.instantiate(cfg.lr_scheduler)(optimizer)
-    per_epoch = cfg.lr_scheduler_interval == "epoch"
     if cfg.lr_scheduler_interval not in ("step", "epoch"):
         raise ValueError(
             f"lr_scheduler_interval must be step or epoch; got {cfg.lr_scheduler_interval}"
         )
-    # STEP: the state's scheduler, stepped after every applied update. EPOCH: kept out of
-    # the state, stepped by a plugin at each epoch's end and saved with the checkpoints.
-    state = TrainState(
-        model=model, optimizer=optimizer, scheduler=None if per_epoch else lr_scheduler
-    )
+    # STEP: stepped by the train step after every applied update. EPOCH: marked per_epoch,
+    # stepped by run() at each epoch's end. Either way it is in the state, so checkpointed.
+    if cfg.lr_scheduler_interval == "epoch":
+        lr_scheduler = per_epoch(lr_scheduler)
+    state = TrainState(model=model, optimizer=optimizer, scheduler=lr_scheduler)
 
     k = cfg.gradient_accumulation_steps
     decorators = [accumulate(micro_batches=k)]
@@ -146,17 +145,12 @@ def main(cfg: DictConfig) -> None:
     step = compose(*decorators)(make_step(training_step))
     updates_per_epoch = math.ceil(len(train_loader) / k)  # the epoch's short window steps too
 
-    def step_per_epoch(event) -> None:
-        if per_epoch and event.kind == "epoch_end":
-            lr_scheduler.step()
-
     monitor, mode = cfg.metric_monitor.metric_name, cfg.metric_monitor.mode
     # Every epoch's last update (the epoch's short window is applied): evaluated at the same
     # step as the checkpoint saved there, so keep_best sees the score. (per_epoch=True would
     # evaluate at "epoch_end", after that save.)
     plugins = [
         validate(validation_step, val_loader, every=updates_per_epoch, monitor=monitor, mode=mode),
-        step_per_epoch,
     ]
     if cfg.early_stop:
         plugins.append(early_stop(f"val/{monitor}", patience=cfg.early_stop, mode=mode))
@@ -167,7 +161,6 @@ def main(cfg: DictConfig) -> None:
             keep_last=cfg.save_last_k,
             keep_best=(f"val/{monitor}", mode, 1),
             resume=cfg.resume_from_checkpoint,
-            objects={"lr_scheduler": lr_scheduler} if per_epoch else None,
         ),
         progress(every=cfg.log_every_n_steps),
         log_metrics(every=cfg.log_every_n_steps, sinks=sinks(cfg, out)),

@@ -132,6 +132,13 @@ def main() -> None:
     every = 4 if args.quick else 40  # validate/checkpoint cadence, in updates
     plugins = [
         validate(valid_unit, valid_reader, every=every, at_end=True, monitor="nll_loss"),
+        # Before checkpoints: its run totals are saved with the state at each save.
+        log_metrics(
+            every=every,
+            sinks=[jsonl(args.out / "metrics.jsonl", existing="replace")],
+            reduce={"num_examples": "sum", "num_target_elements": "sum"},
+            totals=["num_target_elements"],
+        ),
         checkpoints(
             args.out / "checkpoints",
             every=every,
@@ -139,12 +146,6 @@ def main() -> None:
             keep_best=("val/nll_loss", "min", 3),
         ),
         progress(every=every),
-        log_metrics(
-            every=every,
-            sinks=[jsonl(args.out / "metrics.jsonl", existing="replace")],
-            reduce={"num_examples": "sum", "num_target_elements": "sum"},
-            totals=["num_target_elements"],
-        ),
     ]
     state = run(step, state, data_reader, epochs=max_num_data_epochs, plugins=plugins)
 

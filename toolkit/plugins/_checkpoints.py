@@ -177,10 +177,12 @@ def checkpoints(
     there.
 
     **Order in the plugin list.** Put ``checkpoints`` after the plugins whose state it
-    saves at a step (``ema``, ``validate``, ``early_stop``) and before those that report
-    from the state (``progress``, ``log_metrics``), so that they start from the restored
-    state. Plugins before it must accept that their ``"start"`` state is replaced (toolkit's
-    do). ``restore_best=True`` loads the best checkpoint's weights (by ``keep_best``) into
+    saves at a step (``ema``, ``validate``, ``early_stop``, and ``log_metrics`` when it
+    keeps run ``totals``) and before those that only report (``progress``, a
+    ``log_metrics`` without totals). ``log_metrics`` starts its sinks at the first event
+    after ``"start"``, so its logs follow the restored step wherever it stands. Plugins
+    before it must accept that their ``"start"`` state is replaced (toolkit's do).
+    ``restore_best=True`` loads the best checkpoint's weights (by ``keep_best``) into
     the model at the end of a run that did not raise or stop on a signal.
 
     Args:
