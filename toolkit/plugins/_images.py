@@ -10,7 +10,7 @@ from toolkit._distributed import is_rank_zero
 from toolkit._loop import Event, plugin_factory
 from toolkit._state import TrainState
 from toolkit.plugins._shared import due
-from toolkit.plugins._sinks import Sink, _no_images
+from toolkit.plugins._sinks import Sink, _no_images, close_all
 
 __all__ = ["log_images"]
 
@@ -145,7 +145,7 @@ def log_images(
                     record(event.state)
             finally:
                 memory["begun"] = False
-                _close_all(sink_list)
+                close_all(sink_list)
             return None
         if not memory["begun"]:
             begin(event)
@@ -154,14 +154,3 @@ def log_images(
         return None
 
     return plugin
-
-
-def _close_all(sinks: Sequence[Sink]) -> None:
-    first: BaseException | None = None
-    for sink in sinks:
-        try:
-            sink.close()
-        except Exception as exc:
-            first = first or exc
-    if first is not None:
-        raise first

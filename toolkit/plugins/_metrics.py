@@ -20,7 +20,7 @@ from toolkit._step import StepOutput
 from toolkit._weighted import sum_over_ranks
 from toolkit.plugins._interval import KINDS, Interval, combine, flat_scalars, merge, read
 from toolkit.plugins._shared import claim, due, metric_entry
-from toolkit.plugins._sinks import Sink
+from toolkit.plugins._sinks import Sink, close_all
 
 __all__ = ["log_metrics"]
 
@@ -585,7 +585,7 @@ def log_metrics(
                     )
                 write(state.step, extra)
             finally:
-                _close_all(sink_list)
+                close_all(sink_list)
         return None
 
     def epoch_metrics(state: TrainState) -> dict[str, float]:
@@ -686,14 +686,3 @@ def _check_totals(state: TrainState, names: Sequence[str], resumed: int) -> None
             RuntimeWarning,
             stacklevel=4,
         )
-
-
-def _close_all(sinks: Sequence[Sink]) -> None:
-    first: BaseException | None = None
-    for sink in sinks:
-        try:
-            sink.close()
-        except Exception as exc:
-            first = first or exc
-    if first is not None:
-        raise first

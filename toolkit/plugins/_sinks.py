@@ -711,3 +711,15 @@ def png_dir(path: str | os.PathLike[str], *, existing: str = "refuse") -> Sink:
             os.replace(f.name, target)
 
     return _Lazy(prepare, lambda: directory, lambda _: None, None, put_images).sink()
+
+
+def close_all(sinks: Sequence[Sink]) -> None:
+    """Close every sink, even when one fails; then raise the first failure."""
+    first: BaseException | None = None
+    for sink in sinks:
+        try:
+            sink.close()
+        except Exception as exc:
+            first = first or exc
+    if first is not None:
+        raise first
