@@ -1,18 +1,19 @@
 """toolkit's update under DDP against a hand-written DDP loop, 2 ranks, measured in one run.
 
-Both sides train the same DDP-wrapped model with the same optimizer and batches, taking
-turns (as in ``overhead.py``): one update is 4 micro-batches, gradient sync only on the
-last (``no_sync`` on the others), clip by norm, a non-finite check, AdamW and an LR
-scheduler. The hand-written loop checks the clipped gradient norm only: DDP has already
-averaged the gradients, so a NaN gradient on any rank reaches every rank's norm and the
-verdict agrees without a collective of its own. toolkit all-reduces its verdict (loss and
-gradients) once per update, which also carries the check that no rank skipped a
-micro-batch alone; a second row compares it with a hand loop that all-reduces its verdict
-too, leaving the step's own Python. Times are wall-clock (the ranks wait for each
-other in the all-reduce, and that waiting is part of an update), the ratio is the median of
-the per-round ratios, printed by rank 0. Then the collective calls per update of each side,
-counted: DDP's bucket all-reduces through a comm hook, toolkit's own through the
-``torch.distributed`` functions it calls.
+Both sides train a DDP-wrapped model (each its own, with the same weights, optimizer and
+batches), taking turns (as in ``overhead.py``): one update is 4 micro-batches, gradient
+sync only on the last (``no_sync`` on the others), clip by norm, a non-finite check, AdamW
+and an LR scheduler. The hand-written loop checks the clipped gradient norm only: DDP has
+already averaged the gradients, so a NaN gradient on any rank reaches every rank's norm
+and the verdict agrees without a collective of its own. toolkit's verdict also covers each
+rank's own losses and the check that no rank skipped a micro-batch alone; those flags ride
+on DDP's first gradient bucket through a comm hook toolkit installs (``toolkit/_carrier.py``),
+so it makes no collective of its own either. A second row compares it with a hand loop that
+all-reduces a verdict of its own. Times are wall-clock (the ranks wait for each other in
+the all-reduce, and that waiting is part of an update), the ratio is the median of the
+per-round ratios, printed by rank 0. Then the collective calls per update of each side,
+counted: DDP's bucket all-reduces through a counting comm hook, toolkit's (its hook's
+included) through the ``torch.distributed`` functions they call.
 
     python benchmarks/ddp.py            # starts torchrun --standalone --nproc_per_node=2
     python benchmarks/ddp.py --rounds 40 --updates 10
@@ -164,16 +165,20 @@ def counting_calls(counts: dict[str, int]) -> Iterator[None]:
 
 
 def collectives_per_update(
-    make_side: Callable[[Objects], Callable[[int], None]], n: int = 8
+    make_side: Callable[[Objects], Callable[[int], None]], n: int = 8, hook: bool = True
 ) -> dict[str, float]:
     """The collective calls per update of ``make_side``'s loop, by kind, over ``n`` updates.
 
     On a fresh DDP model whose buckets go through a counting comm hook (a Python hook is
-    slower than DDP's built-in one, so nothing is timed on it).
+    slower than DDP's built-in one, so nothing is timed on it). ``hook=False`` leaves the
+    model without one: toolkit then installs its own, whose bucket all-reduces (carrying
+    its verdict) count as ``all_reduce``; with the counting hook there, toolkit finds the
+    model's hook taken and all-reduces its verdict on its own, as with a hook of yours.
     """
     objects = setup([32, 64, 10], 32)
     counts: dict[str, int] = {}
-    objects[0].register_comm_hook(counts, _bucket_hook)
+    if hook:
+        objects[0].register_comm_hook(counts, _bucket_hook)
     side = make_side(objects)
     side(1)  # lazy state out of the way
     counts.clear()
@@ -185,6 +190,8 @@ def collectives_per_update(
 def worker(rounds: int, updates: int) -> None:
     with process_group() as launch:
         rows = []
+        # Each side trains its own DDP model (the same weights and batches): toolkit installs
+        # a comm hook on the model it trains, which the hand-written side must not run on.
         objects = setup([32, 64, 10], 32)
         timed = measure(hand_written(objects), hand_written(objects), rounds, updates)
         rows.append(("A/A: hand-written DDP vs itself, tiny MLP", *timed))
@@ -192,17 +199,18 @@ def worker(rounds: int, updates: int) -> None:
             ("tiny MLP 32-64-10, batch 32 per rank", [32, 64, 10], 32),
             ("larger MLP 512-1024-1024-10, batch 64 per rank", [512, 1024, 1024, 10], 64),
         ]:
-            objects = setup(sizes, batch)
-            timed = measure(hand_written(objects), composed(objects), rounds, updates)
+            ours = composed(setup(sizes, batch))
+            timed = measure(hand_written(setup(sizes, batch)), ours, rounds, updates)
             rows.append((f"DDP step: {name}", *timed))
             if sizes == [32, 64, 10]:
-                hand = hand_written(objects, verdict=True)
-                timed = measure(hand, composed(objects), rounds, updates)
+                hand = hand_written(setup(sizes, batch), verdict=True)
+                timed = measure(hand, ours, rounds, updates)
                 rows.append(("DDP step vs hand-written + verdict all-reduce, tiny MLP", *timed))
         counts = [
             ("hand-written", collectives_per_update(hand_written)),
             ("hand + verdict", collectives_per_update(lambda o: hand_written(o, verdict=True))),
-            ("toolkit", collectives_per_update(composed)),
+            ("toolkit", collectives_per_update(composed, hook=False)),
+            ("toolkit, model with a hook of your own", collectives_per_update(composed)),
         ]
         if launch.rank == 0:
             print(
@@ -217,7 +225,7 @@ def worker(rounds: int, updates: int) -> None:
             for side, per_update in counts:
                 total = sum(per_update.values())
                 kinds = ", ".join(f"{name} {count:g}" for name, count in per_update.items())
-                print(f"  {side:<12} {total:g}: {kinds}")
+                print(f"  {side:<38} {total:g}: {kinds}")
 
 
 def main() -> None:

@@ -103,6 +103,20 @@ def _ddp(calls: list[int]) -> tuple[torch.nn.Module, object]:
     return model, lambda p: p.detach()
 
 
+def _ddp_carried(calls: list[int]) -> tuple[torch.nn.Module, object]:
+    # No hook of ours: toolkit installs its own, which carries the verdict's flags with the
+    # gradients. Count every Python all_reduce (the bucket's, through that hook, included).
+    model = torch.nn.parallel.DistributedDataParallel(_model())
+    original = dist.all_reduce
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    dist.all_reduce = counting
+    return model, lambda p: p.detach()
+
+
 def _fsdp2(calls: list[int]) -> tuple[torch.nn.Module, object]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -124,7 +138,7 @@ def _fsdp2(calls: list[int]) -> tuple[torch.nn.Module, object]:
     return model, lambda p: p.full_tensor()
 
 
-WRAPPERS = {"ddp": _ddp, "fsdp2": _fsdp2}
+WRAPPERS = {"ddp": _ddp, "ddp_carried": _ddp_carried, "fsdp2": _fsdp2}
 
 
 def _worker(rank: int, wrapper: str, store_path: str, out_dir: str) -> None:
@@ -169,6 +183,8 @@ def test_accumulation_with_counts_clip_guard_and_lockstep(wrapper: str, tmp_path
         calls = report["collectives"]
         assert calls[0::K] == [0, 0, 0] and calls[1::K] == [0, 0, 0], calls
         assert all(c > 0 for c in calls[2::K]), calls
+        if wrapper == "ddp_carried":  # the bucket (flags inside) and the count's sum
+            assert calls[2::K] == [2, 2, 2], calls
         assert report["step"] == 3 and report["grad_norm_is_plain"]
         for got, want in zip(report["params"], ref):
             torch.testing.assert_close(

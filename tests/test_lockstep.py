@@ -1,11 +1,14 @@
 """A loss function returning None on one DDP rank only: a clear error on every rank, no hang.
 
 Two gloo ranks under DDP, accumulation of 2. Each rank counts the Nones of its open window;
-at the window's close the counts' minimum and maximum are compared over the group, riding
-on the guard's verdict all-reduce (no extra collective) or, without a guard and fp16, on
-one 2-element all-reduce of their own. Ranks whose windows drifted apart still pair their
-closing collectives (DDP syncs gradients only on the closing micro-batch), so both reach
-the comparison and raise. The test counts ``dist.all_reduce`` calls per update.
+at the window's close the counts are compared over the group, riding on DDP's own gradient
+all-reduce of the closing micro-batch (toolkit's comm hook appends them to the first
+bucket): no collective of their own, guard or not. On a model with a comm hook of the
+user's, they ride on the guard's verdict all-reduce or, without a guard and fp16, on one
+small all-reduce of their own. Ranks whose windows drifted apart still pair their closing
+collectives (DDP syncs gradients only on the closing micro-batch), so both reach the
+comparison and raise. The test counts ``dist.all_reduce`` calls per update (toolkit's hook
+makes DDP's bucket all-reduce one of them).
 """
 
 from __future__ import annotations
@@ -47,12 +50,23 @@ def _loss(model: torch.nn.Module, batch: torch.Tensor):
 
 
 SKIP = torch.full((3, 4), float("nan"))
+# A batch whose loss is NaN while its gradients stay finite (a NaN added as a constant).
+NAN_LOSS = torch.full((3, 4), 7.0)
 
 
-def _scenario(guarded: bool, nones: dict[int, list[int]]) -> dict:
+def _loss_nan(model: torch.nn.Module, batch: torch.Tensor):
+    loss = model(batch).square().mean()
+    return loss + float("nan") if bool((batch == 7.0).all()) else loss
+
+
+def _scenario(guarded: bool, nones: dict[int, list[int]], own_hook: bool = False) -> dict:
     """Train over 6 calls with None at the given call indices per rank; report."""
     rank = dist.get_rank()
     model = torch.nn.parallel.DistributedDataParallel(_model())
+    if own_hook:  # the user's comm hook: toolkit's cannot be installed
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        model.register_comm_hook(None, allreduce_hook)
     step = accumulate(make_step(_loss), micro_batches=K)
     if guarded:
         step = compose(guard_nonfinite())(step)
@@ -86,7 +100,52 @@ SCENARIOS = {
     "plain_one_rank": (False, {0: [3]}),
     "guard_all_ranks": (True, {0: [1], 1: [1]}),
     "plain_all_ranks": (False, {0: [1], 1: [1]}),
+    "guard_one_rank_own_hook": (True, {1: [0]}, True),
+    "plain_one_rank_own_hook": (False, {0: [3]}, True),
+    "guard_all_ranks_own_hook": (True, {0: [1], 1: [1]}, True),
+    "plain_all_ranks_own_hook": (False, {0: [1], 1: [1]}, True),
 }
+
+
+def _nan_loss_on_one_rank(own_hook: bool) -> dict:
+    """Rank 1's first loss is NaN, its gradients finite: both ranks must reject window 0."""
+    rank = dist.get_rank()
+    model = torch.nn.parallel.DistributedDataParallel(_model())
+    if own_hook:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        model.register_comm_hook(None, allreduce_hook)
+    step = compose(guard_nonfinite())(accumulate(make_step(_loss_nan), micro_batches=K))
+    state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    rejected = []
+    for i, batch in enumerate(_batches(rank, 6)):
+        state, out = step(state, NAN_LOSS if (rank, i) == (1, 0) else batch)
+        if out.closed:
+            rejected.append(out.nonfinite)
+    return {"rejected": rejected, "params": [p.detach().tolist() for p in model.parameters()]}
+
+
+def _fp16(own_hook: bool) -> dict:
+    """fp16 + guard under DDP; rank 1's third batch overflows the loss: every window's
+    decision must agree across ranks, whichever way the flags travel."""
+    from toolkit import amp_wrap
+
+    rank = dist.get_rank()
+    model = torch.nn.parallel.DistributedDataParallel(_model())
+    if own_hook:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        model.register_comm_hook(None, allreduce_hook)
+    step = compose(amp_wrap(dtype="fp16"), guard_nonfinite())(
+        accumulate(make_step(_loss), micro_batches=K)
+    )
+    state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    windows = []
+    for i, batch in enumerate(_batches(rank, 6)):
+        state, out = step(state, batch * 1e5 if (rank, i) == (1, 2) else batch)
+        if out.closed:
+            windows.append([out.updated, out.nonfinite, out.overflow])
+    return {"windows": windows, "params": [p.detach().tolist() for p in model.parameters()]}
 
 
 def _worker(rank: int, store_path: str, out_dir: str) -> None:
@@ -96,6 +155,9 @@ def _worker(rank: int, store_path: str, out_dir: str) -> None:
     )
     try:
         report = {name: _scenario(*args) for name, args in SCENARIOS.items()}
+        for own_hook in (False, True):
+            report[f"nan_loss_own_hook_{own_hook}"] = _nan_loss_on_one_rank(own_hook)
+            report[f"fp16_own_hook_{own_hook}"] = _fp16(own_hook)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
         dist.barrier()
     finally:
@@ -131,7 +193,10 @@ def reports(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 
-@pytest.mark.parametrize("name", ["guard_one_rank", "plain_one_rank"])
+@pytest.mark.parametrize(
+    "name",
+    ["guard_one_rank", "plain_one_rank", "guard_one_rank_own_hook", "plain_one_rank_own_hook"],
+)
 def test_none_on_one_rank_raises_on_every_rank(reports: list[dict], name: str) -> None:
     for report in reports:
         error = report[name]["error"]
@@ -144,19 +209,48 @@ def test_none_on_one_rank_raises_on_every_rank(reports: list[dict], name: str) -
 
 def test_none_on_every_rank_alike_is_a_skip(reports: list[dict]) -> None:
     want = _reference(skipped_call=1)
-    for name in ("guard_all_ranks", "plain_all_ranks"):
+    for name in (
+        "guard_all_ranks",
+        "plain_all_ranks",
+        "guard_all_ranks_own_hook",
+        "plain_all_ranks_own_hook",
+    ):
         for report in reports:
             assert report[name]["error"] is None and report[name]["step"] == 2
             for got, ref in zip(report[name]["params"], want):
                 torch.testing.assert_close(torch.tensor(got), torch.tensor(ref))
 
 
-def test_the_check_costs_no_collective_with_the_guard_and_one_without(
-    reports: list[dict],
-) -> None:
+def test_the_check_rides_on_ddps_gradient_all_reduce(reports: list[dict]) -> None:
     for report in reports:
-        # Python-level all_reduce calls per update (DDP's gradient all-reduce goes through
-        # its C++ reducer): the guard's verdict carries the None counts...
+        # Python-level all_reduce calls per update: DDP's gradient bucket, through toolkit's
+        # hook, carrying the None counts (and the guard's loss flag): nothing else.
         assert report["guard_all_ranks"]["per_update"] == [1, 1]
-        # ...and without a guard one small all-reduce carries them.
         assert report["plain_all_ranks"]["per_update"] == [1, 1]
+        # With the user's hook (the bucket's all-reduce, counted too): the guard's verdict
+        # carries the counts, or without a guard one small all-reduce of their own.
+        assert report["guard_all_ranks_own_hook"]["per_update"] == [2, 2]
+        assert report["plain_all_ranks_own_hook"]["per_update"] == [2, 2]
+
+
+@pytest.mark.parametrize("own_hook", [False, True])
+def test_a_nan_loss_with_finite_gradients_on_one_rank_is_rejected_on_every_rank(
+    reports: list[dict], own_hook: bool
+) -> None:
+    # Rank 0's loss and the averaged gradients are finite: only rank 1's flag, carried to
+    # rank 0, makes it reject the window too; the replicas stay equal.
+    name = f"nan_loss_own_hook_{own_hook}"
+    for report in reports:
+        assert report[name]["rejected"] == [True, False, False]
+    assert reports[0][name]["params"] == reports[1][name]["params"]
+
+
+def test_fp16_decisions_agree_across_ranks_and_flag_routes(reports: list[dict]) -> None:
+    carried, alone = (reports[0][f"fp16_own_hook_{h}"] for h in (False, True))
+    # [updated, nonfinite, overflow] per window: the first overflows the scaler's initial
+    # scale (as fp16 runs do), the second holds rank 1's inf loss (the guard's, on both
+    # ranks), the third applies.
+    assert carried["windows"] == [[False, False, True], [False, True, False], [True, False, False]]
+    for report in reports[1:]:
+        assert report["fp16_own_hook_False"] == carried  # both ranks decided alike
+    assert alone == carried  # flags with the gradients or on their own: the same training

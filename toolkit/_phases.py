@@ -294,6 +294,7 @@ def decide(
     total: torch.Tensor | None = None,
     group: Any = None,
     skipped: int = 0,
+    carried: torch.Tensor | None = None,
 ) -> Verdict:
     """Phase 6: every decision of the window in one host sync.
 
@@ -302,8 +303,15 @@ def decide(
     :func:`toolkit.data_parallel_group`), or None: the flags are all-reduced over it with
     MAX so that every data-parallel rank decides alike, together with this rank's count of
     ``skipped`` micro-batches and its negation (their maximum and minimum over the ranks:
-    ``uneven`` when they differ).
+    ``uneven`` when they differ). ``carried`` (DDP, see :mod:`toolkit._carrier`): the
+    ranks' loss flag and skip check, already exchanged with the gradients, which DDP has
+    made the same on every rank; then nothing more is all-reduced.
     """
+    if carried is not None:
+        world = group.size() if group is not None else 1
+        return _decide_carried(
+            guard, scaler, min_scale, optimizer, grad_norm, total, carried, world
+        )
     if scaler is None and total is None:
         # The common case, kept to as few tiny kernels as a hand-written loop needs.
         assert window_loss is not None and grad_norm is not None
@@ -348,6 +356,49 @@ def decide(
         packed = torch.cat([packed[:5], (packed[5:6] + packed[6:7] > 0).to(torch.float32)])
     code = int((packed * _flag_bits(packed.device)[: len(packed)]).sum().item())  # the sync
     return Verdict(*(bool(code & (1 << i)) for i in range(6)))
+
+
+def _decide_carried(
+    guard: GuardConfig | None,
+    scaler: torch.amp.GradScaler | None,
+    min_scale: float,
+    optimizer: torch.optim.Optimizer,
+    grad_norm: torch.Tensor | None,
+    total: torch.Tensor | None,
+    carried: torch.Tensor,
+    world: int,
+) -> Verdict:
+    """:func:`decide` under DDP with the flags carried (see :class:`toolkit._carrier.Carrier`).
+
+    The gradients (so their norm and the scaler's overflow) are the same on every rank
+    after DDP's all-reduce, and the count total was summed over the ranks: every flag here
+    agrees across ranks without an exchange of its own. One host sync.
+    """
+    lost, skips, squares = carried[0], carried[1], carried[2]
+    uneven = skips * skips != world * squares
+    if scaler is None and total is None:  # the common case: few tiny kernels
+        assert grad_norm is not None
+        nonfinite, differ = torch.stack([(lost > 0) | ~torch.isfinite(grad_norm), uneven]).tolist()
+        return _FINE._replace(nonfinite=nonfinite, uneven=differ)
+    no = torch.zeros((), dtype=torch.bool, device=carried.device)
+    if scaler is None:
+        assert grad_norm is not None
+        flags = [(lost > 0) | ~torch.isfinite(grad_norm).to(carried.device), no, no]
+    else:
+        found_per_device = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        scale = scaler._get_scale_async()
+        assert scale is not None  # unscale_ has run, so the scale exists
+        found = sum(f.to(carried.device) for f in found_per_device.values()) > 0
+        assert isinstance(found, torch.Tensor)
+        small = scale.to(carried.device) * scaler.get_backoff_factor() < min_scale
+        # Under fp16 only the loss counts: non-finite gradients are the scaler's overflow.
+        flags = [lost > 0 if guard is not None else no, found, found & small]
+    if total is not None:
+        counted = total.to(carried.device)
+        flags += [counted == 0, counted < 0]
+    else:
+        flags += [no, no]
+    return Verdict(*torch.stack([*flags, uneven]).tolist())
 
 
 def _pair(skipped: int, like: torch.Tensor) -> torch.Tensor:

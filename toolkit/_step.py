@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from toolkit._carrier import Carrier, carrier_of
 from toolkit._distributed import (
     SYNC_KIND,
     all_reduce_,
@@ -268,6 +269,25 @@ class Step:
                 return self.loss_fn(state.model, batch, step=state.step)
         return self.loss_fn(state.model, batch, step=state.step)
 
+    def _send_flags(
+        self, model: torch.nn.Module, state: TrainState, loss: torch.Tensor, optimizer: Any
+    ) -> Carrier | None:
+        # DDP, before the closing backward: this rank's loss flag and skip count go with the
+        # gradients (phase 6 reads them back), when the model takes toolkit's hook.
+        carrier = carrier_of(model, data_parallel_group(model))
+        if carrier is None:
+            return None
+        flag = None
+        if self.guard is not None:
+            # The window's summed loss, as phase 6 checks it (float32 at least).
+            current = loss.detach()
+            current = current.float() if current.dtype is _FP16 else current
+            window_loss = state.window.loss
+            total = current if window_loss is None else window_loss + current
+            flag = ~torch.isfinite(total)
+        carrier.send(flag, state.window.skipped, optimizer.param_groups[0]["params"][0])
+        return carrier
+
     def __call__(
         self, state: TrainState, batch: Any, *, close: bool = False
     ) -> tuple[TrainState, StepOutput]:
@@ -300,6 +320,7 @@ class Step:
         no_sync = None if closes or sync == "none" else suppress_grad_sync(model, sync)
         if no_sync is not None:  # (3) gradients are synced on the closing micro-batch only
             no_sync.__enter__()
+        carrier = None  # DDP: the window's flags ride on its gradient all-reduce
         try:
             # 1. forward, under autocast
             if self._with_step:  # loss_fn(model, batch, step=...) reads the update number
@@ -331,6 +352,8 @@ class Step:
             # 3. backward, through the GradScaler under fp16
             if scaler is not None:
                 objective = scaler.scale(objective)
+            if closes and sync == "ddp" and self.grad_transforms is None:
+                carrier = self._send_flags(model, state, loss, optimizer)
             objective.backward()
         finally:
             if no_sync is not None:
@@ -431,6 +454,8 @@ class Step:
                 # FSDP2: a DTensor over the shards. Clipping takes it as it is (as
                 # clip_grad_norm_ does); the decision and the report need its value.
                 grad_norm = grad_norm.full_tensor()
+        # The flags that rode on DDP's gradient all-reduce (None: they travel on their own).
+        carried = carrier.receive() if carrier is not None else None
         nonfinite = overflow = collapsed = negative = uneven = False
         if guard is not None or scaler is not None:
             min_scale = amp.min_scale if amp is not None else 0.0
@@ -444,9 +469,12 @@ class Step:
                 total,
                 group,
                 window.skipped,
+                carried,
             )
             nonfinite, overflow, collapsed, zero, negative, uneven = verdict
             empty = empty or zero
+        elif carried is not None:  # the host sync of the skip check
+            uneven = bool((carried[1] * carried[1] != group.size() * carried[2]).item())
         elif group is not None:
             # No verdict to carry the ranks' skip counts: one small all-reduce of their own.
             uneven = skips_differ(window.skipped, group, optimizer)
