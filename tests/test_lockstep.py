@@ -148,6 +148,28 @@ def _fp16(own_hook: bool) -> dict:
     return {"windows": windows, "params": [p.detach().tolist() for p in model.parameters()]}
 
 
+def _counted_loss(model: torch.nn.Module, batch: torch.Tensor):
+    from toolkit import LossSum
+
+    count = 0 if bool((batch == 7.0).all()) else batch.shape[0]  # 7.0: a batch of no targets
+    return LossSum(model(batch).square().sum() * (count > 0), count)
+
+
+def _empty_window() -> dict:
+    """LossSum counts: window 0 holds no target on either rank, window 1 none on rank 1."""
+    rank = dist.get_rank()
+    model = torch.nn.parallel.DistributedDataParallel(_model())
+    step = compose(guard_nonfinite())(accumulate(make_step(_counted_loss), micro_batches=K))
+    state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    windows = []
+    for i, batch in enumerate(_batches(rank, 6)):
+        empty = i in (0, 1) or (rank == 1 and i in (2, 3))
+        state, out = step(state, NAN_LOSS if empty else batch)
+        if out.closed:
+            windows.append([out.updated, out.empty])
+    return {"windows": windows, "params": [p.detach().tolist() for p in model.parameters()]}
+
+
 def _worker(rank: int, store_path: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -158,6 +180,7 @@ def _worker(rank: int, store_path: str, out_dir: str) -> None:
         for own_hook in (False, True):
             report[f"nan_loss_own_hook_{own_hook}"] = _nan_loss_on_one_rank(own_hook)
             report[f"fp16_own_hook_{own_hook}"] = _fp16(own_hook)
+        report["empty_window"] = _empty_window()
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
         dist.barrier()
     finally:
@@ -254,3 +277,13 @@ def test_fp16_decisions_agree_across_ranks_and_flag_routes(reports: list[dict]) 
     for report in reports[1:]:
         assert report["fp16_own_hook_False"] == carried  # both ranks decided alike
     assert alone == carried  # flags with the gradients or on their own: the same training
+
+
+def test_a_window_without_targets_on_every_rank_is_skipped_on_every_rank(
+    reports: list[dict],
+) -> None:
+    # The count's sum over the ranks decides: 0 in window 0 (skipped as empty), rank 0's
+    # targets in window 1 (applied on both).
+    for report in reports:
+        assert report["empty_window"]["windows"] == [[False, True], [True, False], [True, False]]
+    assert reports[0]["empty_window"]["params"] == reports[1]["empty_window"]["params"]

@@ -27,12 +27,13 @@ _EXACT = (torch.float32, torch.float64)
 class Carrier:
     """A DDP model's hook state: the flags to send with the next sync, and what came back.
 
-    ``outgoing`` is ``[loss not finite (0 or 1), skipped, skipped**2]`` of this rank, set
-    just before the closing backward; the hook sums it over the ranks with the first bucket
-    and leaves the sums in ``incoming`` by the time backward returns: some rank's loss was
-    not finite when the first is > 0; the ranks skipped different numbers of micro-batches
-    when ``first_skips**2 != world * second`` (equal for equal counts only:
-    Cauchy-Schwarz). Exact in float32 for any realistic count.
+    ``outgoing`` is ``[loss, skipped, skipped**2]`` of this rank, set just before the
+    closing backward (``loss``: the window's summed loss under the guard, else 0); the hook
+    sums it over the ranks with the first bucket and leaves the sums in ``incoming`` by the
+    time backward returns. The summed loss is finite when every rank's is (a sum of
+    finite losses would overflow only past 3e38 in float32); the ranks skipped different
+    numbers of micro-batches when ``skips**2 != world * squares`` (equal for equal counts
+    only: Cauchy-Schwarz), exact in float32 for any realistic count.
     """
 
     __slots__ = ("__weakref__", "group", "incoming", "outgoing")
@@ -42,20 +43,32 @@ class Carrier:
         self.outgoing: torch.Tensor | None = None
         self.incoming: torch.Tensor | None = None
 
-    def send(self, loss_nonfinite: torch.Tensor | None, skipped: int, like: torch.Tensor) -> None:
+    def send(self, loss: torch.Tensor | None, skipped: int, like: torch.Tensor) -> None:
         """Flags for the next closing backward (``like``: a parameter, for the device)."""
-        skips = torch.tensor(
-            [float(skipped), float(skipped * skipped)], dtype=torch.float32, device=like.device
-        )
-        if loss_nonfinite is None:
-            loss_nonfinite = skips.new_zeros(1)
-        self.outgoing = torch.cat([loss_nonfinite.reshape(1).to(torch.float32), skips])
+        if skipped:
+            skips = torch.tensor([float(skipped), float(skipped * skipped)], device=like.device)
+        else:  # the common case: no tensor built per update
+            skips = _zeros(like.device, 2)
+        if loss is None:
+            loss = _zeros(like.device, 1)
+        self.outgoing = torch.cat([loss.reshape(1), skips])
         self.incoming = None
 
     def receive(self) -> torch.Tensor | None:
         """The reduced flags of the backward that just ran, or None if none were carried."""
         got, self.incoming, self.outgoing = self.incoming, None, None
         return got
+
+
+_ZEROS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _zeros(device: torch.device, size: int) -> torch.Tensor:
+    """A float32 zero vector of ``size``, made once per device (read, never written)."""
+    found = _ZEROS.get((device, size))
+    if found is None:
+        found = _ZEROS[(device, size)] = torch.zeros(size, device=device)
+    return found
 
 
 # Per DDP model: its carrier, or None where a carrier cannot be installed.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -372,33 +373,37 @@ def _decide_carried(
 
     The gradients (so their norm and the scaler's overflow) are the same on every rank
     after DDP's all-reduce, and the count total was summed over the ranks: every flag here
-    agrees across ranks without an exchange of its own. One host sync.
+    agrees across ranks without an exchange of its own. One host sync, one read of a few
+    numbers, decided in Python.
     """
-    lost, skips, squares = carried[0], carried[1], carried[2]
-    uneven = skips * skips != world * squares
-    if scaler is None and total is None:  # the common case: few tiny kernels
-        assert grad_norm is not None
-        nonfinite, differ = torch.stack([(lost > 0) | ~torch.isfinite(grad_norm), uneven]).tolist()
-        return _FINE._replace(nonfinite=nonfinite, uneven=differ)
-    no = torch.zeros((), dtype=torch.bool, device=carried.device)
+    parts = [carried.to(torch.float64)]
     if scaler is None:
         assert grad_norm is not None
-        flags = [(lost > 0) | ~torch.isfinite(grad_norm).to(carried.device), no, no]
+        parts.append(grad_norm.reshape(1).to(carried.device, torch.float64))
     else:
         found_per_device = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
         scale = scaler._get_scale_async()
         assert scale is not None  # unscale_ has run, so the scale exists
-        found = sum(f.to(carried.device) for f in found_per_device.values()) > 0
+        found = sum(f.to(carried.device) for f in found_per_device.values())
         assert isinstance(found, torch.Tensor)
-        small = scale.to(carried.device) * scaler.get_backoff_factor() < min_scale
-        # Under fp16 only the loss counts: non-finite gradients are the scaler's overflow.
-        flags = [lost > 0 if guard is not None else no, found, found & small]
+        parts += [found.reshape(1).double(), scale.reshape(1).to(carried.device).double()]
     if total is not None:
-        counted = total.to(carried.device)
-        flags += [counted == 0, counted < 0]
+        parts.append(total.reshape(1).to(carried.device, torch.float64))
+    values = torch.cat(parts).tolist()  # the sync
+    loss, skips, squares = values[:3]
+    uneven = skips * skips != world * squares
+    # Under fp16 only the loss counts: non-finite gradients are the scaler's overflow.
+    nonfinite = guard is not None and not math.isfinite(loss)
+    overflow = collapsed = False
+    if scaler is None:
+        nonfinite = nonfinite or not math.isfinite(values[3])
     else:
-        flags += [no, no]
-    return Verdict(*torch.stack([*flags, uneven]).tolist())
+        overflow = values[3] > 0
+        collapsed = overflow and values[4] * scaler.get_backoff_factor() < min_scale
+    zero = negative = False
+    if total is not None:
+        zero, negative = values[-1] == 0, values[-1] < 0
+    return Verdict(nonfinite, overflow, collapsed, zero, negative, uneven)
 
 
 def _pair(skipped: int, like: torch.Tensor) -> torch.Tensor:

@@ -277,15 +277,14 @@ class Step:
         carrier = carrier_of(model, data_parallel_group(model))
         if carrier is None:
             return None
-        flag = None
+        total = None
         if self.guard is not None:
             # The window's summed loss, as phase 6 checks it (float32 at least).
             current = loss.detach()
             current = current.float() if current.dtype is _FP16 else current
             window_loss = state.window.loss
             total = current if window_loss is None else window_loss + current
-            flag = ~torch.isfinite(total)
-        carrier.send(flag, state.window.skipped, optimizer.param_groups[0]["params"][0])
+        carrier.send(total, state.window.skipped, optimizer.param_groups[0]["params"][0])
         return carrier
 
     def __call__(
@@ -474,7 +473,8 @@ class Step:
             nonfinite, overflow, collapsed, zero, negative, uneven = verdict
             empty = empty or zero
         elif carried is not None:  # the host sync of the skip check
-            uneven = bool((carried[1] * carried[1] != group.size() * carried[2]).item())
+            _, skips, squares = carried.tolist()
+            uneven = skips * skips != group.size() * squares
         elif group is not None:
             # No verdict to carry the ranks' skip counts: one small all-reduce of their own.
             uneven = skips_differ(window.skipped, group, optimizer)
