@@ -17,7 +17,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["Carrier", "carrier_of"]
+from toolkit._distributed import data_parallel_group
+
+__all__ = ["Carrier", "carrier_of", "skips_differ_carried"]
 
 # Only dtypes that hold the small integer sums exactly ride along; a model whose gradients
 # are bf16 or fp16 falls back to the step's own small all-reduce.
@@ -71,15 +73,25 @@ def _zeros(device: torch.device, size: int) -> torch.Tensor:
     return found
 
 
+def skips_differ_carried(sums: list[float], world: int) -> bool:
+    """Whether the ranks skipped different numbers of micro-batches, from the carried sums.
+
+    ``sums`` is ``[loss, sum of skipped, sum of skipped**2]`` over the ``world`` ranks: the
+    counts are all equal exactly when ``sum**2 == world * sum of squares``.
+    """
+    _, skips, squares = sums
+    return skips * skips != world * squares
+
+
 # Per DDP model: its carrier, or None where a carrier cannot be installed.
 _CARRIERS: weakref.WeakKeyDictionary[torch.nn.Module, Carrier | None] = weakref.WeakKeyDictionary()
 
 
-def carrier_of(model: torch.nn.Module, group: Any) -> Carrier | None:
+def carrier_of(model: torch.nn.Module) -> Carrier | None:
     """The carrier of DDP ``model`` (its hook registered on first use), or None.
 
-    None when ``group`` (the step's data-parallel group) is not the group DDP averages
-    over (``set_data_parallel_group`` named another), or when the model already has a
+    None when the step's data-parallel group is not the group DDP averages over
+    (``set_data_parallel_group`` named another), or when the model already has a
     communication hook of its own (DDP takes one): the step then all-reduces its flags
     itself, as it does under FSDP2.
     """
@@ -88,6 +100,7 @@ def carrier_of(model: torch.nn.Module, group: Any) -> Carrier | None:
     except KeyError:
         pass
     found: Carrier | None = None
+    group = data_parallel_group(model)
     if group is not None and group is getattr(model, "process_group", None):
         found = Carrier(group)
         try:

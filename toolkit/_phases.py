@@ -16,6 +16,7 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 
+from toolkit._carrier import skips_differ_carried
 from toolkit._distributed import all_reduce_
 from toolkit._state import GuardState
 
@@ -305,8 +306,8 @@ def decide(
     MAX so that every data-parallel rank decides alike, together with this rank's count of
     ``skipped`` micro-batches and its negation (their maximum and minimum over the ranks:
     ``uneven`` when they differ). ``carried`` (DDP, see :mod:`toolkit._carrier`): the
-    ranks' loss flag and skip check, already exchanged with the gradients, which DDP has
-    made the same on every rank; then nothing more is all-reduced.
+    ranks' summed window loss and skip sums, already exchanged with the gradients, which
+    DDP has made the same on every rank; then nothing more is all-reduced.
     """
     if carried is not None:
         world = group.size() if group is not None else 1
@@ -327,14 +328,9 @@ def decide(
         return _FINE._replace(nonfinite=bool(code & 1), uneven=bool(code & 2))
     flags = []  # bit i of the code below
     if scaler is not None:
-        # GradScaler keeps found_inf per optimizer and device after unscale_; combining the
-        # tensors on device (no .item()) keeps the whole decision to the single sync below.
-        found_per_device = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-        scale = scaler._get_scale_async()
-        assert scale is not None  # unscale_ has run, so the scale exists
+        found, scale = _overflows(scaler, optimizer)
         device = scale.device
-        found = sum(f.to(device) for f in found_per_device.values()) > 0
-        assert isinstance(found, torch.Tensor)
+        found = found > 0
         if guard is not None and window_loss is not None:
             # Under fp16 only the loss counts: non-finite gradients are the scaler's overflow.
             flags.append(~torch.isfinite(window_loss).to(device))
@@ -376,22 +372,19 @@ def _decide_carried(
     agrees across ranks without an exchange of its own. One host sync, one read of a few
     numbers, decided in Python.
     """
-    parts = [carried.to(torch.float64)]
+    parts = [carried]
     if scaler is None:
         assert grad_norm is not None
-        parts.append(grad_norm.reshape(1).to(carried.device, torch.float64))
+        parts.append(grad_norm.reshape(1))
     else:
-        found_per_device = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-        scale = scaler._get_scale_async()
-        assert scale is not None  # unscale_ has run, so the scale exists
-        found = sum(f.to(carried.device) for f in found_per_device.values())
-        assert isinstance(found, torch.Tensor)
-        parts += [found.reshape(1).double(), scale.reshape(1).to(carried.device).double()]
+        found, scale = _overflows(scaler, optimizer)
+        parts += [found.reshape(1), scale.reshape(1)]
     if total is not None:
-        parts.append(total.reshape(1).to(carried.device, torch.float64))
-    values = torch.cat(parts).tolist()  # the sync
-    loss, skips, squares = values[:3]
-    uneven = skips * skips != world * squares
+        parts.append(total.reshape(1))
+    # the sync
+    values = torch.cat([part.to(carried.device, torch.float64) for part in parts]).tolist()
+    uneven = skips_differ_carried(values[:3], world)
+    loss = values[0]
     # Under fp16 only the loss counts: non-finite gradients are the scaler's overflow.
     nonfinite = guard is not None and not math.isfinite(loss)
     overflow = collapsed = False
@@ -404,6 +397,22 @@ def _decide_carried(
     if total is not None:
         zero, negative = values[-1] == 0, values[-1] < 0
     return Verdict(nonfinite, overflow, collapsed, zero, negative, uneven)
+
+
+def _overflows(
+    scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The GradScaler's count of devices with inf/NaN gradients after unscale_, and its scale.
+
+    It keeps found_inf per optimizer and device; combining the tensors on device (no
+    .item()) keeps the whole decision to phase 6's single sync. On the scale's device.
+    """
+    found_per_device = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+    scale = scaler._get_scale_async()
+    assert scale is not None  # unscale_ has run, so the scale exists
+    found = sum(f.to(scale.device) for f in found_per_device.values())
+    assert isinstance(found, torch.Tensor)
+    return found, scale
 
 
 def _pair(skipped: int, like: torch.Tensor) -> torch.Tensor:

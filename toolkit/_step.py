@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from toolkit._carrier import Carrier, carrier_of
+from toolkit._carrier import Carrier, carrier_of, skips_differ_carried
 from toolkit._distributed import (
     SYNC_KIND,
     all_reduce_,
@@ -274,7 +274,7 @@ class Step:
     ) -> Carrier | None:
         # DDP, before the closing backward: this rank's loss flag and skip count go with the
         # gradients (phase 6 reads them back), when the model takes toolkit's hook.
-        carrier = carrier_of(model, data_parallel_group(model))
+        carrier = carrier_of(model)
         if carrier is None:
             return None
         total = None
@@ -473,8 +473,7 @@ class Step:
             nonfinite, overflow, collapsed, zero, negative, uneven = verdict
             empty = empty or zero
         elif carried is not None:  # the host sync of the skip check
-            _, skips, squares = carried.tolist()
-            uneven = skips * skips != group.size() * squares
+            uneven = skips_differ_carried(carried.tolist(), group.size())
         elif group is not None:
             # No verdict to carry the ranks' skip counts: one small all-reduce of their own.
             uneven = skips_differ(window.skipped, group, optimizer)
