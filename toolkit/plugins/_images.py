@@ -89,8 +89,10 @@ def log_images(
 
     Raises:
         TypeError: ``fn`` is not callable, a sink records no images, or ``fn`` returns no
-            mapping of names.
-        ValueError: ``every`` is not an int >= 1; an image has an unsupported shape.
+            mapping of names; (while training) an image that is neither a tensor nor a
+            figure, or a tensor neither uint8 nor floating-point.
+        ValueError: ``every`` is not an int >= 1; (while training) an image of an
+            unsupported shape, a float image with NaN or inf, a bad image name.
 
     Example:
         >>> import torch

@@ -592,7 +592,7 @@ def log_metrics(
         if memory.windows:
             take(memory.windows)  # the interval continues; what it read is kept
             memory.windows.clear()
-        sums, _ = _sum_over_ranks({"loss": memory.epoch_loss}, (), memory.group)
+        sums, _ = sum_over_ranks("log_metrics", {"loss": memory.epoch_loss}, group=memory.group)
         total, weight = sums["loss"]
         memory.epoch_loss = (0.0, 0.0)
         metrics = {"train/epoch": float(state.epoch)}
@@ -610,12 +610,6 @@ def _put(metrics: dict[str, float], key: str, value: float) -> None:
             f"{key!r}; rename the record in loss_fn's records."
         )
     metrics[key] = value
-
-
-def _sum_over_ranks(
-    sums: Mapping[str, tuple[float, float]], extra: Sequence[float], group: Any
-) -> tuple[dict[str, tuple[float, float]], list[float]]:
-    return sum_over_ranks("log_metrics", sums, extra, group=group)
 
 
 def _over_ranks(
@@ -643,7 +637,7 @@ def _over_ranks(
     slots = [0.0] * (world * len(extremes))
     for i, key in enumerate(extremes):
         slots[i * world + rank] = float(reduced[key])
-    sums, values = _sum_over_ranks(sums, [*counts, *slots], group)
+    sums, values = sum_over_ranks("log_metrics", sums, [*counts, *slots], group)
     out: dict[str, Any] = {}
     means = []
     for key, pair in sorted(sums.items()):

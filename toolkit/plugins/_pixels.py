@@ -19,7 +19,8 @@ def pixels(who: str, name: str, image: Any) -> torch.Tensor:
     (torch's convention), else HWC (its last dimension must then be 1, 3 or 4); so an HWC
     image whose height is 1, 3 or 4 must be given as CHW. ``uint8`` values are pixels as
     they are; floating-point values are intensities in [0, 1] (clamped to it, then
-    ``round(x * 255)``). A matplotlib figure is drawn with its own canvas (RGBA).
+    ``round(x * 255)``). A matplotlib figure is drawn (RGBA) with its own canvas when
+    that draws with Agg, else with an Agg canvas that replaces it.
 
     Example:
         >>> import torch
@@ -78,6 +79,6 @@ def check_name(who: str, name: Any) -> str:
     if not parts or any(part in ("", ".", "..") or "\\" in part for part in parts):
         raise ValueError(
             f"{who}: an image name must be a relative path such as 'samples' or "
-            f"'val/samples' (no empty, '.' or '..' part); got {name!r}."
+            f"'val/samples' (no empty, '.' or '..' part, no backslash); got {name!r}."
         )
     return name

@@ -4,6 +4,7 @@ JSON lines, TensorBoard, W&B, PNG files; each follows a resumed run's step."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import json
 import os
@@ -14,6 +15,8 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+from toolkit._checks import check_count
+from toolkit._files import replace_file, write_bytes
 from toolkit.plugins._pixels import check_name, pixels
 
 __all__ = ["Sink", "jsonl", "png_dir", "tensorboard", "wandb"]
@@ -46,10 +49,12 @@ class Sink(NamedTuple):
             A built-in sink started by two plugins (one sink shared by ``log_metrics`` and
             ``log_images``) is released at the second ``close``.
         start: ``start(step)``, optional (default: does nothing): called by
-            :func:`toolkit.plugins.log_metrics` at the run's ``"start"`` event on rank 0 with
-            ``state.step`` (0 for a fresh run, N after a resume); checks what can be checked
-            before training (folder writable, parent not a file, wandb arguments valid) and
-            aligns the logs with the resumed step.
+            :func:`toolkit.plugins.log_metrics` and :func:`toolkit.plugins.log_images` on
+            rank 0 at the run's first event after ``"start"`` (after a ``checkpoints``
+            plugin restored the state) with ``state.step`` (0 for a fresh run, N after a
+            resume); checks what can be checked before training (folder writable, parent
+            not a file) and aligns the logs with the resumed step. (The wandb arguments
+            are checked earlier, when ``wandb(...)`` is called.)
         images: ``images(step, {name: image})``, optional (default: records nothing):
             records images at ``step``; an image is a tensor (uint8 pixels, or float
             intensities in [0, 1]; ``(H, W)``, CHW when the first dimension is 1, 3 or 4,
@@ -122,15 +127,7 @@ def _check_folder(fn: str, name: str, folder: pathlib.Path) -> None:
 
 def _replace_file(path: pathlib.Path, data: bytes) -> None:
     """Write ``path`` atomically: a crash leaves the old file or the new one, never half."""
-    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=False) as f:
-        try:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        except BaseException:
-            os.unlink(f.name)
-            raise
-    os.replace(f.name, path)
+    replace_file(path, lambda temp: write_bytes(temp, data))
 
 
 @dataclasses.dataclass(slots=True, weakref_slot=True, eq=False)  # hashed by identity
@@ -151,11 +148,7 @@ class _Lazy:
     users: int = 0  # plugins that started this sink and have not closed it yet
 
     def start(self, step: int) -> None:
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(
-                f"Sink.start: step must be an int >= 0 (the state.step the run starts from); "
-                f"got {step!r}."
-            )
+        check_count("Sink.start", "step", step, 0, "the state.step the run starts from")
         if self.target is not None and self.started == step:
             self.users += 1  # a second plugin sharing this sink: nothing to do again
             return
@@ -494,9 +487,8 @@ def _check_wandb(module: Any, kwargs: Mapping[str, Any]) -> None:
         value = kwargs.get(name)
         if value is not None and not isinstance(value, str):
             raise TypeError(f"wandb: {name} must be a str; got {type(value).__name__} {value!r}.")
-    folder = kwargs.get("dir")
-    if folder is not None and not isinstance(folder, (str, os.PathLike)):
-        raise TypeError(f"wandb: dir must be a path (str or os.PathLike); got {folder!r}.")
+    if kwargs.get("dir") is not None:
+        _check_path("wandb", "dir", kwargs["dir"])
     if kwargs.get("mode") is not None and kwargs["mode"] not in _MODES:
         raise ValueError(f"wandb: mode must be one of {list(_MODES)}; got {kwargs['mode']!r}.")
     if kwargs.get("resume") is not None and kwargs["resume"] not in _RESUME:
@@ -700,15 +692,7 @@ def png_dir(path: str | os.PathLike[str], *, existing: str = "refuse") -> Sink:
             picture = Image.fromarray(hwc[..., 0] if hwc.shape[-1] == 1 else hwc)
             target = folder / name / f"step_{step:06d}.png"
             target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(
-                dir=target.parent, prefix=".step_", suffix=".png", delete=False
-            ) as f:
-                try:
-                    picture.save(f, format="PNG")
-                except BaseException:
-                    os.unlink(f.name)
-                    raise
-            os.replace(f.name, target)
+            replace_file(target, functools.partial(picture.save, format="PNG"))
 
     return _Lazy(prepare, lambda: directory, lambda _: None, None, put_images).sink()
 
