@@ -203,10 +203,11 @@ def main() -> None:
 def leave(code: int) -> None:
     """Exit with ``code`` once the results are written and the ranks left the group.
 
-    Without the interpreter's teardown: in 2 of about 10 full-suite runs under load, an
-    FSDP2 rank that had finished, saved and destroyed its process group was aborted at
-    exit by a C++ destructor in torch ("terminate called without an active exception",
-    exit -6); this job tests what happens before that. Not reproduced in 22 runs alone.
+    Without the interpreter's teardown: gloo can abort a process at exit even after a
+    barrier and destroy_process_group ("terminate called without an active exception",
+    exit -6; shared/research/feasibility.md item 1c, and tests/spawning.py retries for it).
+    Here an FSDP2 rank that had finished and saved did so in 2 of about 10 full-suite runs
+    under load; this job tests what happens before that.
     """
     sys.stdout.flush()
     sys.stderr.flush()

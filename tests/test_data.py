@@ -253,27 +253,19 @@ def test_every_rank_resumes_its_share_without_loading_seen_batches(rank: int) ->
 
 
 def _lengths(rank: int, lengths: tuple[int, int], store: str, out: str) -> None:
-    import datetime
     import pathlib
 
     import torch.distributed as dist
 
+    from tests.spawning import gloo_group
     from toolkit._data import check_even
 
-    dist.init_process_group(
-        "gloo",
-        store=dist.FileStore(store, 2),
-        rank=rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=30),
-    )
-    try:
-        check_even(lengths[rank], dist.group.WORLD)
-        said = "even"
-    except ValueError as error:
-        said = str(error)
-    dist.barrier()
-    dist.destroy_process_group()
+    with gloo_group(rank, 2, store):
+        try:
+            check_even(lengths[rank], dist.group.WORLD)
+            said = "even"
+        except ValueError as error:
+            said = str(error)
     pathlib.Path(out, f"rank{rank}.txt").write_text(said)
 
 
@@ -309,22 +301,14 @@ def test_a_length_check_without_a_group_makes_no_call() -> None:
 
 
 def _uneven_run(rank: int, store: str, out: str) -> None:
-    import datetime
     import pathlib
 
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
+    from tests.spawning import gloo_group
     from toolkit import TrainState, make_step, run
 
-    dist.init_process_group(
-        "gloo",
-        store=dist.FileStore(store, 2),
-        rank=rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=30),
-    )
-    try:
+    with gloo_group(rank, 2, store):
         model = DistributedDataParallel(torch.nn.Linear(2, 1))
         state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
         data = [torch.ones(2, 2)] * (3 if rank == 0 else 2)  # a hand-made split that is uneven
@@ -334,9 +318,6 @@ def _uneven_run(rank: int, store: str, out: str) -> None:
             said = f"ran {state.step} updates"
         except ValueError as error:
             said = str(error)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
     pathlib.Path(out, f"rank{rank}.txt").write_text(said)
 
 

@@ -106,15 +106,8 @@ def _ddp(calls: list[int]) -> tuple[torch.nn.Module, object]:
 def _ddp_carried(calls: list[int]) -> tuple[torch.nn.Module, object]:
     # No hook of ours: toolkit installs its own, which carries the verdict's flags with the
     # gradients. Count every Python all_reduce (the bucket's, through that hook, included).
-    model = torch.nn.parallel.DistributedDataParallel(_model())
-    original = dist.all_reduce
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    dist.all_reduce = counting
-    return model, lambda p: p.detach()
+    _count_calls("all_reduce", calls)
+    return torch.nn.parallel.DistributedDataParallel(_model()), lambda p: p.detach()
 
 
 def _fsdp2(calls: list[int]) -> tuple[torch.nn.Module, object]:
@@ -128,14 +121,19 @@ def _fsdp2(calls: list[int]) -> tuple[torch.nn.Module, object]:
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     # FSDP2 (torch 2.13) reduce-scatters gradients through this call; count it.
-    original = dist.reduce_scatter_single
+    _count_calls("reduce_scatter_single", calls)
+    return model, lambda p: p.full_tensor()
+
+
+def _count_calls(name: str, calls: list[int]) -> None:
+    """Append to ``calls`` at every call of ``torch.distributed.<name>`` in this process."""
+    original = getattr(dist, name)
 
     def counting(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    dist.reduce_scatter_single = counting
-    return model, lambda p: p.full_tensor()
+    setattr(dist, name, counting)
 
 
 WRAPPERS = {"ddp": _ddp, "ddp_carried": _ddp_carried, "fsdp2": _fsdp2}

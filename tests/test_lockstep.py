@@ -38,6 +38,18 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
 
 
+def _ddp(own_hook: bool, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The model under DDP; ``own_hook``: with the user's comm hook, so toolkit's is refused
+    and the flags travel in an all-reduce of their own (as they do for bf16 gradients,
+    whose sums would not be exact)."""
+    model = torch.nn.parallel.DistributedDataParallel(_model().to(dtype))
+    if own_hook:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        model.register_comm_hook(None, allreduce_hook)
+    return model
+
+
 def _batches(rank: int, n: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(rank)
     return [torch.randn(3, 4, generator=g) for _ in range(n)]
@@ -50,8 +62,9 @@ def _loss(model: torch.nn.Module, batch: torch.Tensor):
 
 
 SKIP = torch.full((3, 4), float("nan"))
-# A batch whose loss is NaN while its gradients stay finite (a NaN added as a constant).
-NAN_LOSS = torch.full((3, 4), 7.0)
+# A batch the loss functions below treat specially: _loss_nan makes its loss NaN with
+# finite gradients (a NaN added as a constant), _counted_loss gives it no targets.
+MARKED = torch.full((3, 4), 7.0)
 
 
 def _loss_nan(model: torch.nn.Module, batch: torch.Tensor):
@@ -59,14 +72,15 @@ def _loss_nan(model: torch.nn.Module, batch: torch.Tensor):
     return loss + float("nan") if bool((batch == 7.0).all()) else loss
 
 
-def _scenario(guarded: bool, nones: dict[int, list[int]], own_hook: bool = False) -> dict:
+def _scenario(
+    guarded: bool,
+    nones: dict[int, list[int]],
+    own_hook: bool = False,
+    dtype: torch.dtype = torch.float32,
+) -> dict:
     """Train over 6 calls with None at the given call indices per rank; report."""
     rank = dist.get_rank()
-    model = torch.nn.parallel.DistributedDataParallel(_model())
-    if own_hook:  # the user's comm hook: toolkit's cannot be installed
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-        model.register_comm_hook(None, allreduce_hook)
+    model = _ddp(own_hook, dtype)
     step = accumulate(make_step(_loss), micro_batches=K)
     if guarded:
         step = compose(guard_nonfinite())(step)
@@ -83,7 +97,7 @@ def _scenario(guarded: bool, nones: dict[int, list[int]], own_hook: bool = False
     try:
         for i, batch in enumerate(_batches(rank, 6)):
             before = len(calls)
-            state, out = step(state, SKIP if i in nones.get(rank, []) else batch)
+            state, out = step(state, (SKIP if i in nones.get(rank, []) else batch).to(dtype))
             if out.closed:
                 report["per_update"].append(len(calls) - before)
     except ValueError as error:
@@ -104,22 +118,20 @@ SCENARIOS = {
     "plain_one_rank_own_hook": (False, {0: [3]}, True),
     "guard_all_ranks_own_hook": (True, {0: [1], 1: [1]}, True),
     "plain_all_ranks_own_hook": (False, {0: [1], 1: [1]}, True),
+    "guard_one_rank_bf16": (True, {1: [0]}, False, torch.bfloat16),
+    "guard_all_ranks_bf16": (True, {0: [1], 1: [1]}, False, torch.bfloat16),
 }
 
 
 def _nan_loss_on_one_rank(own_hook: bool) -> dict:
     """Rank 1's first loss is NaN, its gradients finite: both ranks must reject window 0."""
     rank = dist.get_rank()
-    model = torch.nn.parallel.DistributedDataParallel(_model())
-    if own_hook:
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-        model.register_comm_hook(None, allreduce_hook)
+    model = _ddp(own_hook)
     step = compose(guard_nonfinite())(accumulate(make_step(_loss_nan), micro_batches=K))
     state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     rejected = []
     for i, batch in enumerate(_batches(rank, 6)):
-        state, out = step(state, NAN_LOSS if (rank, i) == (1, 0) else batch)
+        state, out = step(state, MARKED if (rank, i) == (1, 0) else batch)
         if out.closed:
             rejected.append(out.nonfinite)
     return {"rejected": rejected, "params": [p.detach().tolist() for p in model.parameters()]}
@@ -131,11 +143,7 @@ def _fp16(own_hook: bool) -> dict:
     from toolkit import amp_wrap
 
     rank = dist.get_rank()
-    model = torch.nn.parallel.DistributedDataParallel(_model())
-    if own_hook:
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-        model.register_comm_hook(None, allreduce_hook)
+    model = _ddp(own_hook)
     step = compose(amp_wrap(dtype="fp16"), guard_nonfinite())(
         accumulate(make_step(_loss), micro_batches=K)
     )
@@ -158,13 +166,13 @@ def _counted_loss(model: torch.nn.Module, batch: torch.Tensor):
 def _empty_window() -> dict:
     """LossSum counts: window 0 holds no target on either rank, window 1 none on rank 1."""
     rank = dist.get_rank()
-    model = torch.nn.parallel.DistributedDataParallel(_model())
+    model = _ddp(own_hook=False)
     step = compose(guard_nonfinite())(accumulate(make_step(_counted_loss), micro_batches=K))
     state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     windows = []
     for i, batch in enumerate(_batches(rank, 6)):
         empty = i in (0, 1) or (rank == 1 and i in (2, 3))
-        state, out = step(state, NAN_LOSS if empty else batch)
+        state, out = step(state, MARKED if empty else batch)
         if out.closed:
             windows.append([out.updated, out.empty])
     return {"windows": windows, "params": [p.detach().tolist() for p in model.parameters()]}
@@ -218,7 +226,13 @@ def reports(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 
 @pytest.mark.parametrize(
     "name",
-    ["guard_one_rank", "plain_one_rank", "guard_one_rank_own_hook", "plain_one_rank_own_hook"],
+    [
+        "guard_one_rank",
+        "plain_one_rank",
+        "guard_one_rank_own_hook",
+        "plain_one_rank_own_hook",
+        "guard_one_rank_bf16",
+    ],
 )
 def test_none_on_one_rank_raises_on_every_rank(reports: list[dict], name: str) -> None:
     for report in reports:
@@ -254,6 +268,9 @@ def test_the_check_rides_on_ddps_gradient_all_reduce(reports: list[dict]) -> Non
         # carries the counts, or without a guard one small all-reduce of their own.
         assert report["guard_all_ranks_own_hook"]["per_update"] == [2, 2]
         assert report["plain_all_ranks_own_hook"]["per_update"] == [2, 2]
+        # bf16 gradients: toolkit's hook sends the bucket alone, the flags go on their own.
+        assert report["guard_all_ranks_bf16"]["per_update"] == [2, 2]
+        assert report["guard_all_ranks_bf16"]["error"] is None
 
 
 @pytest.mark.parametrize("own_hook", [False, True])
