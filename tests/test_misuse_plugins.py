@@ -399,3 +399,11 @@ def test_log_metrics_refuses_one_sink_listed_twice(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"sinks\[1\] is the same sink as an earlier one"):
         log_metrics(every=1, sinks=[sink, sink])
     log_metrics(every=1, sinks=[sink, jsonl(tmp_path / "other.jsonl")])  # distinct: fine
+
+
+def test_log_images_refuses_one_sink_listed_twice(tmp_path) -> None:
+    from toolkit.plugins import log_images, png_dir
+
+    sink = png_dir(tmp_path / "images")
+    with pytest.raises(ValueError, match=r"log_images: sinks\[1\] is the same sink as an"):
+        log_images(lambda state: {}, every=1, sinks=[sink, sink])

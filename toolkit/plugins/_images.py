@@ -10,7 +10,7 @@ from toolkit._distributed import is_rank_zero
 from toolkit._loop import Event, plugin_factory
 from toolkit._state import TrainState
 from toolkit.plugins._shared import due
-from toolkit.plugins._sinks import Sink, _no_images, close_all
+from toolkit.plugins._sinks import Sink, _no_images, check_listed_once, close_all
 
 __all__ = ["log_images"]
 
@@ -41,6 +41,7 @@ def _check(fn: Any, every: Any, sinks: Any) -> list[Sink]:
                 "images member; jsonl records metrics only); use png_dir(path), "
                 "tensorboard(log_dir), wandb(...) or a Sink with images=."
             )
+    check_listed_once("log_images", sinks)
     return list(sinks)
 
 
@@ -91,8 +92,8 @@ def log_images(
         TypeError: ``fn`` is not callable, a sink records no images, or ``fn`` returns no
             mapping of names; (while training) an image that is neither a tensor nor a
             figure, or a tensor neither uint8 nor floating-point.
-        ValueError: ``every`` is not an int >= 1; (while training) an image of an
-            unsupported shape, a float image with NaN or inf, a bad image name.
+        ValueError: ``every`` is not an int >= 1; a sink listed twice; (while training) an
+            image of an unsupported shape, a float image with NaN or inf, a bad image name.
 
     Example:
         >>> import torch

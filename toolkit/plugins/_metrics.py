@@ -20,7 +20,7 @@ from toolkit._step import StepOutput
 from toolkit._weighted import sum_over_ranks
 from toolkit.plugins._interval import KINDS, Interval, combine, flat_scalars, merge, read
 from toolkit.plugins._shared import claim, due, metric_entry
-from toolkit.plugins._sinks import Sink, close_all
+from toolkit.plugins._sinks import Sink, check_listed_once, close_all
 
 __all__ = ["log_metrics"]
 
@@ -127,18 +127,14 @@ def _check(
             f"log_metrics: sinks must be a list of sinks, e.g. [jsonl(path)]; got "
             f"{type(sinks).__name__}."
         )
-    for i, sink in enumerate(sinks):
+    for sink in sinks:
         if not all(callable(getattr(sink, name, None)) for name in ("write", "close", "start")):
             raise TypeError(
                 f"log_metrics: each sink needs write(step, metrics), close() and start(step); "
                 f"got {type(sink).__name__}; build one with jsonl, tensorboard, wandb or "
                 "Sink(write, close)."
             )
-        if any(sink is other for other in sinks[:i]):
-            raise ValueError(
-                f"log_metrics: sinks[{i}] is the same sink as an earlier one, so every "
-                "publish would be written to it twice; list each sink once."
-            )
+    check_listed_once("log_metrics", sinks)
     if not isinstance(reduce, Mapping):
         raise TypeError(
             f"log_metrics: reduce must map record names to a kind, e.g. {{'ntokens': 'sum'}}; "

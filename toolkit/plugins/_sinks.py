@@ -707,3 +707,13 @@ def close_all(sinks: Sequence[Sink]) -> None:
             first = first or exc
     if first is not None:
         raise first
+
+
+def check_listed_once(who: str, sinks: Sequence[Any]) -> None:
+    """Refuse a sink that appears twice in ``sinks``: each publish would reach it twice."""
+    for i, sink in enumerate(sinks):
+        if any(sink is other for other in sinks[:i]):
+            raise ValueError(
+                f"{who}: sinks[{i}] is the same sink as an earlier one, so every "
+                "publish would be written to it twice; list each sink once."
+            )
