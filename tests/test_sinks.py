@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import types
 from pathlib import Path
 from typing import Any
@@ -294,6 +295,19 @@ def _scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
     }
 
 
+def _next_second() -> None:
+    """Wait for the next wall-clock second before a new event file goes into a used folder.
+
+    TensorBoard reads a folder's event files in name order, and a name is the creation
+    second, then a per-process counter compared as text ("...9" sorts after "...10"). A
+    resumed process starts seconds later; a test reopening at once, after other tests made
+    nine writers, would have the files read in the wrong order.
+    """
+    now = int(time.time())
+    while int(time.time()) == now:
+        time.sleep(0.01)
+
+
 def test_tensorboard_writes_scalars_read_back(tmp_path: Path) -> None:
     log_dir = tmp_path / "tb"
     sink = tensorboard(log_dir)
@@ -304,6 +318,7 @@ def test_tensorboard_writes_scalars_read_back(tmp_path: Path) -> None:
     assert _scalars(log_dir)["train/loss"] == [(1, 0.5), (2, 0.25)]
     sink.close()
     sink.close()
+    _next_second()
     sink.write(3, {"train/loss": 0.125})  # reopens (a new event file in the same dir)
     sink.close()
     scalars = _scalars(log_dir)
@@ -317,6 +332,7 @@ def test_tensorboard_resumed_start_purges_the_steps_past_it(tmp_path: Path) -> N
     for step in (2, 4, 6, 7):
         crashed.write(step, {"loss": float(step)})
     crashed.close()
+    _next_second()
     resumed = tensorboard(tmp_path)
     resumed.start(4)
     for step in (6, 8):
@@ -337,6 +353,7 @@ def test_tensorboard_fresh_run_into_old_events_refuses_replaces_or_appends(
         r"starts fresh \(step 0\). Pass tensorboard\(log_dir, existing='replace'\)",
     ):
         tensorboard(tmp_path).start(0)
+    _next_second()
     appended = tensorboard(tmp_path, existing="append")
     appended.start(0)
     appended.write(6, {"loss": 6.0})
@@ -624,6 +641,7 @@ def test_a_resumed_run_continues_its_logs_with_each_step_once(
     assert _steps(out / "m.jsonl") == [2, 4, 6, 7]
     assert sorted(p.name for p in (out / "ckpt").iterdir()) == ["latest", "step_000004"]
 
+    _next_second()
     state = _train(out, sinks(), max_steps=10)  # resumes from step 4
     assert state.step == 10
     rows, expected = _read_jsonl(out / "m.jsonl"), _read_jsonl(reference)
