@@ -132,7 +132,7 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.slow_save:
-        import toolkit._save as saving
+        import toolkit.checkpoints._save as saving
 
         original = saving._write_parts
 

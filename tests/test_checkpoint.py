@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.optim import lr_scheduler as lrs
 
-import toolkit._components as components_module
-import toolkit._save as save_module
+import toolkit.step._components as components_module
+import toolkit.checkpoints._save as save_module
 from toolkit import (
     TrainState,
     accumulate,
@@ -30,8 +30,8 @@ from toolkit import (
     run,
     save_checkpoint,
 )
-from toolkit._files import checksum
-from toolkit._manifest import manifest_document, read_manifest
+from toolkit.checkpoints._files import checksum
+from toolkit.checkpoints._manifest import manifest_document, read_manifest
 from toolkit.checkpoints import DamagedCheckpointError, verify_checkpoint
 from toolkit.plugins import ema, ema_model
 
@@ -951,7 +951,7 @@ def test_a_safetensors_io_error_becomes_an_oserror_naming_the_path(
             "Error while serializing: I/O error: No space left on device (os error 28)"
         )
 
-    monkeypatch.setattr("toolkit._files.save_file", failing)
+    monkeypatch.setattr("toolkit.checkpoints._files.save_file", failing)
     with pytest.raises(OSError) as error:
         save_checkpoint(TrainState(model=nn.Linear(1, 1)), tmp_path / "c")
     assert error.value.errno == 28

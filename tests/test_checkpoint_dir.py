@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import toolkit._save as save_module
+import toolkit.checkpoints._save as save_module
 from toolkit import TrainState, load_checkpoint, save_checkpoint
 from toolkit.checkpoints import (
     DamagedCheckpointError,
@@ -158,7 +158,7 @@ def test_a_failing_pointer_write_keeps_the_old_pointer(
         Path(path).write_bytes(data[:3])
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("toolkit._checkpoint_dir.write_bytes", failing)
+    monkeypatch.setattr("toolkit.checkpoints._folder.write_bytes", failing)
     with pytest.raises(OSError):
         write_pointer(root, second)
     assert read_pointer(root) == first
@@ -215,7 +215,7 @@ def test_a_crash_between_the_two_renames_of_a_replacement_keeps_the_old_findable
 KILLED_SAVE = textwrap.dedent(
     """
     import sys, time, torch
-    import toolkit._save as module
+    import toolkit.checkpoints._save as module
     from toolkit import TrainState, save_checkpoint
 
     real = module.write_json

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from toolkit import TrainState, save_checkpoint
-from toolkit._manifest import read_manifest
+from toolkit.checkpoints._manifest import read_manifest
 from toolkit.checkpoints import Retention, main, write_pointer
 
 REPO = Path(__file__).resolve().parents[1]

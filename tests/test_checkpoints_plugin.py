@@ -144,7 +144,7 @@ def test_bad_arguments(kwargs: dict, error: type, message: str) -> None:
 def test_a_failing_write_raises_and_leaves_earlier_checkpoints(tmp_path, monkeypatch) -> None:
     folder = tmp_path / "ckpt"
     run(_step(), _state(), DATA, max_steps=2, plugins=[checkpoints(folder)])
-    import toolkit._save as saving
+    import toolkit.checkpoints._save as saving
 
     def disk_full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -156,7 +156,7 @@ def test_a_failing_write_raises_and_leaves_earlier_checkpoints(tmp_path, monkeyp
 
 
 def test_on_error_warn_keeps_training(tmp_path, monkeypatch) -> None:
-    import toolkit._save as saving
+    import toolkit.checkpoints._save as saving
 
     def disk_full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")

@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load, save
 
-from toolkit._codec import TreeError, decode, encode
-from toolkit._files import to_json
+from toolkit.checkpoints._codec import TreeError, decode, encode
+from toolkit.checkpoints._files import to_json
 
 
 def round_trip(tree: Any, root: str = "tree", like: Any = None) -> Any:

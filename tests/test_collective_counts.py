@@ -27,7 +27,7 @@ def _count(rank: int, store: str, out: str) -> None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import ddp  # benchmarks/ddp.py
 
-    import toolkit._step
+    import toolkit.step._step
 
     # A collective that never completes fails after 30 s instead of hanging the suite.
     dist.init_process_group(
@@ -44,7 +44,7 @@ def _count(rank: int, store: str, out: str) -> None:
             "toolkit, a hook of the user's": ddp.collectives_per_update(ddp.composed),
         }
         # The counter is not blind: a step that syncs every micro-batch shows 4 buckets.
-        toolkit._step.suppress_grad_sync = lambda model, kind: None
+        toolkit.step._step.suppress_grad_sync = lambda model, kind: None
         counts["toolkit, no no_sync"] = ddp.collectives_per_update(ddp.composed, hook=False)
         dist.barrier()
     finally:

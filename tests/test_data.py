@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 from toolkit import TrainState, accumulate, make_step, run
-from toolkit._rng import capture_rng, restore_rng
+from toolkit.checkpoints._rng import capture_rng, restore_rng
 
 
 class Numbered(Dataset):
@@ -202,7 +202,7 @@ def test_a_state_without_a_record_of_the_pass_warns() -> None:
 def test_stateful_dataloader_restores_its_own_position() -> None:
     stateful = pytest.importorskip("torchdata.stateful_dataloader")
     sampler_module = pytest.importorskip("torchdata.stateful_dataloader.sampler")
-    from toolkit._data import position
+    from toolkit.loop._data import position
 
     def make() -> Any:
         data = Numbered(40)
@@ -224,7 +224,7 @@ def test_stateful_dataloader_restores_its_own_position() -> None:
 
 
 def test_skipping_an_index_sampler_keeps_its_length() -> None:
-    from toolkit._data import _SkipFirst
+    from toolkit.loop._data import _SkipFirst
 
     skipper = _SkipFirst([[0, 1], [2, 3], [4, 5]], 2)
     assert len(skipper) == 1 and list(skipper) == [[4, 5]]
@@ -258,7 +258,7 @@ def _lengths(rank: int, lengths: tuple[int, int], store: str, out: str) -> None:
     import torch.distributed as dist
 
     from tests.spawning import gloo_group
-    from toolkit._data import check_even
+    from toolkit.loop._data import check_even
 
     with gloo_group(rank, 2, store):
         try:
@@ -295,7 +295,7 @@ def test_ranks_with_passes_of_different_lengths_are_refused(
 
 
 def test_a_length_check_without_a_group_makes_no_call() -> None:
-    from toolkit._data import check_even
+    from toolkit.loop._data import check_even
 
     check_even(5, None)  # no process group initialised: a collective here would raise
 

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from toolkit import TrainState, accumulate, guard_nonfinite, make_step, run
-from toolkit._loop import Event, LoopInfo
-from toolkit._step import StepOutput
+from toolkit.loop._run import Event, LoopInfo
+from toolkit.step._step import StepOutput
 from toolkit.plugins._ema import ema, ema_model
 
 

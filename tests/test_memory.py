@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from toolkit import TrainState, accumulate, make_step, run
-from toolkit._loop import Event
+from toolkit.loop._run import Event
 from toolkit.plugins import _memory
 from toolkit.plugins._memory import peak_memory
 

@@ -16,7 +16,7 @@ from spawning import gloo_group
 from timed_spawn import spawn
 
 from toolkit import TrainState, make_step, run
-from toolkit._loop import Event, LoopInfo
+from toolkit.loop._run import Event, LoopInfo
 from toolkit.plugins import early_stop, ema, peak_memory, validate
 
 

@@ -171,7 +171,7 @@ def test_bad_rules_are_refused(kwargs: dict, message: str) -> None:
 
 
 def test_rules_describe_themselves_and_round_trip_through_a_manifest() -> None:
-    from toolkit._retention import retention_from_document
+    from toolkit.checkpoints._retention import retention_from_document
 
     rules = Retention(
         keep_last=3,

@@ -13,8 +13,8 @@ from spawning import gloo_group
 from timed_spawn import spawn
 
 from toolkit import TrainState, accumulate, make_step, run
-from toolkit._evaluate import _evaluate
-from toolkit._loop import Event
+from toolkit.loop._evaluate import _evaluate
+from toolkit.loop._run import Event
 from toolkit.plugins._ema import ema, ema_model
 from toolkit.plugins._validation import validate
 

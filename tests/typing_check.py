@@ -23,7 +23,7 @@ from toolkit import (
     make_step,
     transform_grads,
 )
-from toolkit._decorating import Decorator
+from toolkit.step._decorating import Decorator
 
 
 def loss_fn(model: torch.nn.Module, batch: Any) -> torch.Tensor:

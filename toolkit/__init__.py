@@ -1,22 +1,22 @@
 """toolkit: a functional, composable toolkit for PyTorch training steps."""
 
-from toolkit._accumulation import accumulate
-from toolkit._amp import amp_wrap
-from toolkit._clipping import clip
-from toolkit._decorating import compose
+from toolkit.step._accumulation import accumulate
+from toolkit.step._amp import amp_wrap
+from toolkit.step._clipping import clip
+from toolkit.step._decorating import compose
 from toolkit._device import to_device
-from toolkit._distributed import data_parallel_group, set_data_parallel_group
-from toolkit._evaluate import evaluate
-from toolkit._export import export_model
-from toolkit._guards import guard_nonfinite
-from toolkit._load import load_checkpoint
-from toolkit._loop import Event, LoopInfo, run
-from toolkit._multi import MultiOptimizer, MultiScheduler, PerEpoch, per_epoch
-from toolkit._phases import LossScaleError, NonFiniteError
-from toolkit._save import save_checkpoint
-from toolkit._state import GuardState, TrainState, WindowState
-from toolkit._step import LossSum, Step, StepOutput, make_step
-from toolkit._transforms import transform_grads
+from toolkit.distributed._group import data_parallel_group, set_data_parallel_group
+from toolkit.loop._evaluate import evaluate
+from toolkit.checkpoints._export import export_model
+from toolkit.step._guards import guard_nonfinite
+from toolkit.checkpoints._load import load_checkpoint
+from toolkit.loop._run import Event, LoopInfo, run
+from toolkit.step._multi import MultiOptimizer, MultiScheduler, PerEpoch, per_epoch
+from toolkit.step._phases import LossScaleError, NonFiniteError
+from toolkit.checkpoints._save import save_checkpoint
+from toolkit.step._state import GuardState, TrainState, WindowState
+from toolkit.step._step import LossSum, Step, StepOutput, make_step
+from toolkit.step._transforms import transform_grads
 from toolkit._tree import key_average, map_nested_tensor
 from toolkit._unwrap import unwrap
 

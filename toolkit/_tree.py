@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from toolkit._weighted import columns, weighted_sums
+from toolkit.step._weighted import columns, weighted_sums
 
 __all__ = ["key_average", "map_nested_tensor"]
 

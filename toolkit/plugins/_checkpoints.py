@@ -12,7 +12,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from toolkit._checkpoint_dir import (
+from toolkit.checkpoints._folder import (
     clean_temporaries,
     list_checkpoints,
     load_latest,
@@ -20,15 +20,15 @@ from toolkit._checkpoint_dir import (
     write_pointer,
 )
 from toolkit._checks import check_count
-from toolkit._data import position
-from toolkit._load import full_model, load_checkpoint, put_model, verified_manifest
-from toolkit._loop import Event, Plugin, plugin_factory
-from toolkit._model_state import expand
-from toolkit._optim_names import parameter_names
-from toolkit._ranks import Group, agree, group_of, rank_of
-from toolkit._retention import Retention, retain
-from toolkit._save import save_checkpoint, save_in_background
-from toolkit._state import TrainState
+from toolkit.loop._data import position
+from toolkit.checkpoints._load import full_model, load_checkpoint, put_model, verified_manifest
+from toolkit.loop._run import Event, Plugin, plugin_factory
+from toolkit.checkpoints._model_state import expand
+from toolkit.checkpoints._optim_names import parameter_names
+from toolkit.distributed._ranks import Group, agree, group_of, rank_of
+from toolkit.checkpoints._retention import Retention, retain
+from toolkit.checkpoints._save import save_checkpoint, save_in_background
+from toolkit.step._state import TrainState
 from toolkit.plugins._shared import metric_entry
 
 __all__ = ["checkpoints"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import warnings
 
 from toolkit._checks import check_count, check_key
-from toolkit._loop import Event, Plugin, plugin_factory
-from toolkit._state import TrainState
+from toolkit.loop._run import Event, Plugin, plugin_factory
+from toolkit.step._state import TrainState
 from toolkit.plugins._shared import better, check_mode, claim, metric_entry
 
 __all__ = ["early_stop"]

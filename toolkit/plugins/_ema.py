@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from toolkit._checks import check_count, check_key
-from toolkit._loop import Event, Plugin, plugin_factory
-from toolkit._state import TrainState
+from toolkit.loop._run import Event, Plugin, plugin_factory
+from toolkit.step._state import TrainState
 from toolkit._unwrap import unwrap
 from toolkit.plugins._shared import claim, due
 

@@ -6,9 +6,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from toolkit._checks import check_count
-from toolkit._distributed import is_rank_zero
-from toolkit._loop import Event, plugin_factory
-from toolkit._state import TrainState
+from toolkit.distributed._group import is_rank_zero
+from toolkit.loop._run import Event, plugin_factory
+from toolkit.step._state import TrainState
 from toolkit.plugins._shared import due
 from toolkit.plugins._sinks import Sink, _no_images, check_listed_once, close_all
 

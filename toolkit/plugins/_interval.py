@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from toolkit._step import StepOutput
-from toolkit._weighted import Column, columns, weighted_sums
+from toolkit.step._step import StepOutput
+from toolkit.step._weighted import Column, columns, weighted_sums
 
 __all__ = ["KINDS", "Interval", "combine", "flat_scalars", "merge", "read"]
 

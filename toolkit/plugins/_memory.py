@@ -8,8 +8,8 @@ import sys
 import torch
 
 from toolkit._checks import check_count, check_key
-from toolkit._loop import Event, Plugin, plugin_factory
-from toolkit._state import TrainState
+from toolkit.loop._run import Event, Plugin, plugin_factory
+from toolkit.step._state import TrainState
 from toolkit.plugins._shared import claim, due
 
 __all__ = ["peak_memory"]

@@ -13,11 +13,11 @@ import torch
 import torch.distributed as dist
 
 from toolkit._checks import check_count
-from toolkit._distributed import data_parallel_group, is_distributed, is_rank_zero
-from toolkit._loop import Event, plugin_factory
-from toolkit._state import TrainState
-from toolkit._step import StepOutput
-from toolkit._weighted import sum_over_ranks
+from toolkit.distributed._group import data_parallel_group, is_distributed, is_rank_zero
+from toolkit.loop._run import Event, plugin_factory
+from toolkit.step._state import TrainState
+from toolkit.step._step import StepOutput
+from toolkit.step._weighted import sum_over_ranks
 from toolkit.plugins._interval import KINDS, Interval, combine, flat_scalars, merge, read
 from toolkit.plugins._shared import claim, due, metric_entry
 from toolkit.plugins._sinks import Sink, check_listed_once, close_all

@@ -11,9 +11,9 @@ import torch
 from torch.profiler import ProfilerActivity
 
 from toolkit._checks import check_count
-from toolkit._distributed import is_rank_zero
-from toolkit._loop import Event, Plugin, plugin_factory
-from toolkit._state import TrainState
+from toolkit.distributed._group import is_rank_zero
+from toolkit.loop._run import Event, Plugin, plugin_factory
+from toolkit.step._state import TrainState
 
 __all__ = ["profile"]
 

@@ -13,10 +13,10 @@ import rich.console
 import rich.progress
 
 from toolkit._checks import check_count
-from toolkit._distributed import is_rank_zero
-from toolkit._loop import Event, plugin_factory
-from toolkit._state import TrainState
-from toolkit._step import StepOutput
+from toolkit.distributed._group import is_rank_zero
+from toolkit.loop._run import Event, plugin_factory
+from toolkit.step._state import TrainState
+from toolkit.step._step import StepOutput
 from toolkit.plugins._interval import Interval, flat_scalars, read
 from toolkit.plugins._shared import due, metric_entry
 

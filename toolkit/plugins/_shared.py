@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from toolkit._loop import Event
+from toolkit.loop._run import Event
 
 __all__ = ["better", "check_mode", "claim", "due", "metric_entry"]
 
@@ -41,7 +41,7 @@ def claim(event: Event, key: str, owner: str) -> None:
     Example:
         >>> import torch
         >>> from toolkit import TrainState
-        >>> from toolkit._loop import Event, LoopInfo
+        >>> from toolkit.loop._run import Event, LoopInfo
         >>> loop = LoopInfo(None, None, None, 1, 0, None)
         >>> event = Event("start", TrainState(model=torch.nn.Linear(1, 1)), loop)
         >>> claim(event, "ema", "ema")

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from toolkit._checks import check_count
-from toolkit._files import replace_file, write_bytes
+from toolkit.checkpoints._files import replace_file, write_bytes
 from toolkit.plugins._pixels import check_name, pixels
 
 __all__ = ["Sink", "jsonl", "png_dir", "tensorboard", "wandb"]

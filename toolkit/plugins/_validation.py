@@ -10,9 +10,9 @@ import torch
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from toolkit._checks import check_count, check_key
-from toolkit._evaluate import _evaluate
-from toolkit._loop import Event, Plugin, plugin_factory
-from toolkit._state import TrainState
+from toolkit.loop._evaluate import _evaluate
+from toolkit.loop._run import Event, Plugin, plugin_factory
+from toolkit.step._state import TrainState
 from toolkit.plugins._shared import better, check_mode, claim, due
 
 __all__ = ["validate"]

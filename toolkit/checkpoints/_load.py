@@ -25,22 +25,33 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from toolkit._codec import TreeError, decode, sharded_references, tensor_paths, usable_device
-from toolkit._components import HANDLES, OWN_FILE, check_objects, fields_of, is_namedtuple
-from toolkit._files import read_json
-from toolkit._manifest import DamagedCheckpointError, Manifest, file_problems, read_manifest
-from toolkit._model_state import expand, model_differences
-from toolkit._optim_names import numbered_state, optimizer_differences
-from toolkit._ranks import Group, agree, group_of, rank_of
-from toolkit._rng import restore_rng
-from toolkit._sharded import (
+from toolkit.checkpoints._codec import (
+    TreeError,
+    decode,
+    sharded_references,
+    tensor_paths,
+    usable_device,
+)
+from toolkit.step._components import HANDLES, OWN_FILE, check_objects, fields_of, is_namedtuple
+from toolkit.checkpoints._files import read_json
+from toolkit.checkpoints._manifest import (
+    DamagedCheckpointError,
+    Manifest,
+    file_problems,
+    read_manifest,
+)
+from toolkit.checkpoints._model_state import expand, model_differences
+from toolkit.checkpoints._optim_names import numbered_state, optimizer_differences
+from toolkit.distributed._ranks import Group, agree, group_of, rank_of
+from toolkit.checkpoints._rng import restore_rng
+from toolkit.checkpoints._sharded import (
     check_listing,
     is_sharded,
     load_shards,
     saved_shapes,
     template_state,
 )
-from toolkit._state import TrainState
+from toolkit.step._state import TrainState
 from toolkit._unwrap import unwrap
 
 __all__ = [
@@ -112,7 +123,7 @@ def read_tree(
     """Component ``name`` of a verified checkpoint, decoded (tensors on like's devices).
 
     ``sharded`` gives the tensors of its ``"dcp"`` references (the template's tensors that
-    :func:`toolkit._sharded.load_shards` fills), which are used as they are.
+    :func:`toolkit.checkpoints._sharded.load_shards` fills), which are used as they are.
     """
     entry = manifest.components[name]
     json_path = manifest.path / entry["json"]

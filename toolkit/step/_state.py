@@ -9,7 +9,7 @@ from typing import Any, ClassVar, NamedTuple
 import optree
 import torch
 
-from toolkit._multi import MultiOptimizer, MultiScheduler
+from toolkit.step._multi import MultiOptimizer, MultiScheduler
 
 __all__ = ["GuardState", "TrainState", "WindowState"]
 

@@ -6,9 +6,9 @@ from typing import overload
 
 import torch
 
-from toolkit._decorating import Decorator, check_step, decorate
-from toolkit._phases import AmpConfig
-from toolkit._step import Step
+from toolkit.step._decorating import Decorator, check_step, decorate
+from toolkit.step._phases import AmpConfig
+from toolkit.step._step import Step
 
 __all__ = ["amp_wrap"]
 

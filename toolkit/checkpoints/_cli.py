@@ -1,18 +1,4 @@
-"""Checkpoint folders: helpers for a folder of checkpoints, and a shell tool to inspect one.
-
-    python -m toolkit.checkpoints runs/a/ckpt            # list: step, time, size, metrics,
-                                                         # which retention rule keeps each
-    python -m toolkit.checkpoints runs/a/ckpt --verify   # also check every checksum;
-                                                         # exit status 1 on any damage
-
-``DIR`` may also be a single checkpoint folder. Exit status: 0 when fine (listing
-reports damage found by the cheap checks but still exits 0), 1 when ``--verify`` found
-damage, 2 when ``DIR`` does not exist or is not a folder.
-
-The functions below are what the ``checkpoints`` plugin of :func:`toolkit.run` is built
-on; :func:`toolkit.save_checkpoint` and :func:`toolkit.load_checkpoint` write and read one
-checkpoint.
-"""
+"""The shell tool of ``python -m toolkit.checkpoints``: list or verify a checkpoint folder."""
 
 from __future__ import annotations
 
@@ -22,7 +8,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from toolkit._checkpoint_dir import (
+from toolkit.checkpoints._folder import (
     POINTER,
     CheckpointInfo,
     _info,
@@ -35,9 +21,9 @@ from toolkit._checkpoint_dir import (
     verify_checkpoint,
     write_pointer,
 )
-from toolkit._manifest import MANIFEST, DamagedCheckpointError
-from toolkit._retention import Retention, retain
-from toolkit._save import save_in_background
+from toolkit.checkpoints._manifest import MANIFEST, DamagedCheckpointError
+from toolkit.checkpoints._retention import Retention, retain
+from toolkit.checkpoints._save import save_in_background
 
 __all__ = [
     "POINTER",
@@ -187,7 +173,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     if damaged:
         print(f"{damaged} of {len(infos)} checkpoint{plural} damaged")
     return 1 if args.verify and damaged else 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 import torch.distributed as dist
 
-from toolkit._distributed import is_distributed
+from toolkit.distributed._group import is_distributed
 from toolkit._host import to_host
 
 __all__ = ["Column", "Sums", "columns", "sum_over_ranks", "weighted_sums"]

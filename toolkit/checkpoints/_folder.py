@@ -20,13 +20,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from toolkit._files import fsync_dir, replace_file, temp_name, write_bytes
-from toolkit._load import load_checkpoint
-from toolkit._manifest import MANIFEST, DamagedCheckpointError, file_problems, read_manifest
-from toolkit._ranks import agree, broadcast_text, group_of, rank_of
-from toolkit._retention import Retention, retain, retention_from_document
-from toolkit._sharded import check_listing
-from toolkit._state import TrainState
+from toolkit.checkpoints._files import fsync_dir, replace_file, temp_name, write_bytes
+from toolkit.checkpoints._load import load_checkpoint
+from toolkit.checkpoints._manifest import (
+    MANIFEST,
+    DamagedCheckpointError,
+    file_problems,
+    read_manifest,
+)
+from toolkit.distributed._ranks import agree, broadcast_text, group_of, rank_of
+from toolkit.checkpoints._retention import Retention, retain, retention_from_document
+from toolkit.checkpoints._sharded import check_listing
+from toolkit.step._state import TrainState
 
 __all__ = [
     "POINTER",

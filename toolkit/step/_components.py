@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from toolkit._state import TrainState
+from toolkit.step._state import TrainState
 
 __all__ = ["HANDLES", "OWN_FILE", "check_objects", "fields_of", "is_namedtuple"]
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import overload
 
-from toolkit._decorating import Decorator, decorate
-from toolkit._phases import GradFn, GradTransformConfig
-from toolkit._step import Step
+from toolkit.step._decorating import Decorator, decorate
+from toolkit.step._phases import GradFn, GradTransformConfig
+from toolkit.step._step import Step
 
 __all__ = ["transform_grads"]
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from toolkit._distributed import data_parallel_group
+from toolkit.distributed._group import data_parallel_group
 
 __all__ = ["Carrier", "carrier_of", "skips_differ_carried"]
 

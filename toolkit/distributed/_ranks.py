@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from toolkit._distributed import data_parallel_group, sync_kind
+from toolkit.distributed._group import data_parallel_group, sync_kind
 
 __all__ = ["Group", "agree", "broadcast_int", "broadcast_text", "group_of", "rank_of"]
 
@@ -28,7 +28,7 @@ def group_of(model: torch.nn.Module) -> Group | None:
     """The process group that checkpoints ``model`` together, or None (this process alone).
 
     A DDP- or FSDP2-wrapped model is shared by the ranks of its data-parallel group
-    (``toolkit._distributed.data_parallel_group(model)``: the wrapper's group, or the one
+    (``toolkit.distributed._group.data_parallel_group(model)``: the wrapper's group, or the one
     named with ``set_data_parallel_group``; the default group where that helper is absent);
     any other module is this process's own, even in a distributed job.
     """

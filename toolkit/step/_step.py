@@ -10,16 +10,16 @@ from typing import Any, NamedTuple
 
 import torch
 
-from toolkit._carrier import Carrier, carrier_of, skips_differ_carried
-from toolkit._distributed import (
+from toolkit.distributed._carrier import Carrier, carrier_of, skips_differ_carried
+from toolkit.distributed._group import (
     SYNC_KIND,
     all_reduce_,
     data_parallel_group,
     suppress_grad_sync,
     sync_kind,
 )
-from toolkit._multi import PerEpoch
-from toolkit._phases import (
+from toolkit.step._multi import PerEpoch
+from toolkit.step._phases import (
     AccumulateConfig,
     AmpConfig,
     ClipConfig,
@@ -29,7 +29,7 @@ from toolkit._phases import (
     skip_range,
     skips_differ,
 )
-from toolkit._state import TrainState, WindowState
+from toolkit.step._state import TrainState, WindowState
 
 __all__ = ["LossSum", "Step", "StepOutput", "make_step"]
 

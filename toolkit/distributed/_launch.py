@@ -1,28 +1,4 @@
-"""Start and end a multi-process job: the torchrun boilerplate as three plain functions.
-
-``torchrun --standalone --nproc_per_node=2 train.py`` starts two processes and tells each its
-``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and where the rendezvous store is (``MASTER_ADDR``,
-``MASTER_PORT``). :func:`setup` reads them, picks the device and the backend, joins the
-default process group and seeds the process; :func:`teardown` ends it with a barrier first;
-:func:`process_group` is the two around a ``with`` block. Without torchrun (no ``RANK`` in
-the environment) the same script is a world of one process, so ``python train.py`` works
-too.
-
-Why not ``dist.init_process_group()`` alone:
-
-* **Elastic restarts.** After torchrun restarts the group (``--max-restarts``, a worker lost),
-  the new workers rendezvous in the agent's store, which still holds the previous attempt's
-  keys: the dead rank's gloo address among them. With torch 2.13, ``env://`` init then
-  connects to that address and fails or hangs (2 of 3 runs of a 2-rank job whose rank 1 was
-  SIGKILLed, one of them until the timeout). :func:`setup` joins through a store prefixed
-  per attempt (``TORCHELASTIC_RESTART_COUNT``), so each attempt reads only its own keys
-  (3 of 3 runs restarted cleanly, and the kill test of ``tests/test_torchrun.py``).
-* **Tear-down.** gloo can abort the process at exit when ranks destroy the group at
-  different moments (about 1 run in 10 without a barrier); :func:`teardown` waits for every
-  rank first.
-* **Backends.** On CUDA, ``"cuda:nccl,cpu:gloo"``: NCCL for the gradients and gloo for the
-  small CPU tensors toolkit's checkpoint coordination exchanges.
-"""
+"""setup, teardown and process_group: see :mod:`toolkit.distributed`."""
 
 from __future__ import annotations
 

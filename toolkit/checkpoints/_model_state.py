@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from toolkit._codec import TreeError, describe
+from toolkit.checkpoints._codec import TreeError, describe
 from toolkit._unwrap import unwrap
 
 __all__ = ["expand", "model_differences", "model_tensors", "split_aliases"]

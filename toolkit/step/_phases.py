@@ -16,9 +16,9 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 
-from toolkit._carrier import skips_differ_carried
-from toolkit._distributed import all_reduce_
-from toolkit._state import GuardState
+from toolkit.distributed._carrier import skips_differ_carried
+from toolkit.distributed._group import all_reduce_
+from toolkit.step._state import GuardState
 
 __all__ = [
     "AccumulateConfig",
@@ -305,7 +305,7 @@ def decide(
     :func:`toolkit.data_parallel_group`), or None: the flags are all-reduced over it with
     MAX so that every data-parallel rank decides alike, together with this rank's count of
     ``skipped`` micro-batches and its negation (their maximum and minimum over the ranks:
-    ``uneven`` when they differ). ``carried`` (DDP, see :mod:`toolkit._carrier`): the
+    ``uneven`` when they differ). ``carried`` (DDP, see :mod:`toolkit.distributed._carrier`): the
     ranks' summed window loss and skip sums, already exchanged with the gradients, which
     DDP has made the same on every rank; then nothing more is all-reduced.
     """
@@ -365,7 +365,7 @@ def _decide_carried(
     carried: torch.Tensor,
     world: int,
 ) -> Verdict:
-    """:func:`decide` under DDP with the flags carried (see :class:`toolkit._carrier.Carrier`).
+    """:func:`decide` under DDP with the flags carried (see :class:`toolkit.distributed._carrier.Carrier`).
 
     The gradients (so their norm and the scaler's overflow) are the same on every rank
     after DDP's all-reduce, and the count total was summed over the ranks: every flag here

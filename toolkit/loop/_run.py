@@ -11,11 +11,11 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, NamedTuple, TypeVar
 
 from toolkit._checks import check_count
-from toolkit._data import batches_per_epoch, check_even, is_stateful, snapshot, unseen
-from toolkit._distributed import data_parallel_group
-from toolkit._multi import epoch_schedulers
-from toolkit._state import TrainState
-from toolkit._step import StepOutput
+from toolkit.loop._data import batches_per_epoch, check_even, is_stateful, snapshot, unseen
+from toolkit.distributed._group import data_parallel_group
+from toolkit.step._multi import epoch_schedulers
+from toolkit.step._state import TrainState
+from toolkit.step._step import StepOutput
 
 __all__ = ["Event", "LoopInfo", "Plugin", "run"]
 

@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from toolkit._step import Step
+from toolkit.step._step import Step
 
 __all__ = [
     "Decorator",

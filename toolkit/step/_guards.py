@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import overload
 
-from toolkit._decorating import Decorator, check_int, check_step, decorate
-from toolkit._phases import GuardConfig, OnExhaust
-from toolkit._step import Step
+from toolkit.step._decorating import Decorator, check_int, check_step, decorate
+from toolkit.step._phases import GuardConfig, OnExhaust
+from toolkit.step._step import Step
 
 __all__ = ["guard_nonfinite"]
 

@@ -1,0 +1,1 @@
+"""The step: TrainState, Step and its phases, the decorators, LossSum (public through :mod:`toolkit`)."""
