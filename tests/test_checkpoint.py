@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.optim import lr_scheduler as lrs
 
-import toolkit.step._components as components_module
 import toolkit.checkpoints._save as save_module
+import toolkit.step._components as components_module
 from toolkit import (
     TrainState,
     accumulate,
@@ -30,9 +30,9 @@ from toolkit import (
     run,
     save_checkpoint,
 )
+from toolkit.checkpoints import DamagedCheckpointError, verify_checkpoint
 from toolkit.checkpoints._files import checksum
 from toolkit.checkpoints._manifest import manifest_document, read_manifest
-from toolkit.checkpoints import DamagedCheckpointError, verify_checkpoint
 from toolkit.plugins import ema, ema_model
 
 # ----------------------------------------------------------------------------------------

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from toolkit import TrainState, save_checkpoint
-from toolkit.checkpoints._manifest import read_manifest
 from toolkit.checkpoints import Retention, main, write_pointer
+from toolkit.checkpoints._manifest import read_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 RULES = Retention(keep_last=1, keep_best=1, metric="val/loss")

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from toolkit import TrainState, accumulate, guard_nonfinite, make_step, run
 from toolkit.loop._run import Event, LoopInfo
-from toolkit.step._step import StepOutput
 from toolkit.plugins._ema import ema, ema_model
+from toolkit.step._step import StepOutput
 
 
 def _model(seed: int = 0) -> torch.nn.Module:

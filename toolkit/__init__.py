@@ -1,24 +1,24 @@
 """toolkit: a functional, composable toolkit for PyTorch training steps."""
 
+from toolkit._device import to_device
+from toolkit._tree import key_average, map_nested_tensor
+from toolkit._unwrap import unwrap
+from toolkit.checkpoints._export import export_model
+from toolkit.checkpoints._load import load_checkpoint
+from toolkit.checkpoints._save import save_checkpoint
+from toolkit.distributed._group import data_parallel_group, set_data_parallel_group
+from toolkit.loop._evaluate import evaluate
+from toolkit.loop._run import Event, LoopInfo, run
 from toolkit.step._accumulation import accumulate
 from toolkit.step._amp import amp_wrap
 from toolkit.step._clipping import clip
 from toolkit.step._decorating import compose
-from toolkit._device import to_device
-from toolkit.distributed._group import data_parallel_group, set_data_parallel_group
-from toolkit.loop._evaluate import evaluate
-from toolkit.checkpoints._export import export_model
 from toolkit.step._guards import guard_nonfinite
-from toolkit.checkpoints._load import load_checkpoint
-from toolkit.loop._run import Event, LoopInfo, run
 from toolkit.step._multi import MultiOptimizer, MultiScheduler, PerEpoch, per_epoch
 from toolkit.step._phases import LossScaleError, NonFiniteError
-from toolkit.checkpoints._save import save_checkpoint
 from toolkit.step._state import GuardState, TrainState, WindowState
 from toolkit.step._step import LossSum, Step, StepOutput, make_step
 from toolkit.step._transforms import transform_grads
-from toolkit._tree import key_average, map_nested_tensor
-from toolkit._unwrap import unwrap
 
 __version__ = "0.1.0"
 

@@ -14,7 +14,7 @@ objects, each with a key starting with ``$``:
 * ``{"$tensor": "name"}``: the tensor stored under ``name`` in the companion safetensors
   file; ``"dtype"`` and ``"shape"`` are added when the dtype has no safetensors code (it
   is then stored as raw bytes), ``"device"`` when the tensor was not on the CPU, and
-  ``"dcp": true`` when it is kept in the sharded files instead (:mod:`toolkit.checkpoints._sharded`).
+  ``"dcp": true`` when it is kept in the sharded files instead (:mod:`._sharded`).
 * ``{"$tuple": [...]}``: a tuple (Adam's ``betas`` must come back as one).
 * ``{"$float": "nan" | "inf" | "-inf"}``: a non-finite float (JSON has none).
 * ``{"$items": [[key, value], ...]}``: a dict whose keys are not all strings.
@@ -99,7 +99,7 @@ def encode(
         copy: always copy the tensors (for a save that runs while training goes on);
             otherwise CPU tensors that are already contiguous are used as they are.
         external: tensors for which it is true (e.g. FSDP2's DTensors) are stored
-            elsewhere (see :mod:`toolkit.checkpoints._sharded`): they are returned as they are, and
+            elsewhere (see :mod:`._sharded`): they are returned as they are, and
             their references in the document carry ``"dcp": true``.
 
     Returns:

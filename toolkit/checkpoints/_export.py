@@ -9,12 +9,12 @@ from typing import Any
 
 import torch
 
+from toolkit._unwrap import unwrap
 from toolkit.checkpoints._codec import host_tensor, separate_shared
 from toolkit.checkpoints._files import replace_file, write_tensors
 from toolkit.checkpoints._load import full_model, full_tree, verified_manifest
 from toolkit.checkpoints._model_state import expand, split_aliases
 from toolkit.step._state import TrainState
-from toolkit._unwrap import unwrap
 
 __all__ = ["export_model"]
 

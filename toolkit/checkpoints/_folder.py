@@ -28,9 +28,9 @@ from toolkit.checkpoints._manifest import (
     file_problems,
     read_manifest,
 )
-from toolkit.distributed._ranks import agree, broadcast_text, group_of, rank_of
 from toolkit.checkpoints._retention import Retention, retain, retention_from_document
 from toolkit.checkpoints._sharded import check_listing
+from toolkit.distributed._ranks import agree, broadcast_text, group_of, rank_of
 from toolkit.step._state import TrainState
 
 __all__ = [

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from toolkit._unwrap import unwrap
 from toolkit.checkpoints._codec import (
     TreeError,
     decode,
@@ -32,7 +33,6 @@ from toolkit.checkpoints._codec import (
     tensor_paths,
     usable_device,
 )
-from toolkit.step._components import HANDLES, OWN_FILE, check_objects, fields_of, is_namedtuple
 from toolkit.checkpoints._files import read_json
 from toolkit.checkpoints._manifest import (
     DamagedCheckpointError,
@@ -42,7 +42,6 @@ from toolkit.checkpoints._manifest import (
 )
 from toolkit.checkpoints._model_state import expand, model_differences
 from toolkit.checkpoints._optim_names import numbered_state, optimizer_differences
-from toolkit.distributed._ranks import Group, agree, group_of, rank_of
 from toolkit.checkpoints._rng import restore_rng
 from toolkit.checkpoints._sharded import (
     check_listing,
@@ -51,8 +50,9 @@ from toolkit.checkpoints._sharded import (
     saved_shapes,
     template_state,
 )
+from toolkit.distributed._ranks import Group, agree, group_of, rank_of
+from toolkit.step._components import HANDLES, OWN_FILE, check_objects, fields_of, is_namedtuple
 from toolkit.step._state import TrainState
-from toolkit._unwrap import unwrap
 
 __all__ = [
     "full_model",

@@ -4,8 +4,8 @@ The manifest lists every file of the checkpoint with its size and xxh3-128 check
 format name and version, the step and time, the metrics and retention rules given at save
 time, and one entry per component (model, optimizer, ...) with its ``kind``: ``"tensors"``
 (a plain safetensors state dict) or ``"tree"`` (a JSON document plus, when it holds
-tensors, a safetensors file; see :mod:`toolkit.checkpoints._codec`) or ``"dcp"`` (a sharded model whose
-pieces are in the ``sharded/`` sub-folder, :mod:`toolkit.checkpoints._sharded`; added in format version 1
+tensors, a safetensors file; see :mod:`._codec`) or ``"dcp"`` (a sharded model whose
+pieces are in the ``sharded/`` sub-folder, :mod:`._sharded`; added in format version 1
 without a break: a reader refuses a kind it does not know, by name). A checkpoint written
 by several ranks records ``world_size`` and one ``rank_NNNNN`` tree per rank after the
 first (its RNG states and data position). The manifest carries a checksum of its own

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from toolkit.checkpoints._codec import TreeError, describe
 from toolkit._unwrap import unwrap
+from toolkit.checkpoints._codec import TreeError, describe
 
 __all__ = ["expand", "model_differences", "model_tensors", "split_aliases"]
 

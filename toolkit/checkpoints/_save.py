@@ -14,13 +14,13 @@ Layout of one checkpoint folder (every file listed, with size and checksum, in
     objects.json    [objects.safetensors]   extra stateful objects given as objects=
 
 A ``.safetensors`` file in brackets exists only when its tree holds tensors. JSON
-documents follow :mod:`toolkit.checkpoints._codec`.
+documents follow :mod:`._codec`.
 
-A data-parallel model (DDP or FSDP2; see :func:`toolkit.distributed._ranks.group_of`) is saved by all
+A data-parallel model (DDP or FSDP2; see :func:`group_of`) is saved by all
 ranks of its group together. DDP: rank 0 writes the files above, and every other rank
 ``r`` adds ``rank_0000r.json``/``.safetensors`` (its RNG states and data position).
 FSDP2 (a model with DTensor parameters): the model, the optimizer's tensors and DTensors
-in ``extras`` go to ``sharded/`` instead (:mod:`toolkit.checkpoints._sharded`), one file per rank, and
+in ``extras`` go to ``sharded/`` instead (:mod:`._sharded`), one file per rank, and
 ``model.safetensors`` is absent. Either way rank 0 writes the manifest and renames the
 folder once every rank has written its part.
 """
@@ -41,7 +41,6 @@ from typing import Any
 import torch
 
 from toolkit.checkpoints._codec import encode, host_tensor, separate_shared
-from toolkit.step._components import check_objects, fields_of
 from toolkit.checkpoints._files import (
     CHECKSUM,
     checksum,
@@ -54,10 +53,11 @@ from toolkit.checkpoints._files import (
 from toolkit.checkpoints._manifest import MANIFEST, check_metrics, manifest_document
 from toolkit.checkpoints._model_state import model_tensors
 from toolkit.checkpoints._optim_names import named_state, parameter_names
-from toolkit.distributed._ranks import Group, agree, broadcast_int, group_of, rank_of
 from toolkit.checkpoints._retention import Retention
 from toolkit.checkpoints._rng import capture_rng
 from toolkit.checkpoints._sharded import SHARDS, is_dtensor, is_sharded, save_shards, template_state
+from toolkit.distributed._ranks import Group, agree, broadcast_int, group_of, rank_of
+from toolkit.step._components import check_objects, fields_of
 from toolkit.step._state import TrainState
 
 __all__ = ["MODEL_METADATA", "rank_component", "save_checkpoint", "save_in_background"]
@@ -512,7 +512,7 @@ def _save_together(
 ) -> Path:
     """The ranks of ``group`` write one checkpoint; every rank sees the same outcome.
 
-    Phases, each closed by :func:`toolkit.distributed._ranks.agree` (one small all-reduce): check and
+    Phases, each closed by :func:`agree` (one small all-reduce): check and
     gather in memory; rank 0 makes the temporary folder (its name drawn by rank 0 and
     broadcast); every rank writes its part (sharded tensors through DCP, the rank's own
     RNG and data position) and rank 0 the rest; rank 0 checksums every file, writes the

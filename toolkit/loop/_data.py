@@ -1,7 +1,7 @@
 """Where a pass over the data stands, and how a resumed pass skips what was seen unread.
 
 run() takes a :func:`snapshot` of the randomness just before it starts each fresh pass
-(``iter(data)``): the global RNG states (``toolkit.checkpoints._rng``) and the states of the loader's
+(``iter(data)``): the global RNG states (``checkpoints._rng``) and the states of the loader's
 own generators. A pass resumed ``seen`` batches in (:func:`unseen`) puts that
 randomness back, creates the iterator as the original pass did (so the DataLoader draws its
 base seed and the sampler its permutation from the same states, in the same order), skips

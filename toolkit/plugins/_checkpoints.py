@@ -12,6 +12,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+from toolkit._checks import check_count
 from toolkit.checkpoints._folder import (
     clean_temporaries,
     list_checkpoints,
@@ -19,17 +20,16 @@ from toolkit.checkpoints._folder import (
     prune_checkpoints,
     write_pointer,
 )
-from toolkit._checks import check_count
-from toolkit.loop._data import position
 from toolkit.checkpoints._load import full_model, load_checkpoint, put_model, verified_manifest
-from toolkit.loop._run import Event, Plugin, plugin_factory
 from toolkit.checkpoints._model_state import expand
 from toolkit.checkpoints._optim_names import parameter_names
-from toolkit.distributed._ranks import Group, agree, group_of, rank_of
 from toolkit.checkpoints._retention import Retention, retain
 from toolkit.checkpoints._save import save_checkpoint, save_in_background
-from toolkit.step._state import TrainState
+from toolkit.distributed._ranks import Group, agree, group_of, rank_of
+from toolkit.loop._data import position
+from toolkit.loop._run import Event, Plugin, plugin_factory
 from toolkit.plugins._shared import metric_entry
+from toolkit.step._state import TrainState
 
 __all__ = ["checkpoints"]
 

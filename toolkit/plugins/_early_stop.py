@@ -6,8 +6,8 @@ import warnings
 
 from toolkit._checks import check_count, check_key
 from toolkit.loop._run import Event, Plugin, plugin_factory
-from toolkit.step._state import TrainState
 from toolkit.plugins._shared import better, check_mode, claim, metric_entry
+from toolkit.step._state import TrainState
 
 __all__ = ["early_stop"]
 

@@ -10,10 +10,10 @@ from typing import Any
 import torch
 
 from toolkit._checks import check_count, check_key
-from toolkit.loop._run import Event, Plugin, plugin_factory
-from toolkit.step._state import TrainState
 from toolkit._unwrap import unwrap
+from toolkit.loop._run import Event, Plugin, plugin_factory
 from toolkit.plugins._shared import claim, due
+from toolkit.step._state import TrainState
 
 __all__ = ["ema", "ema_model"]
 

@@ -9,8 +9,8 @@ import torch
 
 from toolkit._checks import check_count, check_key
 from toolkit.loop._run import Event, Plugin, plugin_factory
-from toolkit.step._state import TrainState
 from toolkit.plugins._shared import claim, due
+from toolkit.step._state import TrainState
 
 __all__ = ["peak_memory"]
 

@@ -15,10 +15,10 @@ import rich.progress
 from toolkit._checks import check_count
 from toolkit.distributed._group import is_rank_zero
 from toolkit.loop._run import Event, plugin_factory
-from toolkit.step._state import TrainState
-from toolkit.step._step import StepOutput
 from toolkit.plugins._interval import Interval, flat_scalars, read
 from toolkit.plugins._shared import due, metric_entry
+from toolkit.step._state import TrainState
+from toolkit.step._step import StepOutput
 
 __all__ = ["progress"]
 

@@ -12,8 +12,8 @@ from torch.optim.lr_scheduler import ReduceLROnPlateau
 from toolkit._checks import check_count, check_key
 from toolkit.loop._evaluate import _evaluate
 from toolkit.loop._run import Event, Plugin, plugin_factory
-from toolkit.step._state import TrainState
 from toolkit.plugins._shared import better, check_mode, claim, due
+from toolkit.step._state import TrainState
 
 __all__ = ["validate"]
 

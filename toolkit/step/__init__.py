@@ -1,1 +1,1 @@
-"""The step: TrainState, Step and its phases, the decorators, LossSum (public through :mod:`toolkit`)."""
+"""The step: TrainState, Step, its phases and decorators, LossSum (public via :mod:`toolkit`)."""

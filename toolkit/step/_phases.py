@@ -365,7 +365,7 @@ def _decide_carried(
     carried: torch.Tensor,
     world: int,
 ) -> Verdict:
-    """:func:`decide` under DDP with the flags carried (see :class:`toolkit.distributed._carrier.Carrier`).
+    """:func:`decide` under DDP with the flags carried (see :class:`Carrier`).
 
     The gradients (so their norm and the scaler's overflow) are the same on every rank
     after DDP's all-reduce, and the count total was summed over the ranks: every flag here

@@ -19,8 +19,8 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 import torch.distributed as dist
 
-from toolkit.distributed._group import is_distributed
 from toolkit._host import to_host
+from toolkit.distributed._group import is_distributed
 
 __all__ = ["Column", "Sums", "columns", "sum_over_ranks", "weighted_sums"]
 
