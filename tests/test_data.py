@@ -258,7 +258,7 @@ def _lengths(rank: int, lengths: tuple[int, int], store: str, out: str) -> None:
     import torch.distributed as dist
 
     from tests.spawning import gloo_group
-    from toolkit.loop._data import check_even
+    from toolkit.distributed._collectives import check_even
 
     with gloo_group(rank, 2, store):
         try:
@@ -295,7 +295,7 @@ def test_ranks_with_passes_of_different_lengths_are_refused(
 
 
 def test_a_length_check_without_a_group_makes_no_call() -> None:
-    from toolkit.loop._data import check_even
+    from toolkit.distributed._collectives import check_even
 
     check_even(5, None)  # no process group initialised: a collective here would raise
 

@@ -6,7 +6,7 @@ from toolkit._unwrap import unwrap
 from toolkit.checkpoints._export import export_model
 from toolkit.checkpoints._load import load_checkpoint
 from toolkit.checkpoints._save import save_checkpoint
-from toolkit.distributed._group import data_parallel_group, set_data_parallel_group
+from toolkit.distributed._collectives import data_parallel_group, set_data_parallel_group
 from toolkit.loop._evaluate import evaluate
 from toolkit.loop._run import Event, LoopInfo, run
 from toolkit.step._accumulation import accumulate

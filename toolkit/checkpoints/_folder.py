@@ -30,7 +30,7 @@ from toolkit.checkpoints._manifest import (
 )
 from toolkit.checkpoints._retention import Retention, retain, retention_from_document
 from toolkit.checkpoints._sharded import check_listing
-from toolkit.distributed._ranks import agree, broadcast_text, group_of, rank_of
+from toolkit.distributed._collectives import agree, broadcast_text, group_of, rank_of
 from toolkit.step._state import TrainState
 
 __all__ = [

@@ -50,7 +50,7 @@ from toolkit.checkpoints._sharded import (
     saved_shapes,
     template_state,
 )
-from toolkit.distributed._ranks import Group, agree, group_of, rank_of
+from toolkit.distributed._collectives import Group, agree, group_of, rank_of
 from toolkit.step._components import HANDLES, OWN_FILE, check_objects, fields_of, is_namedtuple
 from toolkit.step._state import TrainState
 

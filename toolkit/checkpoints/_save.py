@@ -56,7 +56,7 @@ from toolkit.checkpoints._optim_names import named_state, parameter_names
 from toolkit.checkpoints._retention import Retention
 from toolkit.checkpoints._rng import capture_rng
 from toolkit.checkpoints._sharded import SHARDS, is_dtensor, is_sharded, save_shards, template_state
-from toolkit.distributed._ranks import Group, agree, broadcast_int, group_of, rank_of
+from toolkit.distributed._collectives import Group, agree, broadcast_int, group_of, rank_of
 from toolkit.step._components import check_objects, fields_of
 from toolkit.step._state import TrainState
 

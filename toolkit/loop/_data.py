@@ -23,7 +23,6 @@ from toolkit.checkpoints._rng import capture_rng, restore_rng
 
 __all__ = [
     "batches_per_epoch",
-    "check_even",
     "is_stateful",
     "position",
     "snapshot",
@@ -40,52 +39,6 @@ def batches_per_epoch(data: Any) -> int | None:
         return len(data)
     except (TypeError, NotImplementedError):  # no __len__, or one that refuses
         return None
-
-
-def check_even(batches: int | None, group: Any) -> None:
-    """Refuse passes of different lengths on the ranks of a data-parallel ``group``.
-
-    Every update of a data-parallel step makes collective calls, so a rank whose pass holds
-    more batches would wait forever at the end of the others' pass (and ranks whose epochs
-    end at different updates disagree on everything done per epoch). One all-reduce of two
-    integers, once per run, on every rank of ``group`` (None: no data parallelism, no
-    check). Sources without a length cannot be checked: an IterableDataset must yield the
-    same number of batches on every rank by itself.
-
-    Args:
-        batches: :func:`batches_per_epoch` of this rank's data.
-        group: the data-parallel process group, or None.
-
-    Raises:
-        ValueError: the ranks' lengths differ (or some have none), naming this rank's
-            length, the others' range and the fix.
-    """
-    if group is None:
-        return
-    import torch.distributed as dist
-
-    value = -1 if batches is None else batches  # no length
-    device = torch.device("cpu")
-    if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())
-    extremes = torch.tensor([value, -value], dtype=torch.int64, device=device)
-    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
-    most, fewest = int(extremes[0]), -int(extremes[1])
-    if most == fewest:
-        return
-
-    def said(n: int) -> str:
-        return "no length" if n < 0 else f"{n} batches"
-
-    raise ValueError(
-        f"run: the data-parallel ranks' data have different lengths (this rank "
-        f"{dist.get_rank()}: {said(value)}; the ranks range from {said(fewest)} to "
-        f"{said(most)} per pass), so at the end of the shortest pass the other ranks would "
-        "wait forever in the step's all-reduce. Give every rank the same number of "
-        "batches: a DataLoader with sampler=DistributedSampler(dataset) pads the ranks' "
-        "shares to one length (or drop_last=True drops the remainder), and the loader's "
-        "drop_last=True drops a partial last batch."
-    )
 
 
 def is_stateful(data: Any) -> bool:

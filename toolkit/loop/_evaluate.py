@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from toolkit.distributed._group import data_parallel_group
+from toolkit.distributed._collectives import data_parallel_group, sum_over_ranks
 from toolkit.step._state import TrainState
 from toolkit.step._step import _leading_dim
-from toolkit.step._weighted import columns, sum_over_ranks, weighted_sums
+from toolkit.step._weighted import columns, weighted_sums
 
 __all__ = ["evaluate"]
 

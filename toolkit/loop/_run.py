@@ -11,8 +11,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, NamedTuple, TypeVar
 
 from toolkit._checks import check_count
-from toolkit.distributed._group import data_parallel_group
-from toolkit.loop._data import batches_per_epoch, check_even, is_stateful, snapshot, unseen
+from toolkit.distributed._collectives import check_even, data_parallel_group
+from toolkit.loop._data import batches_per_epoch, is_stateful, snapshot, unseen
 from toolkit.step._multi import epoch_schedulers
 from toolkit.step._state import TrainState
 from toolkit.step._step import StepOutput

@@ -25,7 +25,7 @@ from toolkit.checkpoints._model_state import expand
 from toolkit.checkpoints._optim_names import parameter_names
 from toolkit.checkpoints._retention import Retention, retain
 from toolkit.checkpoints._save import save_checkpoint, save_in_background
-from toolkit.distributed._ranks import Group, agree, group_of, rank_of
+from toolkit.distributed._collectives import Group, agree, group_of, max_over_ranks, rank_of
 from toolkit.loop._data import position
 from toolkit.loop._run import Event, Plugin, plugin_factory
 from toolkit.plugins._shared import metric_entry
@@ -51,13 +51,8 @@ class _Run:
 
 
 def _shared_signal(run_: _Run) -> None:
-    """Give every rank of the group the highest signal any rank received (one all-reduce)."""
-    import torch
-    import torch.distributed as dist
-
-    flag = torch.tensor([run_.signum or 0], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=run_.group)
-    run_.signum = int(flag.item()) or None
+    """Give every rank of the group the highest signal any rank received."""
+    run_.signum = max_over_ranks(run_.signum or 0, run_.group) or None
 
 
 def _name(step: int) -> str:

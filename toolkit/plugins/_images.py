@@ -6,7 +6,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from toolkit._checks import check_count
-from toolkit.distributed._group import is_rank_zero
+from toolkit.distributed._collectives import is_rank_zero
 from toolkit.loop._run import Event, plugin_factory
 from toolkit.plugins._shared import due
 from toolkit.plugins._sinks import Sink, _no_images, check_listed_once, close_all

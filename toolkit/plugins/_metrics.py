@@ -13,14 +13,18 @@ import torch
 import torch.distributed as dist
 
 from toolkit._checks import check_count
-from toolkit.distributed._group import data_parallel_group, is_distributed, is_rank_zero
+from toolkit.distributed._collectives import (
+    data_parallel_group,
+    is_distributed,
+    is_rank_zero,
+    sum_over_ranks,
+)
 from toolkit.loop._run import Event, plugin_factory
 from toolkit.plugins._interval import KINDS, Interval, combine, flat_scalars, merge, read
 from toolkit.plugins._shared import claim, due, metric_entry
 from toolkit.plugins._sinks import Sink, check_listed_once, close_all
 from toolkit.step._state import TrainState
 from toolkit.step._step import StepOutput
-from toolkit.step._weighted import sum_over_ranks
 
 __all__ = ["log_metrics"]
 

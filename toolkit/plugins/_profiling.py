@@ -11,7 +11,7 @@ import torch
 from torch.profiler import ProfilerActivity
 
 from toolkit._checks import check_count
-from toolkit.distributed._group import is_rank_zero
+from toolkit.distributed._collectives import is_rank_zero
 from toolkit.loop._run import Event, Plugin, plugin_factory
 from toolkit.step._state import TrainState
 

@@ -13,7 +13,7 @@ import rich.console
 import rich.progress
 
 from toolkit._checks import check_count
-from toolkit.distributed._group import is_rank_zero
+from toolkit.distributed._collectives import is_rank_zero
 from toolkit.loop._run import Event, plugin_factory
 from toolkit.plugins._interval import Interval, flat_scalars, read
 from toolkit.plugins._shared import due, metric_entry

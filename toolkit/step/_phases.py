@@ -16,8 +16,7 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 
-from toolkit.distributed._carrier import skips_differ_carried
-from toolkit.distributed._group import all_reduce_
+from toolkit.distributed._collectives import all_reduce_, skips_differ_carried
 from toolkit.step._state import GuardState
 
 __all__ = [
@@ -305,7 +304,7 @@ def decide(
     :func:`toolkit.data_parallel_group`), or None: the flags are all-reduced over it with
     MAX so that every data-parallel rank decides alike, together with this rank's count of
     ``skipped`` micro-batches and its negation (their maximum and minimum over the ranks:
-    ``uneven`` when they differ). ``carried`` (DDP, see :mod:`toolkit.distributed._carrier`): the
+    ``uneven`` when they differ). ``carried`` (DDP, see :class:`Carrier`): the
     ranks' summed window loss and skip sums, already exchanged with the gradients, which
     DDP has made the same on every rank; then nothing more is all-reduced.
     """

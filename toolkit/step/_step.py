@@ -10,11 +10,13 @@ from typing import Any, NamedTuple
 
 import torch
 
-from toolkit.distributed._carrier import Carrier, carrier_of, skips_differ_carried
-from toolkit.distributed._group import (
+from toolkit.distributed._collectives import (
     SYNC_KIND,
+    Carrier,
     all_reduce_,
+    carrier_of,
     data_parallel_group,
+    skips_differ_carried,
     suppress_grad_sync,
     sync_kind,
 )

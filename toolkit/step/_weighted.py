@@ -12,17 +12,14 @@ from __future__ import annotations
 
 import math
 import operator
-import zlib
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import torch
-import torch.distributed as dist
 
 from toolkit._host import to_host
-from toolkit.distributed._group import is_distributed
 
-__all__ = ["Column", "Sums", "columns", "sum_over_ranks", "weighted_sums"]
+__all__ = ["Column", "Sums", "columns", "weighted_sums"]
 
 K = TypeVar("K", bound=Hashable)
 
@@ -148,37 +145,3 @@ def _fsum(products: list[Any]) -> float:
         # fsum refuses inf - inf (the answer is NaN) and overflowing partial sums (inf); plain
         # summation gives those IEEE results.
         return float(sum(products))
-
-
-def sum_over_ranks(
-    who: str,
-    sums: Mapping[str, tuple[float, float]],
-    extra: Sequence[float] = (),
-    group: Any = None,
-) -> tuple[dict[str, tuple[float, float]], list[float]]:
-    """``sums`` and ``extra`` added over the ranks of ``group``: one collective, if any.
-
-    ``group`` is the data-parallel process group (``None``: the default group, as in
-    ``torch.distributed``); nothing is exchanged outside a distributed job.
-
-    Raises:
-        ValueError: the ranks hold different keys (the sums travel as one vector).
-    """
-    if not is_distributed():
-        return dict(sums), list(extra)
-    keys = sorted(sums)
-    layout = float(zlib.crc32("\0".join(keys).encode()))
-    flat = [v for key in keys for v in sums[key]] + [*extra, layout]
-    device = torch.device("cpu")
-    if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())
-    reduced = torch.tensor(flat, dtype=torch.float64, device=device)
-    dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=group)
-    values = reduced.tolist()
-    if values[-1] != layout * dist.get_world_size(group):
-        raise ValueError(
-            f"{who}: the data-parallel ranks reported different keys (this rank: {keys}); "
-            "every rank must report the same ones."
-        )
-    pairs = {key: (values[2 * i], values[2 * i + 1]) for i, key in enumerate(keys)}
-    return pairs, values[2 * len(keys) : -1]

@@ -1,0 +1,541 @@
+"""Everything that crosses ranks, in one place.
+
+Per update of a data-parallel step: DDP's own gradient all-reduce carries the window's loss
+sum and skip counts (:class:`Carrier`), or, without DDP's hook, one small all-reduce of the
+verdict's flags (:func:`all_reduce_`). Once per run: :func:`check_even` (data lengths).
+Per checkpoint: :func:`agree`, :func:`broadcast_int`, :func:`broadcast_text`. Per publish of
+metrics or evaluation: :func:`sum_over_ranks`. Signals: :func:`max_over_ranks`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno as errno_codes
+import weakref
+import zlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_AVAILABLE = dist.is_available()  # fixed for the build of torch, so asked once
+
+
+def is_distributed() -> bool:
+    """True when a default process group with more than one rank is initialised."""
+    return _AVAILABLE and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _is_ddp(model: torch.nn.Module) -> bool:
+    return isinstance(model, torch.nn.parallel.DistributedDataParallel)
+
+
+def _is_fsdp2(model: torch.nn.Module) -> bool:
+    # fully_shard swaps the module's class for an FSDPModule subclass that has this method.
+    # Looking on the class, not the instance, avoids nn.Module.__getattr__'s slow miss path
+    # (it builds an AttributeError), which would cost microseconds per micro-batch.
+    return hasattr(type(model), "set_requires_gradient_sync")
+
+
+ProcessGroup = Any  # torch.distributed.ProcessGroup (absent from builds without distributed)
+
+# Per model: the group given by set_data_parallel_group, and the group derived (or None),
+# so that a train step asks once per model, not once per update.
+_GIVEN: weakref.WeakKeyDictionary[torch.nn.Module, ProcessGroup] = weakref.WeakKeyDictionary()
+_FOUND: weakref.WeakKeyDictionary[torch.nn.Module, ProcessGroup | None] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def data_parallel_group(model: torch.nn.Module) -> ProcessGroup | None:
+    """The process group over which ``model``'s gradients are averaged, or ``None``.
+
+    The group a train step sums target counts over and all-reduces the guard's verdict
+    over, and over which metrics are reduced and checkpoints coordinated. It is a fact of
+    the model's data-parallel wrapper, so it is read from the model:
+
+    * the group given with :func:`set_data_parallel_group`, when one was;
+    * DDP: its ``process_group`` (the default group unless built with another);
+    * FSDP2 (``fully_shard``): the group of its 1-D device mesh; for HSDP (a 2-D
+      replicate x shard mesh) the whole mesh, which must then span the world (on a
+      sub-mesh, flatten the replicate and shard dimensions yourself and pass the group to
+      :func:`set_data_parallel_group`).
+
+    ``None`` when ``torch.distributed`` is not initialised, when ``model`` is no DDP or
+    FSDP2 model (each process trains its own), or when the group has one rank.
+
+    Args:
+        model: the model of the train state (DDP- or FSDP2-wrapped for data parallelism).
+
+    Returns:
+        A ``torch.distributed.ProcessGroup`` of more than one rank, or ``None``.
+
+    Raises:
+        ValueError: an FSDP2 model whose mesh does not tell its data-parallel ranks (a 2-D
+            sub-mesh of a larger mesh, or ``dp_mesh_dims``); the message says to call
+            :func:`set_data_parallel_group`.
+
+    Example:
+        >>> import torch
+        >>> from toolkit import data_parallel_group
+        >>> data_parallel_group(torch.nn.Linear(2, 1)) is None  # not data parallel
+        True
+    """
+    if not (_AVAILABLE and dist.is_initialized()):
+        return None
+    try:
+        return _FOUND[model]
+    except KeyError:
+        pass
+    group = _GIVEN.get(model)
+    if group is None:
+        kind = sync_kind(model)
+        if kind == "ddp":
+            group = getattr(model, "process_group", None)
+        elif kind == "fsdp2":
+            group = _fsdp2_group(model)
+    found = group if group is not None and dist.get_world_size(group) > 1 else None
+    _FOUND[model] = found
+    return found
+
+
+def set_data_parallel_group(model: torch.nn.Module, group: ProcessGroup) -> None:
+    """Name the data-parallel group of ``model`` where it cannot be derived, or differs.
+
+    For tensor- or sequence-parallel training, where the data-parallel ranks are a
+    sub-group of the world and the wrapper's own group does not say which (HSDP on a
+    sub-mesh: pass ``mesh["replicate", "shard"]._flatten().get_group()``, created on every
+    rank at setup). Every part of toolkit that asks :func:`data_parallel_group` then uses
+    it: the step's count and verdict all-reduces, metrics, checkpoints.
+
+    Args:
+        model: a DDP- or FSDP2-wrapped model (the gradients of any other module are not
+            synced by a wrapper, so it has no data-parallel group).
+        group: a ``torch.distributed.ProcessGroup`` that holds this rank.
+
+    Returns:
+        None; :func:`data_parallel_group` returns ``group`` for ``model`` from now on.
+
+    Raises:
+        TypeError: ``model`` is not DDP- or FSDP2-wrapped, or ``group`` is not a process
+            group.
+        ValueError: this rank is not in ``group``.
+
+    Example:
+        >>> import torch
+        >>> from toolkit import set_data_parallel_group
+        >>> try:
+        ...     set_data_parallel_group(torch.nn.Linear(2, 1), None)
+        ... except TypeError as error:
+        ...     print(str(error)[:58])
+        set_data_parallel_group: expected a DDP- or FSDP2-wrapped
+    """
+    if sync_kind(model) == "none":
+        raise TypeError(
+            "set_data_parallel_group: expected a DDP- or FSDP2-wrapped model; got a "
+            f"{type(model).__name__}, whose gradients no wrapper syncs. Wrap it first "
+            "(DistributedDataParallel(model, process_group=group), or fully_shard), then "
+            "name its group."
+        )
+    if not (_AVAILABLE and isinstance(group, dist.ProcessGroup)):
+        raise TypeError(
+            "set_data_parallel_group: expected a torch.distributed.ProcessGroup; got "
+            f"{type(group).__name__}. Create it on every rank: dist.new_group(ranks) or "
+            "device_mesh.get_group(dim)."
+        )
+    if dist.get_rank(group) < 0:
+        raise ValueError(
+            f"set_data_parallel_group: this rank ({dist.get_rank()}) is not in the group "
+            "given; pass the group that holds this rank."
+        )
+    _GIVEN[model] = group
+    _FOUND.pop(model, None)
+
+
+def _fsdp2_group(model: torch.nn.Module) -> ProcessGroup | None:
+    for module in model.modules():
+        get_state = getattr(type(module), "_get_fsdp_state", None)
+        param_group = get_state(module)._fsdp_param_group if get_state is not None else None
+        if param_group is None:
+            continue
+        info = param_group.mesh_info
+        mesh = info.mesh
+        if getattr(info, "dp_mesh_dims", None) is None:
+            if mesh.ndim == 1:
+                return mesh.get_group()
+            if mesh.size() == dist.get_world_size():
+                return dist.group.WORLD
+        raise ValueError(
+            f"data_parallel_group: the FSDP2 model's device mesh {mesh} does not tell its "
+            "data-parallel ranks (a multi-dimensional sub-mesh, or dp_mesh_dims). Flatten "
+            "its data-parallel dimensions at setup and name the group: "
+            "set_data_parallel_group(model, mesh['replicate', 'shard']._flatten().get_group())."
+        )
+    return None
+
+
+def data_parallel_size(model: torch.nn.Module) -> int:
+    """Ranks over which ``model``'s gradients are averaged, 1 when not data parallel."""
+    group = data_parallel_group(model)
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def all_reduce_(
+    tensor: torch.Tensor, op: dist.ReduceOp.RedOpType, group: ProcessGroup | None = None
+) -> torch.Tensor:
+    """All-reduce ``tensor`` in place over ``group`` (the default group when None).
+
+    A no-op when ``group`` is None and there is no default group of more than one rank.
+    """
+    if group is not None:
+        dist.all_reduce(tensor, op=op, group=group)
+    elif is_distributed():
+        dist.all_reduce(tensor, op=op)
+    return tensor
+
+
+def is_rank_zero() -> bool:
+    """True on global rank 0, and always when torch.distributed is not initialised."""
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+@contextlib.contextmanager
+def _fsdp2_no_sync(model: torch.nn.Module) -> Iterator[None]:
+    model.set_requires_gradient_sync(False)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+
+def suppress_grad_sync(
+    model: torch.nn.Module, kind: str
+) -> contextlib.AbstractContextManager[None] | None:
+    """Context in which backward accumulates locally: DDP ``no_sync``, FSDP2 sync off.
+
+    ``kind`` is :func:`sync_kind` of ``model``. ``None`` for any other model, so that
+    single-process code does not even enter a context.
+    """
+    if kind == "ddp":
+        return model.no_sync()  # type: ignore[operator]
+    if kind == "fsdp2":
+        return _fsdp2_no_sync(model)
+    return None
+
+
+def sync_kind(model: torch.nn.Module) -> str:
+    """How ``model`` syncs gradients over ranks: "ddp", "fsdp2" or "none", once per class.
+
+    A train step reads ``SYNC_KIND.get(type(model)) or sync_kind(model)``: the cache first.
+    """
+    kind = SYNC_KIND.get(type(model))
+    if kind is None:
+        kind = SYNC_KIND[type(model)] = (
+            "ddp" if _is_ddp(model) else "fsdp2" if _is_fsdp2(model) else "none"
+        )
+    return kind
+
+
+# Per model class, since fully_shard gives every sharded module a class of its own.
+SYNC_KIND: dict[type, str] = {}
+
+
+# --- checkpoint coordination (no pickle: every exchange is a tensor) ---
+
+
+Group = Any  # a torch.distributed ProcessGroup; None stands for "this process alone"
+
+_TYPES: dict[int, type[BaseException]] = {0: RuntimeError, 1: OSError, 2: ValueError, 3: TypeError}
+_LIMIT = 8192  # bytes of an error message sent to the other ranks
+
+
+def group_of(model: torch.nn.Module) -> Group | None:
+    """The process group that checkpoints ``model`` together, or None (this process alone).
+
+    A DDP- or FSDP2-wrapped model is shared by the ranks of its data-parallel group
+    (``data_parallel_group(model)``: the wrapper's group, or the one
+    named with ``set_data_parallel_group``; the default group where that helper is absent);
+    any other module is this process's own, even in a distributed job.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or sync_kind(model) == "none":
+        return None
+    return data_parallel_group(model)
+
+
+def rank_of(group: Group | None) -> tuple[int, int]:
+    """``(rank, size)`` of this process in ``group`` (``(0, 1)`` for None)."""
+    if group is None:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def broadcast_int(value: int, group: Group | None, src: int = 0) -> int:
+    """``value`` of rank ``src`` (a group rank), on every rank."""
+    if group is None:
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64)
+    dist.broadcast(tensor, group=group, group_src=src)
+    return int(tensor.item())
+
+
+def broadcast_text(text: str, group: Group | None, src: int = 0) -> str:
+    """``text`` of rank ``src``, on every rank (UTF-8 bytes in a tensor: nothing pickled)."""
+    if group is None:
+        return text
+    data = text.encode()[:_LIMIT] if rank_of(group)[0] == src else b""
+    size = broadcast_int(len(data), group, src)
+    buffer = torch.zeros(size, dtype=torch.uint8)
+    if data:
+        buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    if size:
+        dist.broadcast(buffer, group=group, group_src=src)
+    return bytes(buffer.tolist()).decode(errors="replace")
+
+
+def _kind(error: BaseException) -> int:
+    for code, kind in _TYPES.items():
+        if code and isinstance(error, kind):
+            return code
+    return 0
+
+
+def agree(error: BaseException | None, group: Group | None, who: str) -> None:
+    """Make every rank see the same outcome of a phase: nothing, or an error.
+
+    One all-reduce of one flag per rank; when a rank failed, the lowest failing rank also
+    broadcasts its error's kind and message. The failing ranks re-raise their own error,
+    the others raise the same kind (``OSError`` keeps its errno) naming the rank.
+
+    Raises:
+        BaseException: the error of this rank, or of the lowest failing one.
+    """
+    if group is None:
+        if error is not None:
+            raise error
+        return
+    rank, size = rank_of(group)
+    flags = torch.zeros(size, dtype=torch.int64)
+    flags[rank] = error is not None
+    dist.all_reduce(flags, group=group)
+    failed = [r for r in range(size) if flags[r]]
+    if not failed:
+        return
+    src = failed[0]
+    kind = broadcast_int(_kind(error) if rank == src and error is not None else 0, group, src)
+    code = broadcast_int(
+        getattr(error, "errno", None) or 0 if rank == src and error is not None else 0, group, src
+    )
+    message = broadcast_text(str(error) if rank == src else "", group, src)
+    if error is not None:
+        raise error
+    text = f"{who}: rank {src} of the group failed: {message}"
+    kind_type = _TYPES[kind]
+    if kind_type is OSError:
+        raise OSError(code or errno_codes.EIO, text)
+    raise kind_type(text)
+
+
+# --- the DDP carrier ---
+
+
+# Only dtypes that hold the small integer sums exactly ride along; a model whose gradients
+# are bf16 or fp16 falls back to the step's own small all-reduce.
+_EXACT = (torch.float32, torch.float64)
+
+
+class Carrier:
+    """A DDP model's hook state: the flags to send with the next sync, and what came back.
+
+    ``outgoing`` is ``[loss, skipped, skipped**2]`` of this rank, set just before the
+    closing backward (``loss``: the window's summed loss under the guard, else 0); the hook
+    sums it over the ranks with the first bucket and leaves the sums in ``incoming`` by the
+    time backward returns. The summed loss is finite when every rank's is (a sum of
+    finite losses would overflow only past 3e38 in float32); the ranks skipped different
+    numbers of micro-batches when ``skips**2 != world * squares`` (equal for equal counts
+    only: Cauchy-Schwarz), exact in float32 for any realistic count.
+    """
+
+    __slots__ = ("__weakref__", "group", "incoming", "outgoing")
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.outgoing: torch.Tensor | None = None
+        self.incoming: torch.Tensor | None = None
+
+    def send(self, loss: torch.Tensor | None, skipped: int, like: torch.Tensor) -> None:
+        """Flags for the next closing backward (``like``: a parameter, for the device)."""
+        if skipped:
+            skips = torch.tensor([float(skipped), float(skipped * skipped)], device=like.device)
+        else:  # the common case: no tensor built per update
+            skips = _zeros(like.device, 2)
+        if loss is None:
+            loss = _zeros(like.device, 1)
+        self.outgoing = torch.cat([loss.reshape(1), skips])
+        self.incoming = None
+
+    def receive(self) -> torch.Tensor | None:
+        """The reduced flags of the backward that just ran, or None if none were carried."""
+        got, self.incoming, self.outgoing = self.incoming, None, None
+        return got
+
+
+_ZEROS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _zeros(device: torch.device, size: int) -> torch.Tensor:
+    """A float32 zero vector of ``size``, made once per device (read, never written)."""
+    found = _ZEROS.get((device, size))
+    if found is None:
+        found = _ZEROS[(device, size)] = torch.zeros(size, device=device)
+    return found
+
+
+def skips_differ_carried(sums: list[float], world: int) -> bool:
+    """Whether the ranks skipped different numbers of micro-batches, from the carried sums.
+
+    ``sums`` is ``[loss, sum of skipped, sum of skipped**2]`` over the ``world`` ranks: the
+    counts are all equal exactly when ``sum**2 == world * sum of squares``.
+    """
+    _, skips, squares = sums
+    return skips * skips != world * squares
+
+
+# Per DDP model: its carrier, or None where a carrier cannot be installed.
+_CARRIERS: weakref.WeakKeyDictionary[torch.nn.Module, Carrier | None] = weakref.WeakKeyDictionary()
+
+
+def carrier_of(model: torch.nn.Module) -> Carrier | None:
+    """The carrier of DDP ``model`` (its hook registered on first use), or None.
+
+    None when the step's data-parallel group is not the group DDP averages over
+    (``set_data_parallel_group`` named another), or when the model already has a
+    communication hook of its own (DDP takes one): the step then all-reduces its flags
+    itself, as it does under FSDP2.
+    """
+    try:
+        return _CARRIERS[model]
+    except KeyError:
+        pass
+    found: Carrier | None = None
+    group = data_parallel_group(model)
+    if group is not None and group is getattr(model, "process_group", None):
+        found = Carrier(group)
+        try:
+            model.register_comm_hook(found, _hook)  # type: ignore[operator]
+        except RuntimeError:  # "can only be called once": the user's own hook is there
+            found = None
+    _CARRIERS[model] = found
+    return found
+
+
+def _hook(carrier, bucket):  # type: ignore[no-untyped-def]  # DDP checks real annotations
+    """DDP's allreduce_hook (divide, sum), with the flags appended to the first bucket."""
+    group = carrier.group
+    world = group.size()
+    buffer = bucket.buffer()
+    flags = carrier.outgoing
+    if flags is None or bucket.index() != 0 or buffer.dtype not in _EXACT:
+        buffer.div_(world)  # as torch's default allreduce_hook: the same result as no hook
+        work = dist.all_reduce(buffer, group=group, async_op=True)
+        return work.get_future().then(lambda fut: fut.value()[0])
+    carrier.outgoing = None
+    size = buffer.numel()
+    buffer.div_(world)
+    packed = torch.cat([buffer, flags.to(buffer.dtype)])
+
+    def unpack(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        summed = fut.value()[0]
+        carrier.incoming = summed[size:]
+        return summed[:size]
+
+    return dist.all_reduce(packed, group=group, async_op=True).get_future().then(unpack)
+
+
+def sum_over_ranks(
+    who: str,
+    sums: Mapping[str, tuple[float, float]],
+    extra: Sequence[float] = (),
+    group: Any = None,
+) -> tuple[dict[str, tuple[float, float]], list[float]]:
+    """``sums`` and ``extra`` added over the ranks of ``group``: one collective, if any.
+
+    ``group`` is the data-parallel process group (``None``: the default group, as in
+    ``torch.distributed``); nothing is exchanged outside a distributed job.
+
+    Raises:
+        ValueError: the ranks hold different keys (the sums travel as one vector).
+    """
+    if not is_distributed():
+        return dict(sums), list(extra)
+    keys = sorted(sums)
+    layout = float(zlib.crc32("\0".join(keys).encode()))
+    flat = [v for key in keys for v in sums[key]] + [*extra, layout]
+    device = torch.device("cpu")
+    if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    reduced = torch.tensor(flat, dtype=torch.float64, device=device)
+    dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=group)
+    values = reduced.tolist()
+    if values[-1] != layout * dist.get_world_size(group):
+        raise ValueError(
+            f"{who}: the data-parallel ranks reported different keys (this rank: {keys}); "
+            "every rank must report the same ones."
+        )
+    pairs = {key: (values[2 * i], values[2 * i + 1]) for i, key in enumerate(keys)}
+    return pairs, values[2 * len(keys) : -1]
+
+
+def check_even(batches: int | None, group: Any) -> None:
+    """Refuse passes of different lengths on the ranks of a data-parallel ``group``.
+
+    Every update of a data-parallel step makes collective calls, so a rank whose pass holds
+    more batches would wait forever at the end of the others' pass (and ranks whose epochs
+    end at different updates disagree on everything done per epoch). One all-reduce of two
+    integers, once per run, on every rank of ``group`` (None: no data parallelism, no
+    check). Sources without a length cannot be checked: an IterableDataset must yield the
+    same number of batches on every rank by itself.
+
+    Args:
+        batches: :func:`batches_per_epoch` of this rank's data.
+        group: the data-parallel process group, or None.
+
+    Raises:
+        ValueError: the ranks' lengths differ (or some have none), naming this rank's
+            length, the others' range and the fix.
+    """
+    if group is None:
+        return
+    import torch.distributed as dist
+
+    value = -1 if batches is None else batches  # no length
+    device = torch.device("cpu")
+    if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    extremes = torch.tensor([value, -value], dtype=torch.int64, device=device)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+    most, fewest = int(extremes[0]), -int(extremes[1])
+    if most == fewest:
+        return
+
+    def said(n: int) -> str:
+        return "no length" if n < 0 else f"{n} batches"
+
+    raise ValueError(
+        f"run: the data-parallel ranks' data have different lengths (this rank "
+        f"{dist.get_rank()}: {said(value)}; the ranks range from {said(fewest)} to "
+        f"{said(most)} per pass), so at the end of the shortest pass the other ranks would "
+        "wait forever in the step's all-reduce. Give every rank the same number of "
+        "batches: a DataLoader with sampler=DistributedSampler(dataset) pads the ranks' "
+        "shares to one length (or drop_last=True drops the remainder), and the loader's "
+        "drop_last=True drops a partial last batch."
+    )
+
+
+def max_over_ranks(value: int, group: Group | None) -> int:
+    """The largest ``value`` of the ranks of ``group`` (one all-reduce); ``value`` alone."""
+    if group is None:
+        return value
+    flag = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return int(flag.item())
