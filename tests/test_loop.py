@@ -119,6 +119,8 @@ def test_plugins_run_in_list_order_and_see_each_others_states() -> None:
     state = run(_step(), _state(), _data(2), epochs=1, plugins=[first, second])
     assert state.extras["n"] == 2
     assert order == [
+        "first:restore",
+        "second:restore",
         "first:start",
         "second:start",
         "first:epoch_start",
@@ -171,6 +173,7 @@ def test_a_window_spanning_an_epoch_and_skipped_micro_batches() -> None:
     # Epoch 1: b1, b2 (skipped), b3 close a window; b4 opens one that b5 closes in epoch 2;
     # b6, b7 close one; b8 is left open at the end.
     assert kinds == [
+        ("restore", 0),
         ("start", 0),
         ("epoch_start", 0),
         ("step", 3),
@@ -181,8 +184,8 @@ def test_a_window_spanning_an_epoch_and_skipped_micro_batches() -> None:
         ("epoch_end", 0),
         ("end", 1),
     ]
-    assert [o.skipped for o in events[2].outs] == [False, True, False]
-    assert events[5].state.batches_seen == 1  # b5 is the first batch of epoch 2
+    assert [o.skipped for o in events[3].outs] == [False, True, False]
+    assert events[6].state.batches_seen == 1  # b5 is the first batch of epoch 2
     assert state.step == 3
 
 

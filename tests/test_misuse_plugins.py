@@ -261,7 +261,7 @@ def test_a_plateau_scheduler_that_no_validate_steps_is_refused_after_at_most_one
         run(_STEP, state, _train(10), max_steps=10, plugins=plugins)
     # validate raised at the first event after "start" (before the first update where run()
     # delivers "epoch_start", else with the first update's event): the next plugin saw none.
-    assert [kind for kind, _ in seen] == ["start", "end"] and seen[-1][1] <= 1
+    assert [kind for kind, _ in seen] == ["restore", "start", "end"] and seen[-1][1] <= 1
 
 
 def test_the_check_does_not_mask_the_error_that_ended_training() -> None:
@@ -335,7 +335,7 @@ def test_plateau_misuse_is_refused_at_start(scheduler, plugins, message) -> None
     seen = []
     with pytest.raises(ValueError, match=re.escape(message)):
         run(_STEP, state, _train(2), max_steps=2, plugins=[*plugins(), seen.append])
-    assert [(e.kind, e.state.step) for e in seen] == [("end", 0)]  # refused at "start"
+    assert [(e.kind, e.state.step) for e in seen] == [("restore", 0), ("end", 0)]  # at "start"
 
 
 def test_a_plateau_metric_that_eval_fn_does_not_return_is_named() -> None:

@@ -19,7 +19,7 @@ from toolkit.step._step import StepOutput
 
 __all__ = ["Event", "LoopInfo", "Plugin", "run"]
 
-EventKind = Literal["start", "epoch_start", "step", "epoch_end", "end"]
+EventKind = Literal["restore", "start", "epoch_start", "step", "epoch_end", "end"]
 PartialWindow = Literal["carry", "epoch", "end"]
 
 
@@ -67,7 +67,8 @@ class Event(NamedTuple):
     """What :func:`run` passes to every plugin.
 
     Attributes:
-        kind: ``"start"`` (before the first batch), ``"epoch_start"`` (before each pass
+        kind: ``"restore"`` (first: a plugin that loads a checkpoint returns the restored
+            state; the others ignore it), ``"start"`` (before the first batch), ``"epoch_start"`` (before each pass
             over the data, a resumed pass included: then ``state.batches_seen > 0``),
             ``"step"`` (once per optimizer update:
             after the micro-batch that closes an accumulation window, whether the update
@@ -99,7 +100,7 @@ class Event(NamedTuple):
         >>> _ = run(step, state, [torch.ones(1, 2)] * 4, epochs=1,
         ...         plugins=[lambda event: seen.append((event.kind, len(event.outs)))])
         >>> seen
-        [('start', 0), ('epoch_start', 0), ('step', 2), ('step', 2), ('epoch_end', 0), ('end', 0)]
+        [('restore', 0), ('start', 0), ('epoch_start', 0), ('step', 2), ('step', 2), ('epoch_end', 0), ('end', 0)]
     """
 
     kind: EventKind
@@ -363,15 +364,12 @@ def run(
     # the shortest: one all-reduce per run (none without data parallelism) refuses that.
     check_even(batches, data_parallel_group(state.model))
     state = state.replace(stop=None) if state.stop is not None else state
-    loop = LoopInfo(
-        max_steps,
-        epochs,
-        batches,
-        k,
-        state.step,
-        _total_steps(state, max_steps, epochs, batches, k, partial_window),
-        data,
-    )
+
+    def info(state: TrainState, claimed: dict[str, str]) -> LoopInfo:
+        total = _total_steps(state, max_steps, epochs, batches, k, partial_window)
+        return LoopInfo(max_steps, epochs, batches, k, state.step, total, data, claimed)
+
+    loop = info(state, {})
     one_shot = isinstance(data, Iterator)
     iterator: Iterator[Any] | None = None
     clock = time.perf_counter
@@ -383,6 +381,11 @@ def run(
     stalled = False  # a pass without progress was reported (once per run)
     warned = False  # an inexact resume was reported (once per run)
     try:
+        # Restoring comes first, so that every plugin starts from the restored state; the
+        # plugins that restore (a checkpoints plugin) after those that set up what they fill.
+        restoring = sorted(plugins, key=lambda plugin: getattr(plugin, "restores", False))
+        state = _call(restoring, Event("restore", state, loop))
+        loop = info(state, loop.claimed)
         state = _call(plugins, Event("start", state, loop))
         while not _done(state, max_steps, epochs):
             _set_epoch(data, state.epoch)

@@ -423,12 +423,13 @@ def checkpoints(
             else:
                 save(run_, event.state, event.loop.data)
             return None
-        if kind == "start":
+        if kind == "restore":
             return start(event)
         if kind == "end" and "run" in live:
             return end(event)
         return None
 
+    plugin.restores = True  # type: ignore[attr-defined]  # run() restores it after the others
     return plugin
 
 

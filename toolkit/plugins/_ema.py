@@ -145,6 +145,8 @@ def ema(
 
     def plugin(event: Event) -> TrainState | None:
         state = event.state
+        if event.kind == "restore":  # the template a checkpoint restores the average into
+            return None if key in state.extras else fresh(state)
         if event.kind == "start":
             claim(event, key, "ema")
             entry = state.extras.get(key)

@@ -245,6 +245,8 @@ def validate(
 
     def plugin(event: Event) -> TrainState | None:
         state = event.state
+        if event.kind == "restore":
+            return None
         if event.kind == "start":
             start(event)
             return None
