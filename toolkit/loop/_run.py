@@ -68,8 +68,8 @@ class Event(NamedTuple):
 
     Attributes:
         kind: ``"restore"`` (first: a plugin that loads a checkpoint returns the restored
-            state; the others ignore it), ``"start"`` (before the first batch), ``"epoch_start"`` (before each pass
-            over the data, a resumed pass included: then ``state.batches_seen > 0``),
+            state; the others ignore it), ``"start"`` (before the first batch),
+            ``"epoch_start"`` (before each pass over the data, a resumed pass included: then ``state.batches_seen > 0``),
             ``"step"`` (once per optimizer update:
             after the micro-batch that closes an accumulation window, whether the update
             was applied, rejected by the guard or skipped by the fp16 scaler),
@@ -99,8 +99,9 @@ class Event(NamedTuple):
         >>> seen = []
         >>> _ = run(step, state, [torch.ones(1, 2)] * 4, epochs=1,
         ...         plugins=[lambda event: seen.append((event.kind, len(event.outs)))])
-        >>> seen
-        [('restore', 0), ('start', 0), ('epoch_start', 0), ('step', 2), ('step', 2), ('epoch_end', 0), ('end', 0)]
+        >>> seen  # doctest: +NORMALIZE_WHITESPACE
+        [('restore', 0), ('start', 0), ('epoch_start', 0), ('step', 2), ('step', 2),
+         ('epoch_end', 0), ('end', 0)]
     """
 
     kind: EventKind

@@ -137,7 +137,7 @@ def log_images(
         if not is_rank_zero():
             return None
         kind = event.kind
-        if kind == "start":
+        if kind in ("restore", "start"):
             memory["begun"] = False
             return None
         if kind == "end":
