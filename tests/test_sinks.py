@@ -610,6 +610,7 @@ def _train(
         if event.kind == "step" and event.state.step == crash_after:
             raise RuntimeError("the machine went away")
 
+    crash.order = 100  # type: ignore[attr-defined]  # after toolkit's plugins
     plugins = [
         log_metrics(2, sinks=sinks),
         checkpoints(folder / "ckpt", every=4, at_end=False),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import time
 import warnings
@@ -232,12 +233,28 @@ def _check_plugins(plugins: Any) -> None:
 # The plugin factories of toolkit.plugins (added by plugin_factory), so that run() can tell
 # `plugins=[progress]` (the factory, not called) from a plugin.
 FACTORIES: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
+USER_ORDER = 50  # where a plugin without an ``order`` runs among the built-in ones
 
 
-def plugin_factory(factory: F) -> F:
-    """Mark a function that builds a plugin, so that run() refuses it uncalled."""
-    FACTORIES.add(factory)
-    return factory
+def plugin_factory(order: int) -> Callable[[F], F]:
+    """Mark a function that builds a plugin: run() refuses it uncalled, and calls the plugins
+    it builds at ``order`` among the others (lower first; see :func:`run`)."""
+
+    def mark(factory: F) -> F:
+        @functools.wraps(factory)
+        def build(*args: Any, **kwargs: Any) -> Any:
+            plugin = factory(*args, **kwargs)
+            plugin.order = order
+            return plugin
+
+        FACTORIES.add(build)
+        return build  # type: ignore[return-value]
+
+    return mark
+
+
+def _ordered(plugins: Sequence[Plugin]) -> list[Plugin]:
+    return sorted(plugins, key=lambda plugin: getattr(plugin, "order", USER_ORDER))
 
 
 def _call(plugins: Sequence[Plugin], event: Event) -> TrainState:
@@ -310,9 +327,10 @@ def run(
     ``"end"``. The state is the same between updates (only the accumulation window moves),
     so a plugin sees every change of ``state.step``, and a stop request takes effect at the
     next update. A returned state replaces the current one and the
-    next plugin sees it. Orders that matter: put ``ema`` before ``validate`` so that
-    validation sees the updated average, and ``validate`` before ``early_stop`` and
-    before ``log_metrics`` so that they see the new score in the same step. ``"end"``
+    next plugin sees it. The order of the list does not matter for toolkit's plugins: run() calls
+    them in a fixed order (ema, then validate and peak_memory, early_stop, your own plugins
+    in list order, log_metrics, log_images and profile, checkpoints, progress), so that each
+    sees what the ones before it made of the same update. ``"end"``
     reaches every plugin even when training raised (then ``event.error`` is set and the
     exception propagates after all of them ran, their own failures attached as notes); when
     training ended well, a plugin failing at ``"end"`` is reported as a ``RuntimeWarning``
@@ -359,6 +377,7 @@ def run(
         (6, 2)
     """
     _validate(state, data, max_steps, epochs, plugins)
+    plugins = _ordered(plugins)
     _check_partial(step, partial_window)
     k = _micro_batches(step)
     batches = batches_per_epoch(data)
@@ -383,10 +402,8 @@ def run(
     stalled = False  # a pass without progress was reported (once per run)
     warned = False  # an inexact resume was reported (once per run)
     try:
-        # Restoring comes first, so that every plugin starts from the restored state; the
-        # plugins that restore (a checkpoints plugin) after those that set up what they fill.
-        restoring = sorted(plugins, key=lambda plugin: getattr(plugin, "restores", False))
-        state = _call(restoring, Event("restore", state, loop))
+        # Restoring comes first, so that every plugin starts from the restored state.
+        state = _call(plugins, Event("restore", state, loop))
         loop = info(state, loop.claimed)
         state = _call(plugins, Event("start", state, loop))
         while not _done(state, max_steps, epochs):

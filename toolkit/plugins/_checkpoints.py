@@ -111,7 +111,7 @@ def _fresh_metrics(state: TrainState) -> dict[str, float]:
     return metrics
 
 
-@plugin_factory
+@plugin_factory(order=80)
 def checkpoints(
     folder: str | os.PathLike[str],
     *,
@@ -429,7 +429,6 @@ def checkpoints(
             return end(event)
         return None
 
-    plugin.restores = True  # type: ignore[attr-defined]  # run() restores it after the others
     return plugin
 
 

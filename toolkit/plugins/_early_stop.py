@@ -12,7 +12,7 @@ from toolkit.step._state import TrainState
 __all__ = ["early_stop"]
 
 
-@plugin_factory
+@plugin_factory(order=30)
 def early_stop(
     metric: str = "val/loss",
     *,

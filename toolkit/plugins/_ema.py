@@ -66,7 +66,7 @@ def _adopt(entry: Mapping[str, Any], model: torch.nn.Module, buffers: bool, key:
     }
 
 
-@plugin_factory
+@plugin_factory(order=10)
 def ema(
     decay: float = 0.999,
     *,

@@ -55,7 +55,7 @@ def _images(fn: Callable[[TrainState], Any], state: TrainState) -> dict[str, Any
     return dict(made)
 
 
-@plugin_factory
+@plugin_factory(order=60)
 def log_images(
     fn: Callable[[TrainState], Mapping[str, Any]],
     every: int = 1000,

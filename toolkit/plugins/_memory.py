@@ -30,7 +30,7 @@ def _peak_rss_gib() -> float:
     return peak / _GIB if sys.platform == "darwin" else peak / float(2**20)
 
 
-@plugin_factory
+@plugin_factory(order=20)
 def peak_memory(every: int = 10, *, key: str = "memory") -> Plugin:
     """A plugin recording peak memory every ``every`` applied updates, as a metric entry.
 

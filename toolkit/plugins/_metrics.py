@@ -246,7 +246,7 @@ class _Memory:
     group: Any = None  # the model's data-parallel group; None: the world
 
 
-@plugin_factory
+@plugin_factory(order=60)
 def log_metrics(
     every: int = 100,
     *,

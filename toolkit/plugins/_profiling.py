@@ -20,7 +20,7 @@ __all__ = ["profile"]
 _PER_CYCLE = ".*Profiler clears events at the end of each cycle"
 
 
-@plugin_factory
+@plugin_factory(order=60)
 def profile(
     out_dir: str | os.PathLike[str],
     *,

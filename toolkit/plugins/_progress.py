@@ -74,7 +74,7 @@ def _check(
         )
 
 
-@plugin_factory
+@plugin_factory(order=90)
 def progress(
     every: int = 10,
     *,

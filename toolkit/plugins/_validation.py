@@ -43,7 +43,7 @@ def _plateau(state: TrainState, plateau_metric: str) -> ReduceLROnPlateau:
     return scheduler
 
 
-@plugin_factory
+@plugin_factory(order=20)
 def validate(
     eval_fn: Callable[[torch.nn.Module, Any], Any],
     data: Iterable[Any],
