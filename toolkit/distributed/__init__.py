@@ -20,8 +20,11 @@ Why not ``dist.init_process_group()`` alone:
 * **Tear-down.** gloo can abort the process at exit when ranks destroy the group at
   different moments (about 1 run in 10 without a barrier); :func:`teardown` waits for every
   rank first.
-* **Backends.** On CUDA, ``"cuda:nccl,cpu:gloo"``: NCCL for the gradients and gloo for the
-  small CPU tensors toolkit's checkpoint coordination exchanges.
+* **Backends.** ``"nccl"`` on CUDA, ``"gloo"`` on the CPU, bound to the rank's device
+  (``device_id``). toolkit needs no second backend: its few small exchanges go on the
+  device the group's backend reduces (``toolkit/distributed/_collectives.py`` says what
+  crosses ranks and when). Pass ``backend="cuda:nccl,cpu:gloo"`` for CPU collectives of
+  your own.
 """
 
 from toolkit.distributed._launch import Launch, process_group, setup, teardown

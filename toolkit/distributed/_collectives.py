@@ -1,16 +1,44 @@
-"""Everything that crosses ranks, in one place.
+"""Everything that crosses ranks, in one place, on one device rule.
 
-Per update of a data-parallel step: DDP's own gradient all-reduce carries the window's loss
-sum and skip counts (:class:`Carrier`), or, without DDP's hook, one small all-reduce of the
-verdict's flags (:func:`all_reduce_`). Once per run: :func:`check_even` (data lengths).
-Per checkpoint: :func:`agree`, :func:`broadcast_int`, :func:`broadcast_text`. Per publish of
-metrics or evaluation: :func:`sum_over_ranks`. Signals: :func:`max_over_ranks`.
+**The device rule** (:func:`_device`): every tensor this module reduces or broadcasts lives on
+the device the group's backend reduces: the current CUDA device when the group has NCCL
+(``"nccl"``, or ``"cuda:nccl,cpu:gloo"``), else the CPU (gloo). No extra backend is needed:
+an NCCL-only group works as it is. A group with both reduces on CUDA too, because the
+step's per-update flags are on the model's device already; only the rare agreement
+tensors (checkpoints, signals) then pay a tiny copy and a host sync each. DDP's carrier is
+the one exception by nature: its flags ride on DDP's own gradient bucket, on DDP's device.
+
+**What crosses ranks, and what it costs** (collectives beyond DDP's or FSDP2's own):
+
+================================  ===============================================  ========
+When                              What                                             Count
+================================  ===============================================  ========
+per micro-batch                   nothing                                          0
+per update, DDP (toolkit's hook)  loss sum, skips, skips² on the first gradient    0
+                                  bucket (:class:`Carrier`)
+per update, otherwise (FSDP2,     the verdict's flags and the skip range, MAX, a   1
+own DDP hook, bf16 or fp16        few floats (:func:`all_reduce_`)
+grads, transform_grads)
+per update with target counts     the window's count total, float64 SUM            1
+per run                           data lengths (:func:`check_even`), 2 int64       1
+per checkpoint (save or load)     :func:`agree` per phase (one int64 per rank),    2 to 5
+                                  a token (:func:`broadcast_int`), the latest
+                                  folder's name (:func:`broadcast_text`)
+per failed agreement              the lowest failing rank's error, as text         2
+per publish (log_metrics,         the sums and counts, float64 SUM                 1
+evaluate)                         (:func:`sum_over_ranks`)
+signals (checkpoints plugin)      the highest signal number, int64 MAX             1 every
+                                  (:func:`max_over_ranks`)                         N updates
+================================  ===============================================  ========
+
+Nothing is pickled: every exchange is a tensor.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno as errno_codes
+import functools
 import weakref
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
@@ -25,17 +53,6 @@ _AVAILABLE = dist.is_available()  # fixed for the build of torch, so asked once
 def is_distributed() -> bool:
     """True when a default process group with more than one rank is initialised."""
     return _AVAILABLE and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _is_ddp(model: torch.nn.Module) -> bool:
-    return isinstance(model, torch.nn.parallel.DistributedDataParallel)
-
-
-def _is_fsdp2(model: torch.nn.Module) -> bool:
-    # fully_shard swaps the module's class for an FSDPModule subclass that has this method.
-    # Looking on the class, not the instance, avoids nn.Module.__getattr__'s slow miss path
-    # (it builds an AttributeError), which would cost microseconds per micro-batch.
-    return hasattr(type(model), "set_requires_gradient_sync")
 
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup (absent from builds without distributed)
@@ -131,24 +148,13 @@ def set_data_parallel_group(model: torch.nn.Module, group: ProcessGroup) -> None
         ...     print(str(error)[:58])
         set_data_parallel_group: expected a DDP- or FSDP2-wrapped
     """
+    who = "set_data_parallel_group: expected"
     if sync_kind(model) == "none":
-        raise TypeError(
-            "set_data_parallel_group: expected a DDP- or FSDP2-wrapped model; got a "
-            f"{type(model).__name__}, whose gradients no wrapper syncs. Wrap it first "
-            "(DistributedDataParallel(model, process_group=group), or fully_shard), then "
-            "name its group."
-        )
+        raise TypeError(f"{who} a DDP- or FSDP2-wrapped model; got a {type(model).__name__}.")
     if not (_AVAILABLE and isinstance(group, dist.ProcessGroup)):
-        raise TypeError(
-            "set_data_parallel_group: expected a torch.distributed.ProcessGroup; got "
-            f"{type(group).__name__}. Create it on every rank: dist.new_group(ranks) or "
-            "device_mesh.get_group(dim)."
-        )
+        raise TypeError(f"{who} a ProcessGroup (dist.new_group); got {type(group).__name__}.")
     if dist.get_rank(group) < 0:
-        raise ValueError(
-            f"set_data_parallel_group: this rank ({dist.get_rank()}) is not in the group "
-            "given; pass the group that holds this rank."
-        )
+        raise ValueError(f"{who} a group holding this rank ({dist.get_rank()}); it is not in it.")
     _GIVEN[model] = group
     _FOUND.pop(model, None)
 
@@ -181,23 +187,35 @@ def data_parallel_size(model: torch.nn.Module) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
+def _device(group: ProcessGroup | None) -> torch.device:
+    """The device whose tensors ``group``'s backend reduces (see the module docstring)."""
+    if "nccl" in dist.get_backend(group):
+        return torch.device("cuda", torch.cuda.current_device())
+    return _CPU
+
+
+_CPU = torch.device("cpu")
+
+
 def all_reduce_(
     tensor: torch.Tensor, op: dist.ReduceOp.RedOpType, group: ProcessGroup | None = None
 ) -> torch.Tensor:
     """All-reduce ``tensor`` in place over ``group`` (the default group when None).
 
-    A no-op when ``group`` is None and there is no default group of more than one rank.
+    Reduced on the group's device: the step's flags, on the model's device, are there
+    already; elsewhere they go over and back. A no-op when ``group`` is None and there is
+    no default group of more than one rank.
     """
-    if group is not None:
-        dist.all_reduce(tensor, op=op, group=group)
-    elif is_distributed():
-        dist.all_reduce(tensor, op=op)
-    return tensor
+    if group is None and not is_distributed():
+        return tensor
+    moved = tensor.to(_device(group))
+    dist.all_reduce(moved, op=op, group=group)
+    return tensor if moved is tensor else tensor.copy_(moved)
 
 
 def is_rank_zero() -> bool:
     """True on global rank 0, and always when torch.distributed is not initialised."""
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    return not (_AVAILABLE and dist.is_initialized()) or dist.get_rank() == 0
 
 
 @contextlib.contextmanager
@@ -231,9 +249,10 @@ def sync_kind(model: torch.nn.Module) -> str:
     """
     kind = SYNC_KIND.get(type(model))
     if kind is None:
-        kind = SYNC_KIND[type(model)] = (
-            "ddp" if _is_ddp(model) else "fsdp2" if _is_fsdp2(model) else "none"
-        )
+        # fully_shard swaps the module's class for an FSDPModule subclass with this method.
+        fsdp2 = hasattr(type(model), "set_requires_gradient_sync")
+        ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        kind = SYNC_KIND[type(model)] = "ddp" if ddp else "fsdp2" if fsdp2 else "none"
     return kind
 
 
@@ -241,12 +260,13 @@ def sync_kind(model: torch.nn.Module) -> str:
 SYNC_KIND: dict[type, str] = {}
 
 
-# --- checkpoint coordination (no pickle: every exchange is a tensor) ---
+# --- checkpoint coordination ---
 
 
 Group = Any  # a torch.distributed ProcessGroup; None stands for "this process alone"
 
-_TYPES: dict[int, type[BaseException]] = {0: RuntimeError, 1: OSError, 2: ValueError, 3: TypeError}
+# The kinds of error another rank re-raises, by index (0: any other); OSError keeps its errno.
+_TYPES: tuple[type[BaseException], ...] = (RuntimeError, OSError, ValueError, TypeError)
 _LIMIT = 8192  # bytes of an error message sent to the other ranks
 
 
@@ -254,11 +274,9 @@ def group_of(model: torch.nn.Module) -> Group | None:
     """The process group that checkpoints ``model`` together, or None (this process alone).
 
     A DDP- or FSDP2-wrapped model is shared by the ranks of its data-parallel group
-    (``data_parallel_group(model)``: the wrapper's group, or the one
-    named with ``set_data_parallel_group``; the default group where that helper is absent);
-    any other module is this process's own, even in a distributed job.
+    (:func:`data_parallel_group`); any other module is this process's own.
     """
-    if not (dist.is_available() and dist.is_initialized()) or sync_kind(model) == "none":
+    if not (_AVAILABLE and dist.is_initialized()) or sync_kind(model) == "none":
         return None
     return data_parallel_group(model)
 
@@ -274,7 +292,7 @@ def broadcast_int(value: int, group: Group | None, src: int = 0) -> int:
     """``value`` of rank ``src`` (a group rank), on every rank."""
     if group is None:
         return value
-    tensor = torch.tensor([value], dtype=torch.int64)
+    tensor = torch.tensor([value], dtype=torch.int64, device=_device(group))
     dist.broadcast(tensor, group=group, group_src=src)
     return int(tensor.item())
 
@@ -285,27 +303,22 @@ def broadcast_text(text: str, group: Group | None, src: int = 0) -> str:
         return text
     data = text.encode()[:_LIMIT] if rank_of(group)[0] == src else b""
     size = broadcast_int(len(data), group, src)
-    buffer = torch.zeros(size, dtype=torch.uint8)
-    if data:
-        buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-    if size:
-        dist.broadcast(buffer, group=group, group_src=src)
+    if not size:
+        return ""
+    buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else None
+    buffer = torch.empty(size, dtype=torch.uint8) if buffer is None else buffer
+    buffer = buffer.to(_device(group))
+    dist.broadcast(buffer, group=group, group_src=src)
     return bytes(buffer.tolist()).decode(errors="replace")
-
-
-def _kind(error: BaseException) -> int:
-    for code, kind in _TYPES.items():
-        if code and isinstance(error, kind):
-            return code
-    return 0
 
 
 def agree(error: BaseException | None, group: Group | None, who: str) -> None:
     """Make every rank see the same outcome of a phase: nothing, or an error.
 
     One all-reduce of one flag per rank; when a rank failed, the lowest failing rank also
-    broadcasts its error's kind and message. The failing ranks re-raise their own error,
-    the others raise the same kind (``OSError`` keeps its errno) naming the rank.
+    broadcasts its error's kind, errno and message as one text. The failing ranks re-raise
+    their own error, the others raise the same kind (``OSError`` keeps its errno) naming
+    the rank.
 
     Raises:
         BaseException: the error of this rank, or of the lowest failing one.
@@ -315,25 +328,23 @@ def agree(error: BaseException | None, group: Group | None, who: str) -> None:
             raise error
         return
     rank, size = rank_of(group)
-    flags = torch.zeros(size, dtype=torch.int64)
+    flags = torch.zeros(size, dtype=torch.int64, device=_device(group))
     flags[rank] = error is not None
     dist.all_reduce(flags, group=group)
-    failed = [r for r in range(size) if flags[r]]
+    failed = flags.nonzero().flatten().tolist()  # the one host sync
     if not failed:
         return
-    src = failed[0]
-    kind = broadcast_int(_kind(error) if rank == src and error is not None else 0, group, src)
-    code = broadcast_int(
-        getattr(error, "errno", None) or 0 if rank == src and error is not None else 0, group, src
-    )
-    message = broadcast_text(str(error) if rank == src else "", group, src)
+    src, said = failed[0], ""
+    if rank == src and error is not None:
+        kind = next((i for i, t in enumerate(_TYPES) if i and isinstance(error, t)), 0)
+        said = f"{kind} {getattr(error, 'errno', None) or 0} {error}"
+    kind, code, message = broadcast_text(said, group, src).split(" ", 2)
     if error is not None:
         raise error
     text = f"{who}: rank {src} of the group failed: {message}"
-    kind_type = _TYPES[kind]
-    if kind_type is OSError:
-        raise OSError(code or errno_codes.EIO, text)
-    raise kind_type(text)
+    if _TYPES[int(kind)] is OSError:
+        raise OSError(int(code) or errno_codes.EIO, text)
+    raise _TYPES[int(kind)](text)
 
 
 # --- the DDP carrier ---
@@ -346,6 +357,9 @@ _EXACT = (torch.float32, torch.float64)
 
 class Carrier:
     """A DDP model's hook state: the flags to send with the next sync, and what came back.
+
+    The flags join DDP's first gradient bucket on its device (the model's, which DDP's
+    backend reduces), so they follow DDP rather than :func:`_device`.
 
     ``outgoing`` is ``[loss, skipped, skipped**2]`` of this rank, set just before the
     closing backward (``loss``: the window's summed loss under the guard, else 0); the hook
@@ -365,12 +379,10 @@ class Carrier:
 
     def send(self, loss: torch.Tensor | None, skipped: int, like: torch.Tensor) -> None:
         """Flags for the next closing backward (``like``: a parameter, for the device)."""
-        if skipped:
-            skips = torch.tensor([float(skipped), float(skipped * skipped)], device=like.device)
-        else:  # the common case: no tensor built per update
-            skips = _zeros(like.device, 2)
-        if loss is None:
-            loss = _zeros(like.device, 1)
+        device = like.device  # the common case, nothing skipped: no tensor built per update
+        skips = torch.tensor([skipped, skipped**2.0], device=device) if skipped else None
+        skips = _zeros(device, 2) if skips is None else skips
+        loss = _zeros(device, 1) if loss is None else loss
         self.outgoing = torch.cat([loss.reshape(1), skips])
         self.incoming = None
 
@@ -380,15 +392,10 @@ class Carrier:
         return got
 
 
-_ZEROS: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
+@functools.cache
 def _zeros(device: torch.device, size: int) -> torch.Tensor:
     """A float32 zero vector of ``size``, made once per device (read, never written)."""
-    found = _ZEROS.get((device, size))
-    if found is None:
-        found = _ZEROS[(device, size)] = torch.zeros(size, device=device)
-    return found
+    return torch.zeros(size, device=device)
 
 
 def skips_differ_carried(sums: list[float], world: int) -> bool:
@@ -471,10 +478,7 @@ def sum_over_ranks(
     keys = sorted(sums)
     layout = float(zlib.crc32("\0".join(keys).encode()))
     flat = [v for key in keys for v in sums[key]] + [*extra, layout]
-    device = torch.device("cpu")
-    if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())
-    reduced = torch.tensor(flat, dtype=torch.float64, device=device)
+    reduced = torch.tensor(flat, dtype=torch.float64, device=_device(group))
     dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=group)
     values = reduced.tolist()
     if values[-1] != layout * dist.get_world_size(group):
@@ -506,13 +510,8 @@ def check_even(batches: int | None, group: Any) -> None:
     """
     if group is None:
         return
-    import torch.distributed as dist
-
     value = -1 if batches is None else batches  # no length
-    device = torch.device("cpu")
-    if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())
-    extremes = torch.tensor([value, -value], dtype=torch.int64, device=device)
+    extremes = torch.tensor([value, -value], dtype=torch.int64, device=_device(group))
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
     most, fewest = int(extremes[0]), -int(extremes[1])
     if most == fewest:
@@ -526,9 +525,7 @@ def check_even(batches: int | None, group: Any) -> None:
         f"{dist.get_rank()}: {said(value)}; the ranks range from {said(fewest)} to "
         f"{said(most)} per pass), so at the end of the shortest pass the other ranks would "
         "wait forever in the step's all-reduce. Give every rank the same number of "
-        "batches: a DataLoader with sampler=DistributedSampler(dataset) pads the ranks' "
-        "shares to one length (or drop_last=True drops the remainder), and the loader's "
-        "drop_last=True drops a partial last batch."
+        "batches: a DataLoader with sampler=DistributedSampler(dataset) and drop_last=True."
     )
 
 
@@ -536,6 +533,6 @@ def max_over_ranks(value: int, group: Group | None) -> int:
     """The largest ``value`` of the ranks of ``group`` (one all-reduce); ``value`` alone."""
     if group is None:
         return value
-    flag = torch.tensor([value], dtype=torch.int64)
+    flag = torch.tensor([value], dtype=torch.int64, device=_device(group))
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return int(flag.item())

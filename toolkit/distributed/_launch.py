@@ -25,8 +25,8 @@ class Launch:
         local_rank: its rank on this machine (the index of its GPU on a CUDA job).
         device: the device it trains on: ``cuda:<local_rank>`` when CUDA is available,
             else ``cpu`` (or the one given to :func:`setup`).
-        backend: the backend of the default process group (``"gloo"``, or
-            ``"cuda:nccl,cpu:gloo"`` on CUDA).
+        backend: the backend of the default process group (``"gloo"``, or ``"nccl"`` on
+            CUDA).
         restart: how many times torchrun restarted the group before this attempt
             (``TORCHELASTIC_RESTART_COUNT``; 0 on the first attempt and without torchrun).
         seed: the seed this process was seeded with (``seed + rank``), or None.
@@ -77,8 +77,8 @@ def setup(
             rank (``with torch.random.fork_rng(): torch.manual_seed(seed); model = ...``).
         device: the device to train on; default ``cuda:<LOCAL_RANK>`` when CUDA is
             available, else ``cpu``.
-        backend: the process group's backend; default ``"cuda:nccl,cpu:gloo"`` for a CUDA
-            device and ``"gloo"`` otherwise.
+        backend: the process group's backend; default ``"nccl"`` for a CUDA device and
+            ``"gloo"`` otherwise.
         timeout: how long a collective waits for the other ranks before failing (torch's
             default when None: 30 minutes for gloo, 10 for NCCL).
 
@@ -104,9 +104,8 @@ def setup(
     """
     if dist.is_initialized():
         raise RuntimeError(
-            "setup: a default process group is initialised already (by an earlier setup() "
-            "or init_process_group); call toolkit.distributed.teardown() before setting up "
-            "again, or use the group you have."
+            "setup: a default process group is initialised already; call "
+            "toolkit.distributed.teardown() first, or use the group you have."
         )
     env = os.environ
     rank, world_size, local_rank = _ranks(env)
@@ -114,7 +113,7 @@ def setup(
     chosen = _device(device, local_rank)
     if chosen.type == "cuda":
         torch.cuda.set_device(chosen)
-    backend = backend or ("cuda:nccl,cpu:gloo" if chosen.type == "cuda" else "gloo")
+    backend = backend or ("nccl" if chosen.type == "cuda" else "gloo")
     store = _store(env, rank, world_size, restart, timeout)
     dist.init_process_group(
         backend,
@@ -202,43 +201,31 @@ def process_group(
         (1.0, False)
     """
     launch = setup(seed=seed, device=device, backend=backend, timeout=timeout)
-    ended_well = False
     try:
         yield launch
-        ended_well = True
-    except SystemExit:
-        ended_well = True
+    except BaseException as error:
+        teardown(barrier=isinstance(error, SystemExit))
         raise
-    finally:
-        teardown(barrier=ended_well)
+    teardown()
 
 
 def _int(env: Mapping[str, str], name: str, default: int) -> int:
-    text = env.get(name)
-    if text is None:
-        return default
+    text = env.get(name, str(default))
     try:
         return int(text)
     except ValueError:
-        raise ValueError(
-            f"setup: the environment variable {name} must be an integer; got {text!r}. "
-            "torchrun sets it; when launching otherwise, export it as a number."
-        ) from None
+        raise ValueError(f"setup: {name} must be an integer; got {text!r}.") from None
 
 
 def _ranks(env: Mapping[str, str]) -> tuple[int, int, int]:
     if "RANK" not in env:  # not launched by torchrun (or srun exporting the variables)
         return 0, 1, 0
     if "WORLD_SIZE" not in env:
-        raise ValueError(
-            f"setup: RANK={env['RANK']} is set but WORLD_SIZE is not; export both (torchrun "
-            "does), or neither for a single process."
-        )
+        raise ValueError(f"setup: RANK={env['RANK']} is set but WORLD_SIZE is not; export both.")
     rank, world_size = _int(env, "RANK", 0), _int(env, "WORLD_SIZE", 1)
     if not 0 <= rank < world_size:
         raise ValueError(
-            f"setup: RANK must be in [0, WORLD_SIZE); got RANK={rank}, "
-            f"WORLD_SIZE={world_size}. Check the launcher's variables."
+            f"setup: RANK must be in [0, WORLD_SIZE); got RANK={rank} of WORLD_SIZE={world_size}."
         )
     return rank, world_size, _int(env, "LOCAL_RANK", rank)
 
@@ -252,8 +239,7 @@ def _device(device: str | torch.device | None, local_rank: int) -> torch.device:
     if local_rank >= count:
         raise ValueError(
             f"setup: LOCAL_RANK={local_rank} but this machine has {count} CUDA device(s); "
-            f"start at most {count} processes per node (torchrun --nproc_per_node={count}), "
-            "or pass device='cpu'."
+            f"start at most {count} processes per node, or pass device='cpu'."
         )
     return torch.device("cuda", local_rank)
 
@@ -268,9 +254,8 @@ def _store(
     if "MASTER_ADDR" not in env:
         if world_size > 1:
             raise ValueError(
-                f"setup: WORLD_SIZE={world_size} but MASTER_ADDR is not set, so the ranks "
-                "cannot find each other; launch with torchrun, or export MASTER_ADDR and "
-                "MASTER_PORT (the address of rank 0's machine and a free port)."
+                f"setup: WORLD_SIZE={world_size} but MASTER_ADDR is not set; launch with "
+                "torchrun, or export MASTER_ADDR and MASTER_PORT (rank 0's host, a free port)."
             )
         return dist.HashStore()  # a world of one: nobody to meet
     # torchrun's agent hosts the store (every worker is a client) and keeps it across
