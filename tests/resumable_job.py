@@ -136,10 +136,10 @@ def main() -> None:
 
         original = saving._write_parts
 
-        def slow_write(snapshot, folder):
+        def slow_write(*parts):
             print("saving", flush=True)
             time.sleep(args.slow_save)
-            return original(snapshot, folder)
+            return original(*parts)
 
         saving._write_parts = slow_write
 

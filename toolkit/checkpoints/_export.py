@@ -9,11 +9,10 @@ from typing import Any
 
 import torch
 
-from toolkit._unwrap import unwrap
 from toolkit.checkpoints._codec import host_tensor, separate_shared
 from toolkit.checkpoints._files import replace_file, write_tensors
 from toolkit.checkpoints._load import full_model, full_tree, verified_manifest
-from toolkit.checkpoints._model_state import expand, split_aliases
+from toolkit.checkpoints._model_state import expand, model_state, split_aliases
 from toolkit.step._state import TrainState
 
 __all__ = ["export_model"]
@@ -54,16 +53,16 @@ def _with_average(
 
 def _from_folder(path: Path, weights: str, key: str) -> dict[str, torch.Tensor]:
     manifest = verified_manifest(path)
-    tensors, aliases = full_model(manifest)
-    full = expand(tensors, aliases)
+    full = full_model(manifest)
     if weights == "model":
         return full
-    extras = full_tree(manifest, "extras") if "extras" in manifest.components else {}
-    return _with_average(full, aliases, _ema_entry(extras, key, f"checkpoint {path}"))
+    extras = full_tree(manifest, "extras") if manifest.has("extras") else {}
+    entry = _ema_entry(extras, key, f"checkpoint {path}")
+    return _with_average(full, manifest.aliases, entry)
 
 
 def _from_state(state: TrainState, weights: str, key: str) -> dict[str, torch.Tensor]:
-    tensors, aliases = split_aliases(unwrap(state.model).state_dict(), _WHO)
+    tensors, aliases = split_aliases(model_state(state.model), _WHO)
     full = expand(tensors, aliases)
     if weights == "model":
         return full
@@ -128,7 +127,7 @@ def export_model(
                 f"{_WHO}: weights='ema' needs a TrainState or a checkpoint folder (the EMA "
                 "lives in state.extras); got a bare module."
             )
-        full = expand(*split_aliases(unwrap(source).state_dict(), _WHO))
+        full = expand(*split_aliases(model_state(source), _WHO))
     elif isinstance(source, (str, os.PathLike)):
         full = _from_folder(Path(source), weights, key)
     else:

@@ -29,7 +29,6 @@ from toolkit.checkpoints._manifest import (
     read_manifest,
 )
 from toolkit.checkpoints._retention import Retention, retain, retention_from_document
-from toolkit.checkpoints._sharded import check_listing
 from toolkit.distributed._collectives import agree, broadcast_text, group_of, rank_of
 from toolkit.step._state import TrainState
 
@@ -99,8 +98,6 @@ def _info(folder: Path, checksums: bool) -> CheckpointInfo:
     except ValueError as error:  # another format or a newer version: not ours to judge
         return CheckpointInfo(folder, None, None, 0, {}, None, (str(error),))
     problems = tuple(file_problems(manifest, checksums=checksums))
-    if any(entry.get("kind") == "dcp" for entry in manifest.components.values()):
-        problems += tuple(check_listing(folder, manifest.files))  # the reader lists sharded/
     try:
         rules = retention_from_document(manifest.rules) if manifest.rules is not None else None
     except (TypeError, ValueError) as error:
@@ -272,47 +269,22 @@ def load_latest(
         True
     """
     group = group_of(like.model) if isinstance(like, TrainState) else None
-    if group is not None:
-        return _load_latest_together(Path(root), like, objects, rng, group)
-    found = list_checkpoints(root)
-    first_error: DamagedCheckpointError | None = None
-    for info in found:  # no step known: it might be the newest, so say so
-        if info.step is None:
-            first_error = DamagedCheckpointError(info.path, info.problems)
-            _warn_damaged(info, stacklevel=3)
-    for info in reversed([c for c in found if c.step is not None]):
-        if info.intact:
-            try:
-                return load_checkpoint(info.path, like, objects=objects, rng=rng), info.path
-            except DamagedCheckpointError as error:
-                info = dataclasses.replace(info, problems=error.problems)
-        first_error = DamagedCheckpointError(info.path, info.problems)
-        _warn_damaged(info, stacklevel=3)
-    if first_error is not None:
-        raise first_error
-    return None
-
-
-def _load_latest_together(
-    root: Path, like: TrainState, objects: Mapping[str, Any] | None, rng: bool, group: Any
-) -> tuple[TrainState, Path] | None:
-    """load_latest for the ranks of ``group``: rank 0 decides, every rank loads that one."""
     choice, error = "", None  # type: str, BaseException | None
-    if rank_of(group)[0] == 0:
+    if rank_of(group)[0] == 0:  # one rank picks, so that ranks cannot disagree
         try:
             found = latest_checkpoint(root, checksums=True)
             if found is not None:
                 choice = found.name
             elif list_checkpoints(root):
                 newest = list_checkpoints(root)[-1]
-                error = DamagedCheckpointError(newest.path, newest.problems or ("damaged",))
+                error = DamagedCheckpointError(newest.path, newest.problems)
         except Exception as caught:
             error = caught
     agree(error, group, "load_latest")
     choice = broadcast_text(choice, group)
     if not choice:
         return None
-    path = root / choice
+    path = Path(root) / choice
     return load_checkpoint(path, like, objects=objects, rng=rng), path
 
 

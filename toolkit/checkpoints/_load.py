@@ -3,14 +3,8 @@
 Only JSON and safetensors are read, and only the files the manifest lists, after their
 sizes and checksums were checked. All differences from the template are gathered before
 anything is touched; then the objects are restored model, scheduler, optimizer, scaler,
-extra objects, RNG states.
-
-A data-parallel template (DDP or FSDP2) is loaded by every rank of its group together:
-the ranks agree on the outcome of the checks (one small all-reduce) before any rank
-restores, so all load or all raise the same error. A sharded checkpoint (FSDP2) is read
-through DCP into the template's own sharding, whatever the number of ranks that wrote it;
-a plain one is spread over an FSDP2 template with
-``torch.distributed.checkpoint.state_dict.set_state_dict``.
+extra objects, RNG states. A data-parallel template is loaded by every rank of its group
+together: the ranks agree on the outcome of the checks before any rank restores.
 """
 
 from __future__ import annotations
@@ -18,21 +12,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file
 
-from toolkit._unwrap import unwrap
-from toolkit.checkpoints._codec import (
-    TreeError,
-    decode,
-    sharded_references,
-    tensor_paths,
-    usable_device,
-)
+from toolkit.checkpoints._codec import TreeError, decode, tensor_paths
 from toolkit.checkpoints._files import read_json
 from toolkit.checkpoints._manifest import (
     DamagedCheckpointError,
@@ -40,77 +27,42 @@ from toolkit.checkpoints._manifest import (
     file_problems,
     read_manifest,
 )
-from toolkit.checkpoints._model_state import expand, model_differences
-from toolkit.checkpoints._optim_names import numbered_state, optimizer_differences
-from toolkit.checkpoints._rng import restore_rng
-from toolkit.checkpoints._sharded import (
-    check_listing,
-    is_sharded,
-    load_shards,
-    saved_shapes,
-    template_state,
+from toolkit.checkpoints._model_state import (
+    expand,
+    few,
+    model_differences,
+    model_state,
+    parameter_names,
+    put_model,
+    put_optimizer,
 )
+from toolkit.checkpoints._rng import restore_rng
+from toolkit.checkpoints._save import rank_component
+from toolkit.checkpoints._sharded import load_shards, saved_shapes
 from toolkit.distributed._collectives import Group, agree, group_of, rank_of
 from toolkit.step._components import HANDLES, OWN_FILE, check_objects, fields_of, is_namedtuple
 from toolkit.step._state import TrainState
 
-__all__ = [
-    "full_model",
-    "full_tree",
-    "load_checkpoint",
-    "put_model",
-    "read_model",
-    "read_tree",
-    "verified_manifest",
-]
-
-_KINDS = ("tensors", "tree", "dcp")
+__all__ = ["full_model", "full_tree", "load_checkpoint", "read_tree", "verified_manifest"]
 
 
 def verified_manifest(path: str | os.PathLike[str]) -> Manifest:
-    """The manifest of ``path`` after checking every file it lists (sizes and checksums).
-
-    Raises:
-        DamagedCheckpointError: a problem with the manifest or a file (named by path).
-        ValueError: another format, a newer version, or a component kind this toolkit
-            does not know.
-    """
+    """The manifest of ``path`` after checking every file it lists (sizes and checksums)."""
     manifest = read_manifest(path)
     problems = file_problems(manifest, checksums=True)
-    if any(entry.get("kind") == "dcp" for entry in manifest.components.values()):
-        problems += check_listing(manifest.path, manifest.files)
     if problems:
         raise DamagedCheckpointError(manifest.path, problems)
-    for name, entry in manifest.components.items():
-        if entry.get("kind") not in _KINDS:
-            raise ValueError(
-                f"{manifest.path}: component {name!r} has kind {entry.get('kind')!r}, which "
-                f"this toolkit does not read (it reads {list(_KINDS)}); upgrade toolkit."
-            )
     return manifest
 
 
 def _tensors(path: Path, owned: bool) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file: memory-mapped, or in memory of their own."""
+    """The tensors of a safetensors file: memory-mapped, or (``owned``) in memory of their own."""
     try:
-        if not owned:
-            return load_file(path)
-        try:
-            return load_file(path, backend="pread")
-        except TypeError:  # safetensors < 0.8 has no backend choice: copy out of the map
-            return {name: value.clone() for name, value in load_file(path).items()}
+        # pread: kept tensors (optimizer state) must not stay mapped onto a file that may change.
+        return load_file(path, backend="pread") if owned else load_file(path)
     except Exception as error:  # checksum-valid but not safetensors: written by something else
         problem = f"{path}: not a safetensors file ({error})"
         raise DamagedCheckpointError(path.parent, [problem]) from None
-
-
-def _document(manifest: Manifest, name: str) -> Any:
-    json_path = manifest.path / manifest.components[name]["json"]
-    try:
-        return read_json(json_path)
-    except (UnicodeDecodeError, ValueError) as error:
-        problem = f"{json_path}: not JSON ({error})"
-        raise DamagedCheckpointError(manifest.path, [problem]) from None
 
 
 def read_tree(
@@ -118,91 +70,69 @@ def read_tree(
     name: str,
     *,
     like: Any = None,
-    sharded: Mapping[str, torch.Tensor] | None = None,
+    sharded: Callable[[str, Any], torch.Tensor] | None = None,
 ) -> Any:
-    """Component ``name`` of a verified checkpoint, decoded (tensors on like's devices).
-
-    ``sharded`` gives the tensors of its ``"dcp"`` references (the template's tensors that
-    :func:`toolkit.checkpoints._sharded.load_shards` fills), which are used as they are.
-    """
-    entry = manifest.components[name]
-    json_path = manifest.path / entry["json"]
-    document = _document(manifest, name)
-    # pread: these tensors are kept (e.g. as optimizer state), so they must not stay
-    # mapped onto a file that could change under them.
-    tensors = _tensors(manifest.path / entry["tensors"], owned=True) if "tensors" in entry else {}
-    given = dict(sharded or {})
+    """Component ``name`` of a verified checkpoint, decoded (see :func:`._codec.decode`)."""
+    json_path = manifest.path / f"{name}.json"
     try:
-        if given:
-            tensors = {**tensors, **given}
-            return decode(document, tensors, name, like=like, place=_placer(given, like))
-        return decode(document, tensors, name, like=like)
+        document = read_json(json_path)
+    except (UnicodeDecodeError, ValueError) as error:
+        raise DamagedCheckpointError(manifest.path, [f"{json_path}: not JSON ({error})"]) from None
+    tensors = {}
+    if f"{name}.safetensors" in manifest.files:
+        tensors = _tensors(manifest.path / f"{name}.safetensors", owned=True)
+    try:
+        return decode(document, tensors, name, like=like, sharded=sharded)
     except (TreeError, KeyError, TypeError, AttributeError, ValueError) as error:
-        raise DamagedCheckpointError(
-            manifest.path, [f"{json_path}: does not decode ({error})"]
-        ) from None
+        problem = f"{json_path}: does not decode ({error})"
+        raise DamagedCheckpointError(manifest.path, [problem]) from None
 
 
-def _placer(given: Mapping[str, torch.Tensor], like: Any) -> Any:
-    """Device placement for a tree with sharded references: those stay as they are."""
-    ids = {id(t) for t in given.values()}
-
-    def place(value: torch.Tensor, saved: str | None) -> torch.Tensor:
-        if id(value) in ids:
-            return value
-        return value.to(usable_device(saved)) if saved else value
-
-    return place
-
-
-def read_model(manifest: Manifest) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The model tensors (memory-mapped: they are copied into a model right away) and aliases."""
-    entry = manifest.components["model"]
-    tensors = _tensors(manifest.path / entry["file"], owned=False)
-    aliases = dict(entry.get("aliases") or {})
-    lost = sorted(name for name in set(aliases.values()) if name not in tensors)
-    if lost:
-        raise DamagedCheckpointError(
-            manifest.path, [f"{manifest.path / entry['file']}: aliased tensors missing: {lost}"]
-        )
-    return tensors, aliases
-
-
-def full_model(manifest: Manifest) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The whole model tensors and aliases of a verified checkpoint, of either layout.
+def full_model(manifest: Manifest) -> dict[str, torch.Tensor]:
+    """The whole model state dict of a verified checkpoint, of either layout.
 
     A sharded model's pieces are put together in this process (no process group needed).
     """
-    if manifest.components["model"].get("kind") != "dcp":
-        return read_model(manifest)
-    targets = {
-        key: torch.empty(size, dtype=dtype)
-        for key, (size, dtype) in saved_shapes(manifest.path).items()
-        if key.startswith("model/")
+    if manifest.sharded:
+        model = {k: v for k, v in _empty(manifest).items() if k.startswith("model/")}
+        load_shards(model, manifest.path, None)
+        return {key.removeprefix("model/"): value for key, value in model.items()}
+    tensors = _tensors(manifest.path / "model.safetensors", owned=False)
+    lost = sorted(set(manifest.aliases.values()) - set(tensors))
+    if lost:
+        problem = f"{manifest.path / 'model.safetensors'}: aliased tensors missing: {lost}"
+        raise DamagedCheckpointError(manifest.path, [problem])
+    return expand(tensors, manifest.aliases)
+
+
+def _empty(manifest: Manifest) -> dict[str, torch.Tensor]:
+    return {
+        k: torch.empty(size, dtype=dtype)
+        for k, (size, dtype) in saved_shapes(manifest.path).items()
     }
-    load_shards(targets, manifest.path, None)
-    return {key.removeprefix("model/"): value for key, value in targets.items()}, {}
 
 
 def full_tree(manifest: Manifest, name: str) -> Any:
     """Component ``name`` of a verified checkpoint with its sharded tensors put together."""
-    found = sharded_references(_document(manifest, name), None)
-    if not found:
-        return read_tree(manifest, name)
-    shapes = saved_shapes(manifest.path)
-    missing = sorted(key for key in found if key not in shapes)
-    if missing:
-        problem = f"{manifest.path}: sharded tensors missing from the files: {_few(missing)}"
-        raise DamagedCheckpointError(manifest.path, [problem])
-    targets = {key: torch.empty(shapes[key][0], dtype=shapes[key][1]) for key in found}
-    load_shards(targets, manifest.path, None)
-    return read_tree(manifest, name, sharded=targets)
+    shapes = _empty(manifest) if manifest.sharded else {}
+    targets: dict[str, torch.Tensor] = {}
+
+    def take(key: str, _: Any) -> torch.Tensor:
+        if key not in shapes:
+            problem = f"{manifest.path}: sharded tensors missing from the files: {key}"
+            raise DamagedCheckpointError(manifest.path, [problem])
+        return targets.setdefault(key, shapes[key])
+
+    tree = read_tree(manifest, name, sharded=take)
+    if targets:
+        load_shards(targets, manifest.path, None)
+    return tree
 
 
-def _presence(name: str, saved: bool, live: bool) -> list[str]:
-    if saved and not live:
+def _presence(name: str, saved: Any, live: Any) -> list[str]:
+    if saved is not None and live is None:
         return [f"{name}: the checkpoint has one, the template has none (its state would be lost)"]
-    if live and not saved:
+    if live is not None and saved is None:
         return [f"{name}: the template has one, the checkpoint has none"]
     return []
 
@@ -219,12 +149,12 @@ def _extras_differences(saved: Mapping[str, Any], live: Mapping[str, Any]) -> li
     for key in sorted(saved.keys() & live.keys(), key=repr):
         root = f"extras[{key!r}]"
         saved_paths, live_paths = tensor_paths(saved[key], root), tensor_paths(live[key], root)
-        missing = sorted(live_paths.keys() - saved_paths.keys())
-        unexpected = sorted(saved_paths.keys() - live_paths.keys())
-        if missing:
-            out.append(f"{root}: tensors missing from the checkpoint: {_few(missing)}")
-        if unexpected:
-            out.append(f"{root}: unexpected tensors in the checkpoint: {_few(unexpected)}")
+        if live_paths.keys() - saved_paths.keys():
+            missing = few(live_paths.keys() - saved_paths.keys(), str)
+            out.append(f"{root}: tensors missing from the checkpoint: {missing}")
+        if saved_paths.keys() - live_paths.keys():
+            unexpected = few(saved_paths.keys() - live_paths.keys(), str)
+            out.append(f"{root}: unexpected tensors in the checkpoint: {unexpected}")
         for path in sorted(saved_paths.keys() & live_paths.keys()):
             if saved_paths[path] != live_paths[path]:
                 out.append(
@@ -234,9 +164,29 @@ def _extras_differences(saved: Mapping[str, Any], live: Mapping[str, Any]) -> li
     return out
 
 
-def _few(names: list[str], limit: int = 10) -> str:
-    more = f" ... (+{len(names) - limit} more)" if len(names) > limit else ""
-    return ", ".join(names[:limit]) + more
+def _optimizer_differences(
+    like: TrainState, saved_class: str, saved: Mapping[str, Any]
+) -> list[str]:
+    """How a saved named optimizer state differs from the template optimizer."""
+    out = _class_difference("optimizer", saved_class, like.optimizer)
+    live_groups = parameter_names(like.model, like.optimizer)
+    saved_groups = [list(group.get("params", [])) for group in saved.get("param_groups", [])]
+    if len(saved_groups) != len(live_groups):
+        out.append(
+            f"optimizer: {len(saved_groups)} parameter group(s) in the checkpoint, "
+            f"{len(live_groups)} in the template"
+        )
+    for g, (saved_names, live_names) in enumerate(zip(saved_groups, live_groups)):
+        if saved_names != live_names:
+            missing = [n for n in live_names if n not in saved_names]
+            unexpected = [n for n in saved_names if n not in live_names]
+            detail = f"missing {missing}, unexpected {unexpected}"
+            detail = detail if missing or unexpected else "same names in another order"
+            out.append(f"optimizer: parameter group {g} differs: {detail}")
+    stray = sorted(set(saved.get("state", {})) - {n for row in live_groups for n in row})
+    if stray:
+        out.append(f"optimizer: state for parameters the template lacks: {stray}")
+    return out
 
 
 def _field_values(
@@ -347,29 +297,22 @@ class _Plan:
     """What a load restores, read and compared with the template (nothing touched yet)."""
 
     manifest: Manifest
-    model: dict[str, torch.Tensor]  # plain layout: the saved tensors (memory-mapped)
-    aliases: dict[str, str]
+    model: dict[str, Any]  # the saved state dict, or (sharded) the template's to fill
     shards: dict[str, torch.Tensor]  # sharded layout: DCP key -> template tensor to fill
-    model_state: dict[str, Any] | None  # sharded layout: the template's model state
-    optimizer: Any
-    scheduler: Any
-    scaler_state: Any
-    extras: dict[str, Any]
+    trees: dict[str, Any]  # component name -> decoded tree (None when absent)
     fields: dict[str, Any]
-    saved_objects: dict[str, Any]
     rng_state: Any
 
 
 def _own_state(manifest: Manifest, rank: int) -> tuple[Any, Any]:
-    """This rank's ``(rng, data_state)`` tree of a multi-rank checkpoint, or ``(None, None)``.
+    """This rank's ``(rng, data_state)`` of a multi-rank checkpoint, or ``(None, None)``.
 
-    Rank 0's are the ordinary ``rng`` and ``state`` components. A rank the checkpoint has
-    no state for (it was written by fewer ranks) is warned about and keeps its seeding.
+    A rank the checkpoint has no state for (it was written by fewer ranks) is warned
+    about and keeps its seeding (``False``).
     """
     if rank == 0:
         return None, None
-    name = f"rank_{rank:05d}"
-    if name not in manifest.components:
+    if not manifest.has(rank_component(rank)):
         warnings.warn(
             f"load_checkpoint: {manifest.path} was written by {manifest.world_size} rank(s) "
             f"and holds no RNG states or data position for rank {rank}; this rank keeps its "
@@ -379,155 +322,92 @@ def _own_state(manifest: Manifest, rank: int) -> tuple[Any, Any]:
             stacklevel=4,
         )
         return False, None
-    own = read_tree(manifest, name)
+    own = read_tree(manifest, rank_component(rank))
     return own["rng"], own["data_state"]
 
 
-def _plan(
-    path: str | os.PathLike[str],
-    like: TrainState,
-    objects: dict[str, Any],
-    rng: bool,
-    rank: int,
-) -> _Plan:
-    manifest = verified_manifest(path)
-    parts = manifest.components
-    differences: list[str] = []
-    sharded_layout = parts["model"].get("kind") == "dcp"
-    model: dict[str, torch.Tensor] = {}
-    aliases: dict[str, str] = {}
-    shards: dict[str, torch.Tensor] = {}
-    model_state: dict[str, Any] | None = None
-    optimizer_state: dict[str, Any] | None = None
-    if sharded_layout:
-        saved = saved_shapes(manifest.path)
-        model_state, optimizer_state = template_state(like.model, like.optimizer)
-        shards = {f"model/{name}": value for name, value in model_state.items()}
+def _model_plan(
+    manifest: Manifest, like: TrainState, shards: dict[str, Any]
+) -> tuple[dict[str, Any], list[str]]:
+    if manifest.sharded:
+        state = model_state(like.model)
+        shards.update({f"model/{name}": value for name, value in state.items()})
         shapes = {
             key.removeprefix("model/"): tuple(size)
-            for key, (size, _) in saved.items()
+            for key, (size, _) in saved_shapes(manifest.path).items()
             if key.startswith("model/")
         }
-        differences += model_differences(like.model, shapes, {})
-    else:
-        model, aliases = read_model(manifest)
-        differences += model_differences(
-            like.model, {n: tuple(t.shape) for n, t in model.items()}, aliases
+        return state, model_differences(like.model, shapes, {})
+    tensors = _tensors(manifest.path / "model.safetensors", owned=False)
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    differences = model_differences(like.model, shapes, manifest.aliases)
+    return expand(tensors, manifest.aliases) if not differences else {}, differences
+
+
+def _trees(
+    manifest: Manifest,
+    like: TrainState,
+    objects: dict[str, Any],
+    shards: dict[str, Any],
+    differences: list[str],
+) -> dict[str, Any]:
+    """Every tree component, decoded against the template, with their differences."""
+    lacking: list[str] = []
+
+    def take(key: str, template: Any) -> torch.Tensor:
+        if not isinstance(template, torch.Tensor):  # reported; a stand-in keeps decoding
+            lacking.append(key)
+            template = torch.empty(0)
+        return shards.setdefault(key, template)
+
+    optimizer_like = None
+    if manifest.sharded and like.optimizer is not None and manifest.has("optimizer"):
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        # The template's own state (zero state first, if none) is what DCP loads into.
+        optimizer_like = get_optimizer_state_dict(
+            like.model, list(getattr(like.optimizer, "optimizers", [like.optimizer]))
         )
-
-    optimizer = None
-    if "optimizer" in parts and sharded_layout:
-        found = sharded_references(_document(manifest, "optimizer"), optimizer_state)
-        differences += _targets(found, "optimizer", shards)
-        optimizer = read_tree(manifest, "optimizer", sharded=shards)
-    elif "optimizer" in parts:
-        optimizer = read_tree(manifest, "optimizer")
-    differences += _presence("optimizer", optimizer is not None, like.optimizer is not None)
-    if optimizer is not None and like.optimizer is not None:
-        differences += optimizer_differences(
-            like.model, like.optimizer, parts["optimizer"].get("class", "?"), optimizer
+    lives = {"optimizer": optimizer_like, "extras": dict(like.extras), "state": fields_of(like)}
+    names = ("optimizer", "scheduler", "scaler", "extras", "state", "objects")
+    trees = {
+        n: read_tree(manifest, n, like=lives.get(n), sharded=take) if manifest.has(n) else None
+        for n in names
+    }
+    classes = manifest.classes
+    for name in ("optimizer", "scheduler"):
+        differences += _presence(name, trees[name], getattr(like, name))
+    if trees["optimizer"] is not None and like.optimizer is not None:
+        differences += _optimizer_differences(
+            like, classes.get("optimizer", "?"), trees["optimizer"]
         )
-
-    scheduler = read_tree(manifest, "scheduler") if "scheduler" in parts else None
-    differences += _presence("scheduler", scheduler is not None, like.scheduler is not None)
-    differences += _class_difference(
-        "scheduler", parts.get("scheduler", {}).get("class"), like.scheduler
-    )
-
-    scaler_state = read_tree(manifest, "scaler") if "scaler" in parts else None
-    scaler = like.scaler
-    if scaler is not None and scaler.is_enabled() and scaler_state is None:
+    differences += _class_difference("scheduler", classes.get("scheduler"), like.scheduler)
+    enabled = like.scaler is not None and like.scaler.is_enabled()
+    if enabled and trees["scaler"] is None:
         differences.append("scaler: the template has an enabled GradScaler, the checkpoint none")
-    if scaler is not None and not scaler.is_enabled() and scaler_state is not None:
+    if like.scaler is not None and not enabled and trees["scaler"] is not None:
         differences.append(
             "scaler: the checkpoint has GradScaler state, the template's is disabled"
         )
-
-    live_extras = dict(like.extras)
-    extras = _tree_with_shards(manifest, "extras", live_extras, shards, differences, {})
-    differences += _extras_differences(extras, live_extras)
-
-    live_fields = fields_of(like)
-    saved_fields = _tree_with_shards(manifest, "state", live_fields, shards, differences, {})
-    fields = _field_values(like, saved_fields, differences)
-
-    saved_objects = _tree_with_shards(manifest, "objects", None, shards, differences, {})
-    missing = sorted(objects.keys() - saved_objects.keys())
-    unexpected = sorted(saved_objects.keys() - objects.keys())
+    differences += _extras_differences(trees["extras"] or {}, dict(like.extras))
+    saved_objects = trees["objects"] or {}
+    missing, unexpected = objects.keys() - saved_objects.keys(), saved_objects.keys() - objects
     if missing:
-        differences.append(f"objects: {missing} given but not in the checkpoint")
+        differences.append(f"objects: {sorted(missing)} given but not in the checkpoint")
     if unexpected:
-        differences.append(f"objects: {unexpected} in the checkpoint but not given")
-    classes = parts.get("objects", {}).get("classes", {})
+        differences.append(f"objects: {sorted(unexpected)} in the checkpoint but not given")
     for name in sorted(objects.keys() & saved_objects.keys()):
-        differences += _class_difference(f"objects[{name!r}]", classes.get(name), objects[name])
-
-    if sharded_layout:
-        differences += _shard_shapes(saved, shards)
-    rng_state = read_tree(manifest, "rng") if rng and "rng" in parts else None
-    own_rng, own_data = _own_state(manifest, rank)
-    if own_rng is not None:
-        rng_state = (own_rng or None) if rng else None
-    if own_data is not None:
-        fields["data_state"] = own_data
-
-    if differences:
-        listing = "\n  ".join(differences)
-        raise ValueError(
-            f"load_checkpoint: {manifest.path} does not fit the template state "
-            f"({len(differences)} difference(s)):\n  {listing}\nBuild the template like the "
-            "saved run (same model, optimizer, scheduler and plugins), or load the model alone "
-            "with safetensors.torch.load_file."
+        differences += _class_difference(
+            f"objects[{name!r}]", classes.get("objects", {}).get(name), objects[name]
         )
-    return _Plan(
-        manifest=manifest,
-        model=model,
-        aliases=aliases,
-        shards=shards,
-        model_state=model_state,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        scaler_state=scaler_state,
-        extras=extras,
-        fields=fields,
-        saved_objects=saved_objects,
-        rng_state=rng_state,
-    )
-
-
-def _targets(found: Mapping[str, Any], root: str, shards: dict[str, torch.Tensor]) -> list[str]:
-    """Add the template's tensors of sharded references to ``shards``; list those it lacks."""
-    lacking = sorted(name for name, value in found.items() if not isinstance(value, torch.Tensor))
-    shards.update({n: v for n, v in found.items() if isinstance(v, torch.Tensor)})
     if lacking:
-        return [f"{root}: sharded tensors the template has no tensor for: {_few(lacking)}"]
-    return []
+        differences.append(f"sharded tensors the template has no tensor for: {few(lacking, str)}")
+    return trees
 
 
-def _tree_with_shards(
-    manifest: Manifest,
-    name: str,
-    like: Any,
-    shards: dict[str, torch.Tensor],
-    differences: list[str],
-    default: Any,
-) -> Any:
-    if name not in manifest.components:
-        return default
-    found = sharded_references(_document(manifest, name), like)
-    if not found:
-        return read_tree(manifest, name, like=like)
-    differences += _targets(found, name, shards)
-    for key, value in found.items():
-        if not isinstance(value, torch.Tensor):  # reported; a stand-in keeps the decode going
-            shards[key] = torch.empty(0)
-    return read_tree(manifest, name, like=like, sharded={k: shards[k] for k in found})
-
-
-def _shard_shapes(
-    saved: Mapping[str, tuple[torch.Size, torch.dtype]], shards: Mapping[str, torch.Tensor]
-) -> list[str]:
+def _shard_shapes(manifest: Manifest, shards: Mapping[str, torch.Tensor]) -> list[str]:
     """Sharded tensors missing from the files or of another whole shape than the template's."""
+    saved = saved_shapes(manifest.path) if shards else {}
     out = []
     for key, target in shards.items():
         if key.startswith("model/"):
@@ -542,63 +422,57 @@ def _shard_shapes(
     return out
 
 
-def put_model(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
-    """Load a full (unsharded) state dict into ``model``, strictly, whatever its sharding."""
-    if is_sharded(model):
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
+def _plan(
+    path: str | os.PathLike[str], like: TrainState, objects: dict[str, Any], rng: bool, rank: int
+) -> _Plan:
+    manifest = verified_manifest(path)
+    shards: dict[str, torch.Tensor] = {}
+    model, differences = _model_plan(manifest, like, shards)
+    trees = _trees(manifest, like, objects, shards, differences)
+    fields = _field_values(like, trees["state"] or {}, differences)
+    differences += _shard_shapes(manifest, shards)
+    rng_state = read_tree(manifest, "rng") if rng and manifest.has("rng") else None
+    own_rng, own_data = _own_state(manifest, rank)
+    if own_rng is not None:
+        rng_state = (own_rng or None) if rng else None
+    if own_data is not None:
+        fields["data_state"] = own_data
+    if differences:
+        listing = "\n  ".join(differences)
+        raise ValueError(
+            f"load_checkpoint: {manifest.path} does not fit the template state "
+            f"({len(differences)} difference(s)):\n  {listing}\nBuild the template like the "
+            "saved run (same model, optimizer, scheduler and plugins), or load the model alone "
+            "with safetensors.torch.load_file."
         )
-
-        set_model_state_dict(model, dict(state), options=StateDictOptions(full_state_dict=True))
-    else:
-        unwrap(model).load_state_dict(dict(state), strict=True)
+    return _Plan(manifest, model, shards, trees, fields, rng_state)
 
 
 def _restore(
     plan: _Plan, like: TrainState, objects: dict[str, Any], group: Group | None
 ) -> TrainState:
     """Restore, in the order that keeps each object's saved values (see load_checkpoint)."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    if plan.model_state is not None:
+    full = not plan.manifest.sharded
+    if plan.shards:
         load_shards(plan.shards, plan.manifest.path, group)  # every sharded tensor, in place
-        set_model_state_dict(like.model, plan.model_state)
-    else:
-        put_model(like.model, expand(plan.model, plan.aliases))
+    put_model(like.model, plan.model, full=full)
     plan.model.clear()  # drop the file mapping
-    if plan.scheduler is not None:
-        like.scheduler.load_state_dict(plan.scheduler)
-    if plan.optimizer is not None and like.optimizer is not None:
-        if plan.model_state is not None:
-            set_optimizer_state_dict(like.model, like.optimizer, plan.optimizer)
-        elif is_sharded(like.model):
-            options = StateDictOptions(full_state_dict=True)
-            set_optimizer_state_dict(like.model, like.optimizer, plan.optimizer, options=options)
-        else:
-            like.optimizer.load_state_dict(
-                numbered_state(like.model, like.optimizer, plan.optimizer)
-            )
+    trees = plan.trees
+    if trees["scheduler"] is not None:
+        like.scheduler.load_state_dict(trees["scheduler"])
+    if trees["optimizer"] is not None:
+        put_optimizer(like.model, like.optimizer, trees["optimizer"], full=full)
     scaler = like.scaler
-    if plan.scaler_state is not None:
+    if trees["scaler"] is not None:
         if scaler is None:
-            scaler = torch.amp.GradScaler(_device_type(like.model))
-        scaler.load_state_dict(plan.scaler_state)
+            device = next((p.device.type for p in like.model.parameters()), "cpu")
+            scaler = torch.amp.GradScaler(device)
+        scaler.load_state_dict(trees["scaler"])
     for name, obj in objects.items():
-        obj.load_state_dict(plan.saved_objects[name])
+        obj.load_state_dict(trees["objects"][name])
     if plan.rng_state is not None:
         restore_rng(plan.rng_state)
     # A new state, not like.replace(): the template may carry a train step's "consumed" mark.
     values = {field.name: getattr(like, field.name) for field in dataclasses.fields(like)}
-    values.update(plan.fields, extras={**like.extras, **plan.extras}, scaler=scaler)
+    values.update(plan.fields, extras={**like.extras, **(trees["extras"] or {})}, scaler=scaler)
     return TrainState(**values)
-
-
-def _device_type(model: torch.nn.Module) -> str:
-    for param in model.parameters():
-        return param.device.type
-    return "cpu"

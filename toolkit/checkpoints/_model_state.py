@@ -1,10 +1,10 @@
-"""A model's state dict as a safetensors file: unwrapped names, tied weights stored once.
+"""Model and optimizer state through ``torch.distributed.checkpoint.state_dict``.
 
-``unwrap(model).state_dict()`` has plain names (no ``_orig_mod.``/``module.``) and lists a
-tied tensor under each of its names. safetensors refuses to write shared memory twice, so
-each tied group is stored under its first name and the other names are recorded as
-*aliases* (``{"lm_head.weight": "embed.weight"}``); loading puts the stored tensor back
-under every name, so a strict ``load_state_dict`` sees all of them.
+``get_model_state_dict`` and ``get_optimizer_state_dict`` give plain names (no
+``_orig_mod.``/``module.``), optimizer state keyed by parameter name, and DTensors for a
+sharded (FSDP2) model; their ``set_`` twins load them back, whatever the sharding. A tied
+tensor is listed under each of its names; safetensors refuses to write shared memory
+twice, so a file stores it under its first name and records the others as *aliases*.
 """
 
 from __future__ import annotations
@@ -13,34 +13,91 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from toolkit._unwrap import unwrap
 from toolkit.checkpoints._codec import TreeError, describe
+from toolkit.checkpoints._sharded import is_sharded
 
-__all__ = ["expand", "model_differences", "model_tensors", "split_aliases"]
+__all__ = [
+    "expand",
+    "few",
+    "model_differences",
+    "model_state",
+    "optimizer_state",
+    "parameter_names",
+    "put_model",
+    "put_optimizer",
+    "split_aliases",
+]
 
 
-def _identity(value: torch.Tensor) -> tuple[Any, ...] | None:
-    # Two state-dict entries are the same tensor when they view the same memory the same
-    # way. Empty tensors have no memory to share.
-    if not value.numel():
-        return None
-    if type(value) not in (torch.Tensor, torch.nn.Parameter) and hasattr(value, "to_local"):
-        local = value.to_local()  # a DTensor: its shard tells ties apart
-        if not local.numel():
-            return None
-        return ("shard", local.data_ptr(), local.dtype, tuple(value.shape), local.stride())
-    return (value.device, value.data_ptr(), value.dtype, tuple(value.shape), value.stride())
+def model_state(model: torch.nn.Module) -> dict[str, Any]:
+    """The unwrapped model's state dict (DTensors kept sharded), no copies."""
+    return get_model_state_dict(unwrap(model))  # unwrap: nn.DataParallel's prefix too
+
+
+def put_model(model: torch.nn.Module, state: Mapping[str, Any], full: bool = True) -> None:
+    """Load a whole state dict (or, ``full=False``, one sharded like the model) strictly."""
+    if full and not is_sharded(model):  # set_model_state_dict would copy every tensor
+        unwrap(model).load_state_dict(dict(state), strict=True)
+    else:
+        set_model_state_dict(
+            unwrap(model), dict(state), options=StateDictOptions(full_state_dict=full)
+        )
+
+
+def parameter_names(model: torch.nn.Module, optimizer: Any) -> list[list[str]]:
+    """Per parameter group, its parameters' names; a ValueError for a stray tensor."""
+    names = {id(p): name for name, p in unwrap(model).named_parameters()}
+    for g, group in enumerate(optimizer.param_groups):
+        for i, param in enumerate(group["params"]):
+            if id(param) not in names:
+                raise ValueError(
+                    f"save_checkpoint: optimizer.param_groups[{g}]['params'][{i}] (shape "
+                    f"{list(param.shape)}) is not a parameter of the model, so the checkpoint "
+                    "cannot name it; register it on the model (e.g. as an nn.Parameter "
+                    "attribute) or keep it in a separate optimizer saved through objects=."
+                )
+    return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+
+
+def _optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    return [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+
+
+def optimizer_state(model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
+    """The optimizer's state dict keyed by parameter names (a MultiOptimizer's merged)."""
+    parameter_names(model, optimizer)  # the clear error for a stray tensor
+    optimizers = _optimizers(optimizer)
+    had = {id(p) for o in optimizers for p in o.state}
+    state = get_optimizer_state_dict(unwrap(model), optimizers)
+    # Own code: for an optimizer without state, get_optimizer_state_dict makes zero state
+    # (one step at lr=0); a save must not change the run, so that state is dropped again.
+    names = {id(p): name for name, p in unwrap(model).named_parameters()}
+    for o in optimizers:
+        for param in [p for p in o.state if id(p) not in had]:
+            del o.state[param]
+            state["state"].pop(names[id(param)], None)
+    return state
+
+
+def put_optimizer(model: torch.nn.Module, optimizer: Any, state: Any, full: bool) -> None:
+    """Load a named optimizer state dict (whole when ``full``, else sharded like the model)."""
+    options = StateDictOptions(full_state_dict=full and is_sharded(model))
+    set_optimizer_state_dict(unwrap(model), _optimizers(optimizer), state, options=options)
 
 
 def split_aliases(
     state_dict: Mapping[str, Any], who: str
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """``(tensors by first name, {alias: first name})`` of a state dict with tied entries.
-
-    Raises:
-        TreeError: an entry is not a tensor (e.g. a module's ``get_extra_state``).
-    """
+    """``(tensors by first name, {alias: first name})`` of a state dict with tied entries."""
     first: dict[tuple[Any, ...], str] = {}
     tensors: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
@@ -50,68 +107,50 @@ def split_aliases(
                 f"{who}: state_dict entry {name!r} is {describe(value)}, not a tensor; a "
                 "model file holds tensors only (return a tensor from get_extra_state)."
             )
-        key = _identity(value)
-        if key is not None and key in first:
+        local = value.to_local() if hasattr(value, "to_local") else value  # a DTensor's shard
+        key = (local.device, local.data_ptr(), local.dtype, tuple(value.shape), local.stride())
+        if local.numel() and key in first:
             aliases[name] = first[key]
             continue
-        if key is not None:
-            first[key] = name
+        first.setdefault(key, name)
         tensors[name] = value
     return tensors, aliases
 
 
-def model_tensors(
-    model: torch.nn.Module, who: str
-) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The unwrapped model's state dict, split with :func:`split_aliases` (no copies)."""
-    return split_aliases(unwrap(model).state_dict(), who)
-
-
 def expand(tensors: Mapping[str, torch.Tensor], aliases: Mapping[str, str]) -> dict[str, Any]:
     """The full state dict: every alias maps to its stored tensor."""
-    full = dict(tensors)
-    for alias, name in aliases.items():
-        full[alias] = tensors[name]
-    return full
+    return {**tensors, **{alias: tensors[name] for alias, name in aliases.items()}}
 
 
 def model_differences(
-    model: torch.nn.Module,
-    shapes: Mapping[str, tuple[int, ...]],
-    aliases: Mapping[str, str],
+    model: torch.nn.Module, shapes: Mapping[str, tuple[int, ...]], aliases: Mapping[str, str]
 ) -> list[str]:
     """How a saved model (names -> shapes, aliases) differs from ``model``; empty if none."""
-    live, live_aliases = model_tensors(model, "load_checkpoint")
-    saved_names = set(shapes) | set(aliases)
-    live_names = set(live) | set(live_aliases)
+    live, live_aliases = split_aliases(model_state(model), "load_checkpoint")
+    saved_names, live_names = set(shapes) | set(aliases), set(live) | set(live_aliases)
     out = []
-    missing = sorted(live_names - saved_names)
-    unexpected = sorted(saved_names - live_names)
-    if missing:
-        out.append(f"model: keys missing from the checkpoint: {_few(missing)}")
-    if unexpected:
-        out.append(f"model: unexpected keys in the checkpoint: {_few(unexpected)}")
+    if live_names - saved_names:
+        out.append(f"model: keys missing from the checkpoint: {few(live_names - saved_names)}")
+    if saved_names - live_names:
+        out.append(f"model: unexpected keys in the checkpoint: {few(saved_names - live_names)}")
     full_live = expand(live, live_aliases)
-    for name in sorted(saved_names & live_names):
-        saved_shape = shapes[aliases.get(name, name)]
-        live_shape = tuple(full_live[name].shape)
-        if saved_shape != live_shape:
+    common = saved_names & live_names
+    for name in sorted(common):
+        saved_shape, live_shape = shapes[aliases.get(name, name)], tuple(full_live[name].shape)
+        if tuple(saved_shape) != live_shape:
             out.append(
                 f"model: {name!r} has shape {list(saved_shape)} in the checkpoint, "
                 f"{list(live_shape)} in the model"
             )
-    common = saved_names & live_names
     saved_ties, live_ties = _ties(aliases, common), _ties(live_aliases, common)
-    reported = set()
-    for name in sorted(common):
-        pair = (saved_ties[name], live_ties[name])
-        if pair[0] != pair[1] and pair not in reported:
-            reported.add(pair)
-            out.append(
-                f"model: tied weights differ: the checkpoint shares one tensor among "
-                f"{sorted(pair[0])}, the model among {sorted(pair[1])} (tie the weights as "
-                "in the saved model)"
-            )
+    for pair in sorted(
+        {(saved_ties[n], live_ties[n]) for n in common if saved_ties[n] != live_ties[n]}, key=str
+    ):
+        out.append(
+            f"model: tied weights differ: the checkpoint shares one tensor among "
+            f"{sorted(pair[0])}, the model among {sorted(pair[1])} (tie the weights as "
+            "in the saved model)"
+        )
     return out
 
 
@@ -123,6 +162,8 @@ def _ties(aliases: Mapping[str, str], names: set[str]) -> dict[str, frozenset[st
     return {name: frozenset(groups[aliases.get(name, name)]) for name in names}
 
 
-def _few(names: list[str], limit: int = 10) -> str:
+def few(names: Any, show: Any = repr, limit: int = 10) -> str:
+    """At most ``limit`` of ``names``, sorted, for an error message."""
+    names = sorted(names)
     more = f" ... (+{len(names) - limit} more)" if len(names) > limit else ""
-    return ", ".join(repr(n) for n in names[:limit]) + more
+    return ", ".join(show(n) for n in names[:limit]) + more

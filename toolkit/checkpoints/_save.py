@@ -12,17 +12,12 @@ Layout of one checkpoint folder (every file listed, with size and checksum, in
     extras.json     [extras.safetensors]    state.extras (EMA weights, best scores, ...)
     rng.json         rng.safetensors        python, numpy, torch (and CUDA) RNG states
     objects.json    [objects.safetensors]   extra stateful objects given as objects=
+    rank_0000N.json [...safetensors]        rank N's RNG states and data position (N > 0)
 
-A ``.safetensors`` file in brackets exists only when its tree holds tensors. JSON
-documents follow :mod:`._codec`.
-
-A data-parallel model (DDP or FSDP2; see :func:`group_of`) is saved by all
-ranks of its group together. DDP: rank 0 writes the files above, and every other rank
-``r`` adds ``rank_0000r.json``/``.safetensors`` (its RNG states and data position).
-FSDP2 (a model with DTensor parameters): the model, the optimizer's tensors and DTensors
-in ``extras`` go to ``sharded/`` instead (:mod:`._sharded`), one file per rank, and
-``model.safetensors`` is absent. Either way rank 0 writes the manifest and renames the
-folder once every rank has written its part.
+A ``.safetensors`` file in brackets exists only when its tree holds tensors (JSON documents
+follow :mod:`._codec`). FSDP2 (DTensor parameters): the model, the optimizer's tensors and
+DTensors in the trees go to ``sharded/`` instead (:mod:`._sharded`), one file per rank.
+One path saves a single process and the ranks of a data-parallel group alike.
 """
 
 from __future__ import annotations
@@ -51,42 +46,25 @@ from toolkit.checkpoints._files import (
     write_tensors,
 )
 from toolkit.checkpoints._manifest import MANIFEST, check_metrics, manifest_document
-from toolkit.checkpoints._model_state import model_tensors
-from toolkit.checkpoints._optim_names import named_state, parameter_names
+from toolkit.checkpoints._model_state import model_state, optimizer_state, split_aliases
 from toolkit.checkpoints._retention import Retention
 from toolkit.checkpoints._rng import capture_rng
-from toolkit.checkpoints._sharded import SHARDS, is_dtensor, is_sharded, save_shards, template_state
+from toolkit.checkpoints._sharded import SHARDS, is_dtensor, is_sharded, save_shards
 from toolkit.distributed._collectives import Group, agree, broadcast_int, group_of, rank_of
 from toolkit.step._components import check_objects, fields_of
 from toolkit.step._state import TrainState
 
-__all__ = ["MODEL_METADATA", "rank_component", "save_checkpoint", "save_in_background"]
-
-# A model file opened by other tools (transformers, the hub) is expected to say "pt".
-MODEL_METADATA = {"format": "pt"}
-
-
-@dataclasses.dataclass(frozen=True)
-class _Tree:
-    """One tree component ready to write: its JSON document and CPU tensors."""
-
-    document: Any
-    tensors: dict[str, torch.Tensor]
-    info: dict[str, Any]  # extra manifest entries (class names)
+__all__ = ["rank_component", "save_checkpoint", "save_in_background"]
 
 
 @dataclasses.dataclass(frozen=True)
 class _Snapshot:
     """Everything a checkpoint holds, gathered in memory before any file is written."""
 
-    step: int
-    model: dict[str, torch.Tensor]
-    aliases: dict[str, str]
-    trees: dict[str, _Tree]
-    metrics: dict[str, float]
-    rules: dict[str, Any] | None
+    manifest: dict[str, Any]  # the manifest's fields but "files" and "time"
+    trees: dict[str, tuple[Any, dict[str, torch.Tensor]]]  # name -> (document, tensors)
     shards: dict[str, torch.Tensor]  # keys -> tensors for sharded/ (FSDP2), else empty
-    rank: _Tree  # this rank's RNG states and data position (written by ranks > 0)
+    own: tuple[Any, dict[str, torch.Tensor]]  # this rank's RNG states and data position
 
 
 def rank_component(rank: int) -> str:
@@ -94,182 +72,74 @@ def rank_component(rank: int) -> str:
     return f"rank_{rank:05d}"
 
 
-def _tree(
-    tree: Any,
-    root: str,
-    copy: bool,
-    *,
-    shards: dict[str, torch.Tensor] | None = None,
-    info: dict[str, Any] | None = None,
-) -> _Tree:
-    """Encode ``tree``; with ``shards`` (a sharded save), its DTensors go there instead."""
-    if shards is None:
-        document, tensors = encode(tree, root, copy=copy)
+def _snapshot(state: TrainState, objects: dict[str, Any], copy: bool) -> _Snapshot:
+    sharded = is_sharded(state.model)
+    shards: dict[str, torch.Tensor] = {}
+    external = is_dtensor if sharded else None
+    trees, classes = {}, {}
+
+    def add(name: str, tree: Any, owner: Any = None, outside: Any = external) -> None:
+        document, tensors = encode(tree, name, copy=copy, external=outside)
+        shards.update({n: tensors.pop(n) for n in list(tensors) if outside and outside(tensors[n])})
+        trees[name] = (document, tensors)
+        if owner is not None:
+            classes[name] = type(owner).__name__
+
+    model, aliases = split_aliases(model_state(state.model), "save_checkpoint")
+    if sharded:
+        shards.update({f"model/{name}": value for name, value in model.items()})
     else:
-        document, tensors = encode(tree, root, copy=copy, external=is_dtensor)
-        for name in [n for n, t in tensors.items() if is_dtensor(t)]:
-            shards[name] = tensors.pop(name)
-    return _Tree(document, tensors, info or {})
-
-
-def _sharded_parts(
-    state: TrainState, shards: dict[str, torch.Tensor]
-) -> tuple[dict[str, torch.Tensor], dict[str, _Tree]]:
-    """FSDP2: the model's and the optimizer's tensors go to ``shards``; JSON stays."""
+        trees["model"] = (None, {name: host_tensor(value, copy) for name, value in model.items()})
+        separate_shared(trees["model"][1])  # distinct views of one buffer
     if state.optimizer is not None:
-        parameter_names(state.model, state.optimizer)  # the clear error for a stray tensor
-    model_state, optimizer_state = template_state(state.model, state.optimizer)
-    shards.update({f"model/{name}": value for name, value in model_state.items()})
-    trees = {}
-    if optimizer_state is not None:
-        assert state.optimizer is not None
-        document, tensors = encode(optimizer_state, "optimizer", external=lambda t: True)
-        shards.update(tensors)
-        info = {"class": type(state.optimizer).__name__}
-        trees["optimizer"] = _Tree(document, {}, info)
-    return {}, trees
-
-
-def _snapshot(
-    state: TrainState,
-    objects: dict[str, Any],
-    metrics: dict[str, float],
-    rules: Retention | None,
-    copy: bool,
-) -> _Snapshot:
-    who = "save_checkpoint"
-    shards: dict[str, torch.Tensor] | None = None
-    aliases: dict[str, str] = {}
-    if is_sharded(state.model):
-        shards = {}
-        model, trees = _sharded_parts(state, shards)
-    else:
-        model, aliases = model_tensors(state.model, who)
-        model = {name: host_tensor(value, copy) for name, value in model.items()}
-        separate_shared(model)  # distinct views of one buffer (tied ones are aliases already)
-        trees = {}
-    if state.optimizer is not None and shards is None:
-        trees["optimizer"] = _tree(
-            named_state(state.model, state.optimizer),
-            "optimizer",
-            copy,
-            info={"class": type(state.optimizer).__name__},
-        )
+        optimizer = optimizer_state(state.model, state.optimizer)
+        add("optimizer", optimizer, state.optimizer, (lambda t: True) if sharded else None)
     if state.scheduler is not None:
-        trees["scheduler"] = _tree(
-            state.scheduler.state_dict(),
-            "scheduler",
-            copy,
-            info={"class": type(state.scheduler).__name__},
-        )
+        add("scheduler", state.scheduler.state_dict(), state.scheduler)
     if state.scaler is not None and state.scaler.is_enabled():
-        trees["scaler"] = _tree(
-            state.scaler.state_dict(), "scaler", copy, info={"class": type(state.scaler).__name__}
-        )
-    trees["state"] = _tree(fields_of(state), "state", copy, shards=shards)
-    trees["extras"] = _tree(dict(state.extras), "extras", copy, shards=shards)
+        add("scaler", state.scaler.state_dict(), state.scaler)
+    add("state", fields_of(state))
+    add("extras", dict(state.extras))
     rng = capture_rng()
-    trees["rng"] = _tree(rng, "rng", copy)
+    add("rng", rng)
     if objects:
-        trees["objects"] = _tree(
-            {name: obj.state_dict() for name, obj in objects.items()},
-            "objects",
-            copy,
-            shards=shards,
-            info={"classes": {name: type(obj).__name__ for name, obj in objects.items()}},
-        )
-    own = {"rng": rng, "data_state": dict(state.data_state)}
-    return _Snapshot(
-        step=state.step,
-        model=model,
-        aliases=aliases,
-        trees=trees,
-        metrics=metrics,
-        rules=rules.to_document() if rules is not None else None,
-        shards=shards or {},
-        rank=_tree(own, "rank", copy),
-    )
+        add("objects", {name: obj.state_dict() for name, obj in objects.items()})
+        classes["objects"] = {name: type(obj).__name__ for name, obj in objects.items()}
+    own = encode({"rng": rng, "data_state": dict(state.data_state)}, "rank", copy=copy)
+    fields = {"step": state.step, "classes": classes, "aliases": aliases, "sharded": sharded}
+    return _Snapshot(fields, trees, shards, own)
 
 
-def _entry(path: Path) -> dict[str, Any]:
-    return {"size": path.stat().st_size, CHECKSUM: checksum(path)}
+def _write_tree(folder: Path, name: str, tree: tuple[Any, dict[str, torch.Tensor]]) -> None:
+    document, tensors = tree
+    if name == "model":  # a plain state dict that safetensors and hub tools open alone
+        write_tensors(folder / "model.safetensors", tensors, {"format": "pt"})
+        return
+    write_json(folder / f"{name}.json", document)
+    if tensors:
+        write_tensors(folder / f"{name}.safetensors", tensors)
 
 
-def _write_file(folder: Path, name: str, write: Any, files: dict[str, Any]) -> None:
-    path = folder / name
-    write(path)
-    files[name] = _entry(path)
+def _write_parts(snapshot: _Snapshot, folder: Path, rank: int) -> None:
+    """Write this rank's files of the snapshot into ``folder``."""
+    if rank > 0:
+        _write_tree(folder, rank_component(rank), snapshot.own)
+    for name, tree in snapshot.trees.items() if rank == 0 else ():
+        _write_tree(folder, name, tree)
 
 
-def _write_tree(
-    folder: Path, name: str, tree: _Tree, files: dict[str, Any], components: dict[str, Any]
-) -> None:
-    entry: dict[str, Any] = {"kind": "tree", "json": f"{name}.json", **tree.info}
-    _write_file(folder, f"{name}.json", lambda p: write_json(p, tree.document), files)
-    if tree.tensors:
-        entry["tensors"] = f"{name}.safetensors"
-        _write_file(folder, f"{name}.safetensors", lambda p: write_tensors(p, tree.tensors), files)
-    components[name] = entry
-
-
-def _write_parts(snapshot: _Snapshot, folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Write rank 0's files of the snapshot into ``folder``: ``(files, components)``."""
-    files: dict[str, Any] = {}
-    components: dict[str, Any] = {}
-    if snapshot.shards:
-        components["model"] = {"kind": "dcp", "folder": SHARDS, "prefix": "model/"}
-    else:
-        _write_file(
-            folder,
-            "model.safetensors",
-            lambda p: write_tensors(p, snapshot.model, MODEL_METADATA),
-            files,
-        )
-        components["model"] = {
-            "kind": "tensors",
-            "file": "model.safetensors",
-            "aliases": snapshot.aliases,
-        }
-    for name, tree in snapshot.trees.items():
-        _write_tree(folder, name, tree, files, components)
-    return files, components
-
-
-def _write_manifest(
-    snapshot: _Snapshot,
-    folder: Path,
-    files: dict[str, Any],
-    components: dict[str, Any],
-    world_size: int = 1,
-) -> None:
-    document = manifest_document(
-        step=snapshot.step,
-        time=time.time(),
-        metrics=snapshot.metrics,
-        rules=snapshot.rules,
-        components=components,
-        files=files,
-        world_size=world_size,
-    )
+def _write_manifest(snapshot: _Snapshot, folder: Path, extra: Mapping[str, Any]) -> None:
+    files = {}
+    shards = [folder / SHARDS] if snapshot.manifest["sharded"] else []
+    for entry in sorted([*folder.iterdir(), *(p for sub in shards for p in sub.iterdir())]):
+        if entry.is_file():
+            name = entry.relative_to(folder).as_posix()
+            files[name] = {"size": entry.stat().st_size, CHECKSUM: checksum(entry)}
+    for sub in shards:
+        fsync_dir(sub)
+    document = manifest_document(**snapshot.manifest, **extra, time=time.time(), files=files)
     write_json(folder / MANIFEST, document)
     fsync_dir(folder)
-
-
-def _write(snapshot: _Snapshot, folder: Path) -> None:
-    """Write every file of the snapshot into the (new, empty) ``folder``; manifest last."""
-    if snapshot.shards:
-        save_shards(snapshot.shards, folder, None)
-    files, components = _write_parts(snapshot, folder)
-    if snapshot.shards:
-        _add_shards(folder, files)
-    _write_manifest(snapshot, folder, files, components)
-
-
-def _add_shards(folder: Path, files: dict[str, Any]) -> None:
-    shards = folder / SHARDS
-    for name in sorted(os.listdir(shards)):
-        files[f"{SHARDS}/{name}"] = _entry(shards / name)
-    fsync_dir(shards)
 
 
 def _publish(temp: Path, path: Path) -> None:
@@ -279,16 +149,12 @@ def _publish(temp: Path, path: Path) -> None:
     first renamed to a hidden ``.old-`` sibling; :func:`toolkit.checkpoints.clean_temporaries`
     puts such a sibling back when a crash left no ``path``, and removes it otherwise.
     """
-    parent = path.parent
-    if not path.exists():
-        os.rename(temp, path)
-        fsync_dir(parent)
-        return
-    old = parent / temp_name("old", path.name)
-    os.rename(path, old)
-    fsync_dir(parent)
+    old = path.parent / temp_name("old", path.name)
+    if path.exists():
+        os.rename(path, old)
+        fsync_dir(path.parent)
     os.rename(temp, path)
-    fsync_dir(parent)
+    fsync_dir(path.parent)
     shutil.rmtree(old, ignore_errors=True)
 
 
@@ -364,11 +230,15 @@ def save_checkpoint(
         >>> sorted(load_file(path / "model.safetensors"))
         ['bias', 'weight']
     """
-    path = Path(path)
     group = group_of(state.model) if isinstance(state, TrainState) else None
-    if group is not None:
-        return _save_together(state, path, objects, metrics, rules, group)
-    return _write_snapshot(_prepare(state, path, objects, metrics, rules, copy=False), path)
+    snapshot, error = None, None
+    try:
+        snapshot = _prepare(state, Path(path), objects, metrics, rules, copy=False)
+    except Exception as caught:
+        error = caught
+    agree(error, group, "save_checkpoint")
+    assert snapshot is not None
+    return _write(snapshot, Path(path), group)
 
 
 def save_in_background(
@@ -418,20 +288,18 @@ def save_in_background(
     path = Path(path)
     if isinstance(state, TrainState) and group_of(state.model) is not None:
         raise ValueError(
-            "save_in_background: the model is data parallel (DDP or FSDP2), whose ranks "
-            "save together; their exchanges would share the training's process group from "
-            "a background thread. Use save_checkpoint, on every rank."
+            "save_in_background: expected a model of this process alone, got a data-parallel "
+            "one (DDP or FSDP2), whose ranks save together; use save_checkpoint on every rank."
         )
     snapshot = _prepare(state, path, objects, metrics, rules, copy=True)
     future: Future[Path] = Future()
 
     def write() -> None:
-        if not future.set_running_or_notify_cancel():
-            return
-        try:
-            future.set_result(_write_snapshot(snapshot, path))
-        except BaseException as error:  # handed to whoever waits on the future
-            future.set_exception(error)
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(_write(snapshot, path, None))
+            except BaseException as error:  # handed to whoever waits on the future
+                future.set_exception(error)
 
     threading.Thread(target=write, name=f"save_checkpoint {path}").start()
     return future
@@ -462,104 +330,49 @@ def _prepare(
             "after the update that closes the window (when out.updated is true)."
         )
     if rules is not None and not isinstance(rules, Retention):
-        raise TypeError(f"{who}: rules must be a Retention or None; got {type(rules).__name__}.")
+        raise TypeError(
+            f"{who}: expected rules as a Retention or None, got {type(rules).__name__}."
+        )
     if path.exists() and not (path / MANIFEST).is_file():
         raise ValueError(
             f"{who}: {path} exists and is not a checkpoint folder (no {MANIFEST}); refusing "
             "to replace it. Pick another path or remove it."
         )
-    return _snapshot(state, check_objects(objects, who), check_metrics(metrics), rules, copy)
-
-
-def _write_snapshot(snapshot: _Snapshot, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.parent / temp_name("tmp", path.name)
-    try:
-        temp.mkdir()
-        _write(snapshot, temp)
-        _publish(temp, path)
-    except BaseException as error:
-        shutil.rmtree(temp, ignore_errors=True)
-        wrapped = _wrapped(error, path)
-        if wrapped is error:
-            raise
-        raise wrapped from error
-    return path
-
-
-def _wrapped(error: BaseException, path: Path) -> BaseException:
-    """An I/O failure as an OSError naming the checkpoint; any other error as it is."""
-    code = _os_error_code(error)
-    if code is None:
-        return error
-    wrapped = OSError(
-        code,
-        f"save_checkpoint: could not write the checkpoint {path} ({_reason(error)}); "
-        "earlier checkpoints are untouched and the temporary folder was removed. Free "
-        "space or save elsewhere.",
+    snapshot = _snapshot(state, check_objects(objects, who), copy)
+    snapshot.manifest.update(
+        metrics=check_metrics(metrics or {}), rules=rules and rules.to_document()
     )
-    wrapped.__cause__ = error
-    return wrapped
+    return snapshot
 
 
-def _save_together(
-    state: TrainState,
-    path: Path,
-    objects: Mapping[str, Any] | None,
-    metrics: Mapping[str, float] | None,
-    rules: Retention | None,
-    group: Group,
-) -> Path:
-    """The ranks of ``group`` write one checkpoint; every rank sees the same outcome.
+def _write(snapshot: _Snapshot, path: Path, group: Group | None) -> Path:
+    """The ranks of ``group`` (or this process alone) write one checkpoint, atomically.
 
-    Phases, each closed by :func:`agree` (one small all-reduce): check and
-    gather in memory; rank 0 makes the temporary folder (its name drawn by rank 0 and
-    broadcast); every rank writes its part (sharded tensors through DCP, the rank's own
-    RNG and data position) and rank 0 the rest; rank 0 checksums every file, writes the
-    manifest and renames the folder. A failure anywhere removes the temporary folder.
+    Phases, each closed by :func:`agree` (one small all-reduce; nothing alone): rank 0
+    makes the temporary folder (its name drawn by rank 0 and broadcast); every rank writes
+    its part (sharded tensors through DCP, a rank's own RNG and data position) and rank 0
+    the rest; rank 0 checksums every file, writes the manifest and renames the folder. A
+    failure anywhere removes the temporary folder, and every rank raises it.
     """
-    who = "save_checkpoint"
     rank, size = rank_of(group)
-    snapshot: _Snapshot | None = None
-    error: BaseException | None = None
-    try:
-        snapshot = _prepare(state, path, objects, metrics, rules, copy=False)
-    except Exception as caught:
-        error = caught
-    agree(error, group, who)
-    assert snapshot is not None
     temp = path.parent / temp_name("tmp", path.name, broadcast_int(new_token(), group))
-    error = None
-    try:
-        if rank == 0:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            temp.mkdir()
-    except Exception as caught:
-        error = _wrapped(caught, path)
-    agree(error, group, who)
-    files: dict[str, Any] = {}
-    components: dict[str, Any] = {}
-    for phase in ("write", "publish"):
+    for phase in ("folder", "write", "publish"):
         error = None
         try:
-            if phase == "write":
+            if phase == "folder" and rank == 0:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                temp.mkdir()
+            elif phase == "write":
                 if snapshot.shards:
                     save_shards(snapshot.shards, temp, group)
-                if rank == 0:
-                    files, components = _write_parts(snapshot, temp)
-                else:
-                    _write_tree(temp, rank_component(rank), snapshot.rank, {}, {})
-            elif rank == 0:
-                for other in range(1, size):
-                    _list_tree(temp, rank_component(other), files, components, rank=other)
-                if snapshot.shards:
-                    _add_shards(temp, files)
-                _write_manifest(snapshot, temp, files, components, size)
+                _write_parts(snapshot, temp, rank)
+            elif phase == "publish" and rank == 0:
+                _write_manifest(snapshot, temp, {"world_size": size} if size > 1 else {})
                 _publish(temp, path)
-        except Exception as caught:
+        except BaseException as caught:
             error = _wrapped(caught, path)
         try:
-            agree(error, group, who)
+            agree(error, group, "save_checkpoint")
         except BaseException:
             if rank == 0:
                 shutil.rmtree(temp, ignore_errors=True)
@@ -567,27 +380,21 @@ def _save_together(
     return path
 
 
-def _list_tree(
-    folder: Path, name: str, files: dict[str, Any], components: dict[str, Any], **info: Any
-) -> None:
-    """Enter a tree another rank wrote into ``folder`` in ``files`` and ``components``."""
-    entry: dict[str, Any] = {"kind": "tree", "json": f"{name}.json", **info}
-    files[f"{name}.json"] = _entry(folder / f"{name}.json")
-    if (folder / f"{name}.safetensors").exists():
-        entry["tensors"] = f"{name}.safetensors"
-        files[f"{name}.safetensors"] = _entry(folder / f"{name}.safetensors")
-    components[name] = entry
+def _wrapped(error: BaseException, path: Path) -> BaseException:
+    """An I/O failure as an OSError naming the checkpoint; any other error as it is.
 
-
-def _os_error_code(error: BaseException) -> int | None:
-    """The errno of an I/O failure; safetensors reports them as "... (os error N)"."""
-    if isinstance(error, OSError):
-        return error.errno if error.errno is not None else 0
+    safetensors reports I/O failures as "... (os error N)".
+    """
     found = re.search(r"\(os error (\d+)\)", str(error))
-    return int(found.group(1)) if found else None
-
-
-def _reason(error: BaseException) -> str:
-    if isinstance(error, OSError) and error.strerror:
-        return error.strerror
-    return str(error)
+    if not isinstance(error, OSError) and found is None:
+        return error
+    code = (error.errno or 0) if isinstance(error, OSError) else int(found.group(1))  # type: ignore[union-attr]
+    reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+    wrapped = OSError(
+        code,
+        f"save_checkpoint: could not write the checkpoint {path} ({reason}); earlier "
+        "checkpoints are untouched and the temporary folder was removed. Free space or "
+        "save elsewhere.",
+    )
+    wrapped.__cause__ = error
+    return wrapped

@@ -37,7 +37,6 @@ __all__ = [
     "load_shards",
     "save_shards",
     "saved_shapes",
-    "template_state",
 ]
 
 SHARDS = "sharded"  # the sub-folder of a checkpoint that holds DCP's files
@@ -55,23 +54,6 @@ def is_dtensor(value: Any) -> bool:
 def is_sharded(model: torch.nn.Module) -> bool:
     """True when any of ``model``'s parameters is a DTensor (FSDP2, tensor parallelism)."""
     return any(is_dtensor(p) for p in model.parameters())
-
-
-def template_state(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
-) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """``(model state, optimizer state)`` keyed by parameter names, DTensors kept sharded.
-
-    Through ``torch.distributed.checkpoint.state_dict``: no ``module.``/``_orig_mod.``
-    prefixes, and an optimizer without state gets zero state first (a template to load
-    into).
-    """
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-
-    if optimizer is None:
-        return get_model_state_dict(model), None
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    return model_state, optimizer_state
 
 
 def save_shards(tensors: Mapping[str, torch.Tensor], folder: Path, group: Any) -> None:

@@ -20,9 +20,8 @@ from toolkit.checkpoints._folder import (
     prune_checkpoints,
     write_pointer,
 )
-from toolkit.checkpoints._load import full_model, load_checkpoint, put_model, verified_manifest
-from toolkit.checkpoints._model_state import expand
-from toolkit.checkpoints._optim_names import parameter_names
+from toolkit.checkpoints._load import full_model, load_checkpoint, verified_manifest
+from toolkit.checkpoints._model_state import parameter_names, put_model
 from toolkit.checkpoints._retention import Retention, retain
 from toolkit.checkpoints._save import save_checkpoint, save_in_background
 from toolkit.distributed._collectives import Group, agree, group_of, max_over_ranks, rank_of
@@ -448,6 +447,5 @@ def _restore_best(root: Path, rules: Retention, state: TrainState) -> TrainState
     sign = 1.0 if rules.mode == "min" else -1.0
     metric = str(rules.metric)
     chosen = min(best, key=lambda i: (sign * i.metrics[metric], -(i.step or 0)))
-    tensors, aliases = full_model(verified_manifest(chosen.path))
-    put_model(state.model, expand(tensors, aliases))
+    put_model(state.model, full_model(verified_manifest(chosen.path)))
     return state
