@@ -559,7 +559,7 @@ def test_plugin_metric_tensor_is_refused() -> None:
             return event.state.replace(extras={"val": entry})
         return None
 
-    with pytest.raises(TypeError, match=r"'val/loss' is a tensor; a plugin stores python floats"):
+    with pytest.raises(TypeError, match=r"metric val/loss must be a number; got 'a tensor'"):
         run(
             make_step(lambda m, b: zero(m) + b),
             frozen_state(),
@@ -629,7 +629,7 @@ _NO_START = mock.Mock(spec=["write", "close"])
 
 @pytest.mark.parametrize("sinks", ["metrics.jsonl", None, [print], [_NO_START]])
 def test_sinks_must_be_sinks(sinks: Any) -> None:
-    with pytest.raises(TypeError, match=r"log_metrics: (sinks must be a list|each sink needs)"):
+    with pytest.raises(TypeError, match=r"log_metrics: sinks(\[0\])? must be a (list of )?sink"):
         log_metrics(1, sinks=sinks)
 
 
@@ -647,7 +647,7 @@ def test_sinks_must_be_sinks(sinks: Any) -> None:
             TypeError,
             r"record 'a/b' is a str; expected a number, a one-element tensor or a nested mapping",
         ),
-        ({"loss": 1.0}, ValueError, r"\['loss'\] would overwrite the published train/loss"),
+        ({"loss": 1.0}, ValueError, r"records must be named unlike published keys; got \['loss'\]"),
     ],
 )
 def test_bad_records_are_refused_with_the_key(records: dict, error: type, match: str) -> None:

@@ -124,24 +124,8 @@ def test_jsonl_existing_append_and_replace(tmp_path: Path) -> None:
     replaced.write(3, {"a": 3.0})  # reopened: appends to its own lines
     replaced.close()
     assert _steps(path) == [2, 3]
-    with pytest.raises(ValueError, match=r"jsonl: existing must be 'refuse', 'replace' or "):
+    with pytest.raises(ValueError, match=r"jsonl: existing must be one of \['refuse', 'replace'"):
         jsonl(path, existing="keep")
-
-
-def test_jsonl_mode_is_the_older_spelling_of_existing(tmp_path: Path) -> None:
-    path = tmp_path / "m.jsonl"
-    path.write_text('{"step": 10, "old": 1}\n')
-    sink = jsonl(path, mode="w")
-    sink.write(1, {"a": 1.0})
-    sink.close()
-    sink = jsonl(path, mode="a")
-    sink.write(2, {"a": 2.0})
-    sink.close()
-    assert _steps(path) == [1, 2]
-    with pytest.raises(ValueError, match="mode must be 'a' .append. or 'w' .replace.; got 'x'"):
-        jsonl(path, mode="x")
-    with pytest.raises(ValueError, match=r"jsonl: give existing= or its older spelling mode="):
-        jsonl(path, mode="a", existing="append")
 
 
 def test_jsonl_non_finite_values_round_trip(tmp_path: Path) -> None:
@@ -154,11 +138,11 @@ def test_jsonl_non_finite_values_round_trip(tmp_path: Path) -> None:
 
 
 def test_jsonl_bad_paths(tmp_path: Path) -> None:
-    with pytest.raises(TypeError, match=r"jsonl: path must be a path .*got int"):
+    with pytest.raises(TypeError, match=r"jsonl: path must be a path .*got 3"):
         jsonl(3)  # type: ignore[arg-type]
     with pytest.raises(
         IsADirectoryError,
-        match=r"jsonl: path must be a file, e.g. '.*metrics.jsonl'; got the directory",
+        match=r"jsonl: path must be a file, e.g. 'metrics.jsonl'; got '.*'",
     ):
         jsonl(tmp_path)
 
@@ -212,8 +196,7 @@ def test_two_jsonl_sinks_on_one_path_are_refused_at_start(tmp_path: Path) -> Non
     first.write(2, {"a": 2.0})
     with pytest.raises(
         ValueError,
-        match=r"jsonl: two sinks write to '.*m.jsonl': jsonl\('.*/m.jsonl'\) and "
-        r"jsonl\('.*/sub/\.\./m.jsonl'\); their lines would overwrite each other. Give each sink",
+        match=r"jsonl: path must be written by one sink; got '.*m.jsonl'. Give each sink",
     ):
         second.start(1)
     assert _steps(path) == [1, 2]  # refused before touching the file (no cut at step 1)
@@ -232,7 +215,7 @@ def test_two_jsonl_sinks_on_one_path_fail_a_run_before_its_first_publish(
     state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     step = make_step(lambda m, b: m(b).mean())
     plugin = log_metrics(4, sinks=[jsonl(path), jsonl(path)])
-    with pytest.raises(ValueError, match=r"jsonl: two sinks write to"):
+    with pytest.raises(ValueError, match=r"jsonl: path must be written by one sink"):
         run(step, state, [torch.ones(1, 2)] * 8, max_steps=8, plugins=[plugin])
     assert path.read_text() == ""  # nothing published: refused at the start, not at step 4
 
@@ -365,7 +348,7 @@ def test_tensorboard_fresh_run_into_old_events_refuses_replaces_or_appends(
     replaced.close()
     assert _scalars(tmp_path)["loss"] == [(1, 1.0)]
     assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 1
-    with pytest.raises(ValueError, match=r"tensorboard: existing must be 'refuse', "):
+    with pytest.raises(ValueError, match=r"tensorboard: existing must be one of \['refuse'"):
         tensorboard(tmp_path, existing=None)  # type: ignore[arg-type]
 
 
@@ -401,11 +384,15 @@ def test_wandb_missing_package_says_how_to_install(monkeypatch: pytest.MonkeyPat
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"projct": "p"}, TypeError, r"wandb: \['projct'\] is not an argument of wandb.init; "),
+        (
+            {"projct": "p"},
+            TypeError,
+            r"wandb: each argument must be one of wandb.init; got \['projct'\]",
+        ),
         ({"mode": "offlin"}, ValueError, r"wandb: mode must be one of \['online', 'offline', "),
         ({"resume": "yes"}, ValueError, r"wandb: resume must be one of \['allow', 'never'"),
-        ({"project": 3}, TypeError, r"wandb: project must be a str; got int 3"),
-        ({"name": ["a"]}, TypeError, r"wandb: name must be a str; got list"),
+        ({"project": 3}, TypeError, r"wandb: project must be a str; got 3"),
+        ({"name": ["a"]}, TypeError, r"wandb: name must be a str; got \['a'\]"),
         ({"tags": "baseline"}, TypeError, r"wandb: tags must be a list of str"),
         ({"dir": 5}, TypeError, r"wandb: dir must be a path"),
     ],

@@ -1,17 +1,42 @@
-"""Argument checks shared by the public functions, so their errors read alike."""
+"""Argument checks shared by the public functions, so their errors read alike:
+``"{who}: {name} must be {expected}; got {value!r}."``, then the fix when there is one."""
 
 from __future__ import annotations
 
+import math
+import os
+import pathlib
+from collections.abc import Iterable, Sequence
 from typing import Any
 
-__all__ = ["check_count", "check_key"]
+__all__ = [
+    "check",
+    "check_count",
+    "check_key",
+    "check_names",
+    "check_one_of",
+    "check_path",
+    "check_positive",
+]
+
+
+def check(
+    ok: bool, who: str, name: str, expected: str, got: Any, fix: str = "", error: type = ValueError
+) -> None:
+    """Raise ``error`` unless ``ok``, with the one sentence: expected, got, then the fix.
+
+    Example:
+        >>> check(False, "plot", "out", "a folder", 3, "pass a path.", TypeError)
+        Traceback (most recent call last):
+        ...
+        TypeError: plot: out must be a folder; got 3. pass a path.
+    """
+    if not ok:
+        raise error(f"{who}: {name} must be {expected}; got {got!r}." + (f" {fix}" if fix else ""))
 
 
 def check_count(who: str, name: str, value: Any, least: int, meaning: str = "") -> None:
     """Raise ValueError unless ``value`` is an int (not a bool) >= ``least``.
-
-    The message reads ``"{who}: {name} must be an int >= {least} ({meaning}); got {value!r}."``,
-    the part in parentheses only when given.
 
     Example:
         >>> check_count("progress", "every", 0, 1, "updates between refreshes")
@@ -19,9 +44,8 @@ def check_count(who: str, name: str, value: Any, least: int, meaning: str = "") 
         ...
         ValueError: progress: every must be an int >= 1 (updates between refreshes); got 0.
     """
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        what = f" ({meaning})" if meaning else ""
-        raise ValueError(f"{who}: {name} must be an int >= {least}{what}; got {value!r}.")
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= least
+    check(ok, who, name, f"an int >= {least}" + (f" ({meaning})" if meaning else ""), value)
 
 
 def check_key(who: str, key: Any) -> None:
@@ -33,7 +57,39 @@ def check_key(who: str, key: Any) -> None:
         ...
         ValueError: ema: key must be a non-empty string (the state.extras key); got ''.
     """
-    if not isinstance(key, str) or not key:
-        raise ValueError(
-            f"{who}: key must be a non-empty string (the state.extras key); got {key!r}."
-        )
+    ok = isinstance(key, str) and bool(key)
+    check(ok, who, "key", "a non-empty string (the state.extras key)", key)
+
+
+def check_one_of(who: str, name: str, value: Any, choices: Sequence[Any], meaning: str = "") -> Any:
+    """``value``, or ValueError naming the ``choices`` when it is none of them."""
+    check(value in choices, who, name, f"one of {list(choices)}{meaning}", value)
+    return value
+
+
+def check_positive(who: str, name: str, value: Any, example: str) -> float:
+    """``value`` as a float, or ValueError unless it is a finite number > 0."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    check(
+        number and math.isfinite(value) and value > 0,
+        who,
+        name,
+        f"a number > 0, e.g. {example}",
+        value,
+    )
+    return float(value)
+
+
+def check_names(who: str, name: str, value: Any) -> list[str]:
+    """``value`` as a list of str, or TypeError unless it is an iterable of str (not a str)."""
+    names = list(value) if isinstance(value, Iterable) and not isinstance(value, str) else None
+    ok = names is not None and all(isinstance(n, str) for n in names)
+    check(ok, who, name, "a list of record names, e.g. ['ntokens']", value, error=TypeError)
+    return names  # type: ignore[return-value]
+
+
+def check_path(who: str, name: str, value: Any) -> pathlib.Path:
+    """``value`` as a Path, or TypeError unless it is a str or os.PathLike."""
+    ok = isinstance(value, (str, os.PathLike))
+    check(ok, who, name, "a path (str or os.PathLike)", value, error=TypeError)
+    return pathlib.Path(value)

@@ -5,54 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from toolkit._checks import check_count
+from toolkit._checks import check, check_count
 from toolkit.distributed._collectives import is_rank_zero
 from toolkit.loop._run import Event, plugin_factory
 from toolkit.plugins._shared import due
-from toolkit.plugins._sinks import Sink, _no_images, check_listed_once, close_all
+from toolkit.plugins._sinks import Sink, check_sinks, close_all
 from toolkit.step._state import TrainState
 
 __all__ = ["log_images"]
-
-
-def _check(fn: Any, every: Any, sinks: Any) -> list[Sink]:
-    if not callable(fn):
-        raise TypeError(
-            f"log_images: fn must be a function state -> {{name: image}}, e.g. lambda state: "
-            f"{{'samples': draw(state.model)}}; got {type(fn).__name__}."
-        )
-    check_count("log_images", "every", every, 1, "updates between images")
-    if isinstance(sinks, Sink):
-        sinks = [sinks]
-    if not isinstance(sinks, Sequence) or isinstance(sinks, str) or not sinks:
-        raise TypeError(
-            f"log_images: sinks must be a non-empty list of sinks, e.g. [png_dir(path)]; got "
-            f"{sinks!r}."
-        )
-    for i, sink in enumerate(sinks):
-        images = getattr(sink, "images", None)
-        if (
-            not callable(images)
-            or images is _no_images
-            or not callable(getattr(sink, "close", None))
-        ):
-            raise TypeError(
-                f"log_images: sinks[{i}] records no images ({type(sink).__name__} without an "
-                "images member; jsonl records metrics only); use png_dir(path), "
-                "tensorboard(log_dir), wandb(...) or a Sink with images=."
-            )
-    check_listed_once("log_images", sinks)
-    return list(sinks)
-
-
-def _images(fn: Callable[[TrainState], Any], state: TrainState) -> dict[str, Any]:
-    made = fn(state)
-    if not isinstance(made, Mapping) or not all(isinstance(k, str) for k in made):
-        raise TypeError(
-            f"log_images: fn must return a mapping {{name: image}} with str names, e.g. "
-            f"{{'samples': tensor}}; got {type(made).__name__}."
-        )
-    return dict(made)
 
 
 @plugin_factory(order=60)
@@ -72,11 +32,10 @@ def log_images(
     :class:`Sink`). ``fn`` runs on rank 0 alone: it must not call collectives (no forward
     of an FSDP2 model); it is not called at the end of a run that raised.
 
-    The sinks are started at the run's first event after ``"start"`` (after a
-    ``checkpoints`` plugin restored the state: a resumed run's images follow its step, as
-    its metrics do) and closed at ``"end"``. One sink may serve both this plugin and
-    :func:`toolkit.plugins.log_metrics` (e.g. one W&B run): it is started once and
-    released at the second close.
+    The sinks are started at ``"start"`` with the step of the (restored) state, so a
+    resumed run's images follow its step, as its metrics do, and closed at ``"end"``. One
+    sink may serve both this plugin and :func:`toolkit.plugins.log_metrics` (e.g. one W&B
+    run): it is started once and released at the second close.
 
     Args:
         fn: ``fn(state) -> {name: image}``; a name with ``/`` groups images
@@ -110,50 +69,35 @@ def log_images(
         >>> seen
         [(2, ['weights']), (4, ['weights']), (5, ['weights'])]
     """
-    sink_list = _check(fn, every, sinks)
-    memory: dict[str, Any] = {"begun": False, "last": None}
-
-    def begin(event: Event) -> None:
-        memory["begun"] = True
-        state = event.state
-        # The step the run resumed from: the first "step" event's update is past it.
-        resumed = state.step - (
-            event.kind == "step" and event.out is not None and event.out.updated
-        )
-        memory["last"] = resumed
-        for sink in sink_list:
-            start = getattr(sink, "start", None)
-            if start is not None:
-                start(resumed)
+    example = "a function state -> {name: image}"
+    check(callable(fn), "log_images", "fn", example, fn, "", TypeError)
+    check_count("log_images", "every", every, 1, "updates between images")
+    sink_list = check_sinks("log_images", sinks, images=True)
+    last = [0]  # the step of the last images
 
     def record(state: TrainState) -> None:
-        images = _images(fn, state)
-        memory["last"] = state.step
-        if images:
-            for sink in sink_list:
-                sink.images(state.step, images)
+        images = fn(state)
+        named = isinstance(images, Mapping) and all(isinstance(k, str) for k in images)
+        check(named, "log_images", "fn", example, images, "", TypeError)
+        last[0] = state.step
+        for sink in sink_list if images else ():
+            sink.images(state.step, dict(images))
 
     def plugin(event: Event) -> TrainState | None:
         if not is_rank_zero():
             return None
-        kind = event.kind
-        if kind in ("restore", "start"):
-            memory["begun"] = False
-            return None
-        if kind == "end":
+        if event.kind == "start":
+            last[0] = event.state.step
+            for sink in sink_list:
+                sink.start(event.state.step)
+        elif event.kind == "step" and due(event, every):
+            record(event.state)
+        elif event.kind == "end":
             try:
-                if not memory["begun"]:
-                    begin(event)
-                if event.error is None and event.state.step != memory["last"]:
+                if event.error is None and event.state.step != last[0]:
                     record(event.state)
             finally:
-                memory["begun"] = False
                 close_all(sink_list)
-            return None
-        if not memory["begun"]:
-            begin(event)
-        if kind == "step" and due(event, every):
-            record(event.state)
         return None
 
     return plugin

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 
 from toolkit.step._step import StepOutput
-from toolkit.step._weighted import Column, columns, weighted_sums
+from toolkit.step._weighted import Column, _fsum, columns, weighted_sums
 
-__all__ = ["KINDS", "Interval", "combine", "flat_scalars", "merge", "read"]
+__all__ = ["KINDS", "Interval", "combine", "flat_scalars", "read"]
 
 # How a record may be reduced over an interval (and over ranks) besides the weighted mean.
 KINDS = ("mean", "sum", "max", "min")
@@ -168,36 +168,6 @@ def _reduce_into(into: dict[str, Any], key: str, kind: str, values: Sequence[Any
         got = max(values) if kind == "max" else min(values)
     before = into.get(key)
     into[key] = got if before is None else combine(kind, before, got)
-
-
-def _fsum(values: Sequence[Any]) -> float:
-    try:
-        return math.fsum(values)
-    except (ValueError, OverflowError):  # inf - inf, or an overflowing partial sum
-        return float(sum(values))
-
-
-def merge(into: Interval, part: Interval, kinds: Mapping[str, str]) -> None:
-    """Add the interval ``part`` (read after ``into``) to ``into``."""
-    for key, (total, weight) in part.sums.items():
-        before = into.sums.get(key)
-        into.sums[key] = (
-            (total, weight) if before is None else (before[0] + total, before[1] + weight)
-        )
-    for key, value in part.reduced.items():
-        before = into.reduced.get(key)
-        into.reduced[key] = value if before is None else combine(kinds[key], before, value)
-    if part.targets is not None:
-        into.targets = part.targets + (into.targets or 0.0)
-    if part.samples is not None:
-        into.samples = part.samples + (into.samples or 0)
-    into.norm_total += part.norm_total
-    into.norms += part.norms
-    if part.lr is not None:
-        into.lr = part.lr
-    into.updates += part.updates
-    into.nonfinite += part.nonfinite
-    into.overflow += part.overflow
 
 
 def flat_scalars(

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from toolkit._checks import check_count
+from toolkit._checks import check, check_count, check_names, check_positive
 from toolkit.distributed._collectives import (
     data_parallel_group,
     is_distributed,
@@ -20,9 +19,9 @@ from toolkit.distributed._collectives import (
     sum_over_ranks,
 )
 from toolkit.loop._run import Event, plugin_factory
-from toolkit.plugins._interval import KINDS, Interval, combine, flat_scalars, merge, read
+from toolkit.plugins._interval import KINDS, Interval, combine, flat_scalars, read
 from toolkit.plugins._shared import claim, due, metric_entry
-from toolkit.plugins._sinks import Sink, check_listed_once, close_all
+from toolkit.plugins._sinks import Sink, check_sinks, close_all
 from toolkit.step._state import TrainState
 from toolkit.step._step import StepOutput
 
@@ -42,208 +41,79 @@ _RESERVED = frozenset(
 KEY = "log_metrics"
 
 
-def _flat_records(
-    records: Mapping[str, Any], chosen: frozenset[str] | None, reserved: frozenset[str]
-) -> dict[str, Any]:
-    """A micro-batch's scalar records flattened with "/"."""
-    flat = flat_scalars(records, chosen)
-    clash = reserved.intersection(flat)
-    if clash:
-        raise ValueError(
-            f"log_metrics: record(s) {sorted(clash)} would overwrite the published "
-            f"train/{sorted(clash)[0]}; rename them in loss_fn's records."
-        )
-    return flat
-
-
-def _new_extras(extras: Mapping[str, Any], seen: dict[str, Any], out: dict[str, float]) -> None:
-    """Add to ``out`` the plugin metrics entries whose "step" changed since ``seen``."""
-    for name, entry in extras.items():
-        parsed = metric_entry(entry)
-        if parsed is None or seen.get(name, _NEVER) == parsed[0]:
-            continue
-        seen[name] = parsed[0]
-        flat: dict[str, Any] = {}
-        _flatten_entry(parsed[1], f"{name}/", flat)
-        out.update(flat)
-
-
-def _flatten_entry(tree: Mapping[str, Any], prefix: str, into: dict[str, Any]) -> None:
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            _flatten_entry(value, f"{name}/", into)
-        elif isinstance(value, torch.Tensor):
-            raise TypeError(
-                f"log_metrics: state.extras metric {name!r} is a tensor; a plugin stores "
-                "python floats in extras[NAME]['metrics'] (read once when produced), so "
-                "that publishing costs no host sync."
-            )
-        elif isinstance(value, (int, float)):
-            into[name] = value
-        else:
-            raise TypeError(
-                f"log_metrics: state.extras metric {name!r} is a {type(value).__name__}; "
-                "expected a number or a nested mapping of numbers."
-            )
-
-
-_NEVER = object()
-
-
-def _positive(who: str, name: str, value: Any, example: str) -> None:
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not (number and math.isfinite(value) and value > 0):
-        raise ValueError(f"{who}: {name} must be a number > 0, e.g. {example}; got {value!r}.")
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True)
 class _Options:
-    """log_metrics's checked options."""
+    """log_metrics's checked arguments."""
 
     every: int
     sinks: list[Sink]
     kinds: dict[str, str]  # record (or "grad_norm") -> "sum" | "max" | "min"
-    totals: tuple[str, ...]
+    totals: list[str]
     records: frozenset[str] | None
     per_epoch: bool
-    flops: tuple[str, float] | None  # ("samples" | "targets", FLOPs per one), with peak
+    flops: tuple[str, float] | None  # ("samples" | "targets", FLOPs per one)
     peak_flops: float | None
     reserved: frozenset[str]  # names a record may not have
+    clock: Callable[[], float]
 
 
-def _check(
-    every: Any,
-    sinks: Any,
-    reduce: Any,
-    totals: Any,
-    records: Any,
-    per_epoch: Any,
-    flops_per_sample: Any,
-    flops_per_token: Any,
-    peak_flops: Any,
-) -> _Options:
-    check_count("log_metrics", "every", every, 1, "updates per published interval")
-    if isinstance(sinks, Sink):
-        sinks = [sinks]
-    if not isinstance(sinks, Sequence) or isinstance(sinks, str):
-        raise TypeError(
-            f"log_metrics: sinks must be a list of sinks, e.g. [jsonl(path)]; got "
-            f"{type(sinks).__name__}."
-        )
-    for sink in sinks:
-        if not all(callable(getattr(sink, name, None)) for name in ("write", "close", "start")):
-            raise TypeError(
-                f"log_metrics: each sink needs write(step, metrics), close() and start(step); "
-                f"got {type(sink).__name__}; build one with jsonl, tensorboard, wandb or "
-                "Sink(write, close)."
-            )
-    check_listed_once("log_metrics", sinks)
-    if not isinstance(reduce, Mapping):
-        raise TypeError(
-            f"log_metrics: reduce must map record names to a kind, e.g. {{'ntokens': 'sum'}}; "
-            f"got {type(reduce).__name__}."
-        )
+def _options(
+    every: Any, sinks: Any, reduce: Any, totals: Any, records: Any, per_epoch: Any,
+    flops_per_sample: Any, flops_per_token: Any, peak_flops: Any, clock: Any,
+) -> _Options:  # fmt: skip
+    who = "log_metrics"
+    check_count(who, "every", every, 1, "updates per published interval")
+    sinks = check_sinks(who, sinks)
+    example = "a mapping of record names to a kind, e.g. {'ntokens': 'sum'}"
+    check(isinstance(reduce, Mapping), who, "reduce", example, reduce, error=TypeError)
     for name, kind in reduce.items():
-        if not isinstance(name, str) or kind not in KINDS:
-            raise ValueError(
-                f"log_metrics: reduce[{name!r}] must be one of {list(KINDS)}; got {kind!r}."
-            )
-        if name in _RESERVED - {"grad_norm"}:
-            raise ValueError(
-                f"log_metrics: reduce[{name!r}]: only records and 'grad_norm' can be reduced "
-                f"otherwise than by the mean; train/{name} is always what it is documented as."
-            )
-    names = _names("totals", totals)
-    for name in names:
-        if reduce.get(name) != "sum":
-            raise ValueError(
-                f"log_metrics: totals names {name!r}, which is not reduced by 'sum'; a run "
-                f"total adds up interval sums: pass reduce={{{name!r}: 'sum'}} as well."
-            )
-    chosen = None if records is None else frozenset(_names("records", records))
-    if not isinstance(per_epoch, bool):
-        raise TypeError(f"log_metrics: per_epoch must be True or False; got {per_epoch!r}.")
+        check(kind in KINDS, who, f"reduce[{name!r}]", f"one of {list(KINDS)}", kind)
+        builtin = name in _RESERVED - {"grad_norm"}
+        check(not builtin, who, f"reduce[{name!r}]", "a record or 'grad_norm'", name)
+    totals = check_names(who, "totals", totals)
+    for name in totals:
+        summed = reduce.get(name) == "sum"
+        fix = f"Pass reduce={{{name!r}: 'sum'}} as well."
+        check(summed, who, f"totals[{name!r}]", "a record reduced by 'sum'", name, fix)
+    chosen = None if records is None else frozenset(check_names(who, "records", records))
+    check(isinstance(per_epoch, bool), who, "per_epoch", "True or False", per_epoch, "", TypeError)
+    both = flops_per_sample is not None and flops_per_token is not None
+    check(not both, who, "flops_per_sample or flops_per_token", "given alone", "both")
     flops = None
-    if flops_per_sample is not None and flops_per_token is not None:
-        raise ValueError(
-            "log_metrics: give flops_per_sample or flops_per_token, not both; got both."
-        )
     for name, value, unit in (
         ("flops_per_sample", flops_per_sample, "samples"),
         ("flops_per_token", flops_per_token, "targets"),
     ):
         if value is not None:
-            _positive("log_metrics", name, value, "6 * n_params * tokens_per_sample")
-            flops = (unit, float(value))
-    if (flops is None) != (peak_flops is None):
-        raise ValueError(
-            "log_metrics: train/mfu needs both the FLOPs of one sample (flops_per_sample) or "
-            "target (flops_per_token) and the peak FLOP/s of one device (peak_flops); got "
-            + ("only peak_flops." if flops is None else "no peak_flops.")
-        )
+            flops = (unit, check_positive(who, name, value, "6 * n_params * tokens_per_sample"))
     if peak_flops is not None:
-        _positive("log_metrics", "peak_flops", peak_flops, "989e12 (an H100's bf16 peak)")
+        peak_flops = check_positive(who, "peak_flops", peak_flops, "989e12 (an H100's bf16 peak)")
+    got = "only peak_flops" if flops is None else "no peak_flops"
+    paired = (flops is None) == (peak_flops is None)
+    check(paired, who, "train/mfu", "given flops_per_sample or flops_per_token and peak_flops", got)
     kinds = {name: kind for name, kind in reduce.items() if kind != "mean"}
-    reserved = _RESERVED | {"mfu"} if flops else _RESERVED
-    reserved = reserved | {"epoch_loss", "epoch"} if per_epoch else reserved
+    reserved = _RESERVED | ({"mfu"} if flops else set())
+    reserved |= {"epoch_loss", "epoch"} if per_epoch else set()
     return _Options(
-        every, list(sinks), kinds, tuple(names), chosen, per_epoch, flops, peak_flops, reserved
+        every, sinks, kinds, totals, chosen, per_epoch, flops, peak_flops, reserved, clock
     )
-
-
-def _names(what: str, value: Any) -> list[str]:
-    if isinstance(value, str) or not isinstance(value, Iterable):
-        raise TypeError(
-            f"log_metrics: {what} must be a list of record names, e.g. ['ntokens']; got {value!r}."
-        )
-    names = list(value)
-    if not all(isinstance(name, str) for name in names):
-        raise TypeError(f"log_metrics: {what} must be a list of record names; got {names!r}.")
-    return names
-
-
-def _groups(optimizer: Any) -> list[dict[str, Any]]:
-    """The parameter groups of the state's optimizer (a MultiOptimizer's: all of them)."""
-    return list(getattr(optimizer, "param_groups", None) or ())
-
-
-def _group_names(groups: Sequence[Mapping[str, Any]]) -> list[str]:
-    names = [
-        str(g["name"]) if isinstance(g.get("name"), str) else str(i) for i, g in enumerate(groups)
-    ]
-    return names if len(set(names)) == len(names) else [str(i) for i in range(len(groups))]
-
-
-def _lrs(groups: Sequence[Mapping[str, Any]]) -> list[Any]:
-    # A tensor learning rate is changed in place by schedulers: keep a copy.
-    return [
-        g["lr"].detach().clone() if isinstance(g["lr"], torch.Tensor) else g["lr"] for g in groups
-    ]
 
 
 @dataclasses.dataclass(slots=True)
 class _Memory:
-    """log_metrics's memory: the open interval, and what the run started from."""
+    """The open interval, and what the run's other plugins published."""
 
-    # Each update's window outputs, read at the publish (or a fold). Not the events: their
+    # Each update's window outputs, read at the publish (or a fold); not the events, whose
     # states may hold large extras.
     windows: list[tuple[StepOutput, ...]] = dataclasses.field(default_factory=list)
-    interval: Interval = dataclasses.field(default_factory=Interval)  # what was read so far
-    data_time: float = 0.0
-    step_time: float = 0.0
+    interval: Interval = dataclasses.field(default_factory=Interval)  # read so far
+    times: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.0])  # data, step
     started: float = 0.0  # clock() when the interval started
     seen: dict[str, Any] = dataclasses.field(default_factory=dict)  # entry -> step published
     extras: Any = None  # the state.extras last scanned for new entries
-    # Work on the "step" path that most runs do not need: the first event after "start"
-    # (see begin) and, with several parameter groups, their learning rates.
-    slow: bool = False
-    begun: bool = False
-    group_names: list[str] = dataclasses.field(default_factory=list)
-    next_lrs: list[Any] = dataclasses.field(default_factory=list)  # for the next update
-    used_lrs: list[Any] = dataclasses.field(default_factory=list)  # by the last applied one
+    # With several parameter groups: their LRs for the next update, and the last applied one's.
+    lrs: tuple[list[Any], list[Any]] = ([], [])
     epoch_loss: tuple[float, float] = (0.0, 0.0)  # (weighted sum, weight) this epoch
-    group: Any = None  # the model's data-parallel group; None: the world
 
 
 @plugin_factory(order=60)
@@ -405,220 +275,227 @@ def log_metrics(
         >>> state.extras["log_metrics"]
         {'totals': {'tokens': 7}, 'through': 3}
     """
-    options = _check(
-        every,
-        sinks,
-        {} if reduce is None else reduce,
-        totals,
-        records,
-        per_epoch,
-        flops_per_sample,
-        flops_per_token,
-        peak_flops,
-    )
-    sink_list, kinds, chosen = options.sinks, options.kinds, options.records
+    options = _options(
+        every, sinks, {} if reduce is None else reduce, totals, records, per_epoch,
+        flops_per_sample, flops_per_token, peak_flops, clock,
+    )  # fmt: skip
     memory = _Memory()
-
-    reserved = options.reserved
-
-    def flatten(record: Mapping[str, Any]) -> dict[str, Any]:
-        return _flat_records(record, chosen, reserved)
-
-    def take(
-        windows: Sequence[tuple[StepOutput, ...]],
-        open_window: Any = (),
-        also: Sequence[torch.Tensor] = (),
-    ) -> list[Any]:
-        """Read ``windows`` into the interval (and the epoch's loss): one host read."""
-        if not options.per_epoch:
-            return read(memory.interval, windows, open_window, flatten, kinds, also)
-        part = Interval()
-        got = read(part, windows, open_window, flatten, kinds, also)
-        merge(memory.interval, part, kinds)
-        total, weight = part.sums.get("loss", (0.0, 0.0))
-        memory.epoch_loss = (memory.epoch_loss[0] + total, memory.epoch_loss[1] + weight)
-        return got
-
-    def publish(
-        state: TrainState, extra: dict[str, float], collective: bool, open_window: Any = ()
-    ) -> TrainState | None:
-        interval = memory.interval
-        lrs = memory.used_lrs
-        tensor_lrs = [lr for lr in lrs if isinstance(lr, torch.Tensor)]
-        host_lrs = iter(take(memory.windows, open_window, tensor_lrs))  # one host read
-        if tensor_lrs:
-            lrs = [next(host_lrs) if isinstance(lr, torch.Tensor) else lr for lr in lrs]
-        now = clock()
-        elapsed, memory.started = now - memory.started, now
-        # The 1.0 adds up to the number of ranks: times are per rank, their mean is shown.
-        times = [memory.data_time, memory.step_time, 1.0]
-        counts = [interval.samples or 0, interval.targets or 0.0, *times]
-        means, reduced, counts = _over_ranks(interval, kinds, counts, collective, memory.group)
-        samples, targets, data_time, step_time, ranks = counts
-        metrics = {f"train/{k}": total / weight for k, (total, weight) in means if weight}
-        for key, value in reduced.items():
-            metrics[f"train/{key}"] = value
-        if interval.lr is not None:
-            metrics["train/lr"] = float(interval.lr)
-        if len(lrs) > 1:
-            for name, lr in zip(memory.group_names, lrs):
-                _put(metrics, f"train/lr/{name}", float(lr))
-        if interval.norms and "grad_norm" not in reduced:
-            metrics["train/grad_norm"] = interval.norm_total / interval.norms
-        if interval.updates:
-            metrics["time/data"] = data_time / ranks / interval.updates
-            metrics["time/step"] = step_time / ranks / interval.updates
-        if elapsed > 0:
-            if interval.samples is not None:
-                metrics["train/samples_per_s"] = samples / elapsed
-            if interval.targets is not None:
-                metrics["train/tokens_per_s"] = targets / elapsed
-            if options.flops is not None and options.peak_flops is not None:
-                unit, flops = options.flops
-                done = samples if unit == "samples" else targets
-                devices = dist.get_world_size() if is_distributed() else 1
-                metrics["train/mfu"] = flops * done / elapsed / (options.peak_flops * devices)
-        if interval.nonfinite:
-            metrics["train/nonfinite"] = float(interval.nonfinite)
-        if interval.overflow:
-            metrics["train/overflow"] = float(interval.overflow)
-        new_state = None
-        if options.totals:
-            new_state, run_totals = _add_totals(state, options.totals, reduced)
-            for name, value in run_totals.items():
-                _put(metrics, f"train/total/{name}", value)
-        metrics.update(extra)
-        reset()
-        write(state.step, metrics)
-        return new_state
-
-    def reset() -> None:
-        memory.windows.clear()
-        memory.interval = Interval()
-        memory.data_time = memory.step_time = 0.0
-
-    def write(step: int, metrics: dict[str, float]) -> None:
-        if metrics and is_rank_zero():
-            for sink in sink_list:
-                sink.write(step, metrics)
-
-    def scan(state: TrainState) -> dict[str, float]:
-        extra: dict[str, float] = {}
-        if state.extras is not memory.extras:  # extras are replaced, never mutated
-            memory.extras = state.extras
-            _new_extras(state.extras, memory.seen, extra)
-        return extra
-
-    def begin(event: Event) -> None:
-        """What needs the state the run really starts from: done at the first event after
-        "start", once a plugin placed later (checkpoints) has had the chance to restore it."""
-        state = event.state
-        memory.begun = True
-        resumed = state.step - (
-            event.kind == "step" and event.out is not None and event.out.updated
-        )
-        # Entries from before this run's first update were published by an earlier run.
-        memory.seen = {}
-        for name, entry in state.extras.items():
-            parsed = metric_entry(entry)
-            if parsed is not None and not (isinstance(parsed[0], int) and parsed[0] > resumed):
-                memory.seen[name] = parsed[0]
-        memory.extras = None  # scan everything at this event
-        if is_rank_zero():
-            for sink in sink_list:
-                sink.start(resumed)
-            _check_totals(state, options.totals, resumed)
-        memory.slow = len(memory.next_lrs) > 1
-
-    def lrs_at_step(event: Event) -> None:
-        if event.out is not None and event.out.updated:
-            memory.used_lrs = memory.next_lrs
-        memory.next_lrs = _lrs(_groups(event.state.optimizer))
 
     def plugin(event: Event) -> TrainState | None:
         kind, state = event.kind, event.state
         if kind == "step":
-            if memory.slow:
-                if not memory.begun:
-                    begin(event)
-                if len(memory.next_lrs) > 1:
-                    lrs_at_step(event)
-            memory.windows.append(event.outs)
-            memory.data_time += event.data_time
-            memory.step_time += event.step_time
-            extra = scan(state)
-            if due(event, options.every):
-                return publish(state, extra, collective=True)
-            if len(memory.windows) >= _FOLD:
-                take(memory.windows)
-                memory.windows.clear()
-            if extra:
-                write(state.step, extra)
-        elif kind == "start":
-            reset()
-            memory.started = clock()
-            memory.begun, memory.slow = False, True
-            memory.epoch_loss = (0.0, 0.0)
-            groups = _groups(state.optimizer)
-            memory.group_names = _group_names(groups)
-            memory.next_lrs = _lrs(groups) if len(groups) > 1 else []
-            memory.used_lrs = []
-            memory.group = data_parallel_group(state.model)
-            if options.totals:
-                claim(event, KEY, "log_metrics")
+            return _on_step(options, memory, event)
+        if kind == "start":
+            _start(options, memory, event)
         elif kind == "epoch_end":
-            if not memory.begun:
-                begin(event)
-            extra = scan(state)
+            extra = _scan(memory, state)
             if options.per_epoch:
-                extra = {**epoch_metrics(state), **extra}
-            write(state.step, extra)
+                extra = {**_epoch_metrics(options, memory, state), **extra}
+            _write(options, state.step, extra)
         elif kind == "end":
             try:
-                if not memory.begun:
-                    begin(event)
-                extra = scan(state)
+                extra = _scan(memory, state)
                 if memory.windows or event.outs or memory.interval.sums:
-                    # Micro-batches of a window the run left open count too.
-                    return publish(
-                        state, extra, collective=event.error is None, open_window=event.outs
-                    )
-                write(state.step, extra)
+                    # Micro-batches of a window the run left open count too; after an
+                    # error, no collective (the other ranks may be gone).
+                    return _publish(options, memory, state, extra, event.error is None, event.outs)
+                _write(options, state.step, extra)
             finally:
-                close_all(sink_list)
+                close_all(options.sinks)
         return None
-
-    def epoch_metrics(state: TrainState) -> dict[str, float]:
-        if memory.windows:
-            take(memory.windows)  # the interval continues; what it read is kept
-            memory.windows.clear()
-        sums, _ = sum_over_ranks("log_metrics", {"loss": memory.epoch_loss}, group=memory.group)
-        total, weight = sums["loss"]
-        memory.epoch_loss = (0.0, 0.0)
-        metrics = {"train/epoch": float(state.epoch)}
-        if weight:
-            metrics["train/epoch_loss"] = total / weight
-        return metrics
 
     return plugin
 
 
+def _start(options: _Options, memory: _Memory, event: Event) -> None:
+    """A new run, from the (restored) state: its step is the one the sinks start at."""
+    state = event.state
+    memory.windows.clear()
+    memory.interval, memory.times = Interval(), [0.0, 0.0]
+    memory.started, memory.epoch_loss = options.clock(), (0.0, 0.0)
+    # Entries from before this run's first update were published by an earlier run.
+    memory.seen, memory.extras = {}, None
+    for name, entry in state.extras.items():
+        parsed = metric_entry(entry)
+        if parsed is not None and not (isinstance(parsed[0], int) and parsed[0] > state.step):
+            memory.seen[name] = parsed[0]
+    groups = _groups(state.optimizer)
+    memory.lrs = (_lrs(groups) if len(groups) > 1 else [], [])
+    if options.totals:
+        claim(event, KEY, "log_metrics")
+    if is_rank_zero():
+        for sink in options.sinks:
+            sink.start(state.step)
+        _check_totals(state, options.totals)
+
+
+def _on_step(options: _Options, memory: _Memory, event: Event) -> TrainState | None:
+    state = event.state
+    if memory.lrs[0]:  # several parameter groups: the LRs the next update will use
+        used = memory.lrs[0] if event.out is not None and event.out.updated else memory.lrs[1]
+        memory.lrs = (_lrs(_groups(state.optimizer)), used)
+    memory.windows.append(event.outs)
+    memory.times[0] += event.data_time
+    memory.times[1] += event.step_time
+    extra = _scan(memory, state)
+    if due(event, options.every):
+        return _publish(options, memory, state, extra, True)
+    if len(memory.windows) >= _FOLD:
+        _take(options, memory, memory.windows)
+        memory.windows.clear()
+    if extra:
+        _write(options, state.step, extra)
+    return None
+
+
+def _take(
+    options: _Options, memory: _Memory, windows: Sequence[Any], open_window: Any = (),
+    also: Sequence[torch.Tensor] = (),
+) -> list[Any]:  # fmt: skip
+    """Read ``windows`` into the interval (and the epoch's loss): one host read."""
+    interval = memory.interval
+    before = interval.sums.get("loss", (0.0, 0.0))
+
+    def flatten(record: Mapping[str, Any]) -> dict[str, Any]:
+        flat = flat_scalars(record, options.records)
+        clash = sorted(options.reserved.intersection(flat))
+        fix = "Rename them in loss_fn's records."
+        check(not clash, "log_metrics", "records", "named unlike published keys", clash, fix)
+        return flat
+
+    got = read(interval, windows, open_window, flatten, options.kinds, also)
+    if options.per_epoch:
+        after = interval.sums.get("loss", (0.0, 0.0))
+        total, weight = memory.epoch_loss
+        memory.epoch_loss = (total + after[0] - before[0], weight + after[1] - before[1])
+    return got
+
+
+def _publish(
+    options: _Options, memory: _Memory, state: TrainState, extra: dict[str, float],
+    collective: bool, open_window: Any = (),
+) -> TrainState | None:  # fmt: skip
+    interval, lrs = memory.interval, memory.lrs[1]
+    tensor_lrs = [lr for lr in lrs if isinstance(lr, torch.Tensor)]
+    host_lrs = iter(_take(options, memory, memory.windows, open_window, tensor_lrs))
+    lrs = [next(host_lrs) if isinstance(lr, torch.Tensor) else lr for lr in lrs]
+    now = options.clock()
+    elapsed, memory.started = now - memory.started, now
+    # The 1.0 adds up to the number of ranks: times are per rank, their mean is shown.
+    counts = [interval.samples or 0, interval.targets or 0.0, *memory.times, 1.0]
+    group = data_parallel_group(state.model)
+    means, reduced, counts = _over_ranks(interval, options.kinds, counts, collective, group)
+    samples, targets, data_time, step_time, ranks = counts
+    metrics = {f"train/{k}": total / weight for k, (total, weight) in means if weight}
+    metrics.update({f"train/{key}": value for key, value in reduced.items()})
+    if interval.lr is not None:
+        metrics["train/lr"] = float(interval.lr)
+    names = _group_names(_groups(state.optimizer)) if len(lrs) > 1 else []
+    for name, lr in zip(names, lrs):
+        _put(metrics, f"train/lr/{name}", float(lr))
+    if interval.norms and "grad_norm" not in reduced:
+        metrics["train/grad_norm"] = interval.norm_total / interval.norms
+    if interval.updates:
+        metrics["time/data"] = data_time / ranks / interval.updates
+        metrics["time/step"] = step_time / ranks / interval.updates
+    if elapsed > 0 and interval.samples is not None:
+        metrics["train/samples_per_s"] = samples / elapsed
+    if elapsed > 0 and interval.targets is not None:
+        metrics["train/tokens_per_s"] = targets / elapsed
+    if elapsed > 0 and options.flops is not None and options.peak_flops is not None:
+        done = samples if options.flops[0] == "samples" else targets
+        devices = dist.get_world_size() if is_distributed() else 1
+        metrics["train/mfu"] = options.flops[1] * done / elapsed / options.peak_flops / devices
+    for key in ("nonfinite", "overflow"):
+        if getattr(interval, key):
+            metrics[f"train/{key}"] = float(getattr(interval, key))
+    new_state = None
+    if options.totals:
+        new_state, run_totals = _add_totals(state, options.totals, reduced)
+        for name, value in run_totals.items():
+            _put(metrics, f"train/total/{name}", value)
+    metrics.update(extra)
+    memory.windows.clear()
+    memory.interval, memory.times = Interval(), [0.0, 0.0]
+    _write(options, state.step, metrics)
+    return new_state
+
+
+def _write(options: _Options, step: int, metrics: dict[str, float]) -> None:
+    if metrics and is_rank_zero():
+        for sink in options.sinks:
+            sink.write(step, metrics)
+
+
+def _epoch_metrics(options: _Options, memory: _Memory, state: TrainState) -> dict[str, float]:
+    if memory.windows:
+        _take(options, memory, memory.windows)  # the interval continues; what it read is kept
+        memory.windows.clear()
+    group = data_parallel_group(state.model)
+    sums, _ = sum_over_ranks("log_metrics", {"loss": memory.epoch_loss}, group=group)
+    total, weight = sums["loss"]
+    memory.epoch_loss = (0.0, 0.0)
+    metrics = {"train/epoch": float(state.epoch)}
+    if weight:
+        metrics["train/epoch_loss"] = total / weight
+    return metrics
+
+
+def _scan(memory: _Memory, state: TrainState) -> dict[str, float]:
+    """The metrics of other plugins' ``state.extras`` entries whose "step" changed."""
+    out: dict[str, float] = {}
+    if state.extras is memory.extras:  # extras are replaced, never mutated
+        return out
+    memory.extras = state.extras
+    for name, entry in state.extras.items():
+        parsed = metric_entry(entry)
+        if parsed is None or memory.seen.get(name, _NEVER) == parsed[0]:
+            continue
+        memory.seen[name] = parsed[0]
+        for key, value in flat_scalars(parsed[1], who=name).items():
+            fix = "A plugin stores python floats in extras[NAME]['metrics'] (no host sync)."
+            number = not isinstance(value, torch.Tensor)
+            check(
+                number,
+                "log_metrics",
+                f"metric {name}/{key}",
+                "a number",
+                "a tensor",
+                fix,
+                TypeError,
+            )
+            out[f"{name}/{key}"] = value
+    return out
+
+
+_NEVER = object()
+
+
+def _groups(optimizer: Any) -> list[dict[str, Any]]:
+    """The parameter groups of the state's optimizer (a MultiOptimizer's: all of them)."""
+    return list(getattr(optimizer, "param_groups", None) or ())
+
+
+def _group_names(groups: Sequence[Mapping[str, Any]]) -> list[str]:
+    names = [str(g.get("name", i)) for i, g in enumerate(groups)]
+    return names if len(set(names)) == len(names) else [str(i) for i in range(len(groups))]
+
+
+def _lrs(groups: Sequence[Mapping[str, Any]]) -> list[Any]:
+    # A tensor learning rate is changed in place by schedulers: keep a copy.
+    return [lr.detach().clone() if isinstance(lr := g["lr"], torch.Tensor) else lr for g in groups]
+
+
 def _put(metrics: dict[str, float], key: str, value: float) -> None:
-    if key in metrics:
-        raise ValueError(
-            f"log_metrics: a record published as {key!r} clashes with log_metrics' own "
-            f"{key!r}; rename the record in loss_fn's records."
-        )
+    fix = "Rename the record in loss_fn's records."
+    check(key not in metrics, "log_metrics", "a record", f"named unlike its own {key!r}", key, fix)
     metrics[key] = value
 
 
 def _over_ranks(
-    interval: Interval,
-    kinds: Mapping[str, str],
-    counts: list[float],
-    collective: bool,
+    interval: Interval, kinds: Mapping[str, str], counts: list[float], collective: bool,
     group: Any,
-) -> tuple[list[tuple[str, tuple[float, float]]], dict[str, Any], list[float]]:
+) -> tuple[list[tuple[str, tuple[float, float]]], dict[str, Any], list[float]]:  # fmt: skip
     """The interval's means, other kinds and ``counts`` summed over ranks: one collective.
 
     Sums travel as ``(value, 0)`` pairs beside the means; a maximum or minimum travels as
@@ -629,30 +506,22 @@ def _over_ranks(
     if not (collective and is_distributed()):
         return sorted(interval.sums.items()), dict(reduced), counts
     sums = dict(interval.sums)
-    extremes = sorted(key for key in reduced if kinds[key] != "sum")
     for key, value in reduced.items():
-        kind = kinds[key]
-        sums[f"{key}\0{kind}"] = (float(value), 0.0) if kind == "sum" else (0.0, 0.0)
+        sums[f"{key}\0{kinds[key]}"] = (float(value) if kinds[key] == "sum" else 0.0, 0.0)
+    extremes = sorted(key for key in reduced if kinds[key] != "sum")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     slots = [0.0] * (world * len(extremes))
     for i, key in enumerate(extremes):
         slots[i * world + rank] = float(reduced[key])
     sums, values = sum_over_ranks("log_metrics", sums, [*counts, *slots], group)
-    out: dict[str, Any] = {}
-    means = []
-    for key, pair in sorted(sums.items()):
-        name, _, kind = key.partition("\0")
-        if kind == "sum":
-            out[name] = pair[0]
-        elif not kind:
-            means.append((key, pair))
-    counts, slots = values[: len(counts)], values[len(counts) :]
+    out = {k.partition("\0")[0]: pair[0] for k, pair in sums.items() if k.endswith("\0sum")}
     for i, key in enumerate(extremes):
-        extreme = slots[i * world]
-        for value in slots[i * world + 1 : (i + 1) * world]:
-            extreme = combine(kinds[key], extreme, value)
-        out[key] = extreme
-    return means, out, counts
+        ranks = values[len(counts) + i * world : len(counts) + (i + 1) * world]
+        out[key] = ranks[0]
+        for value in ranks[1:]:
+            out[key] = combine(kinds[key], out[key], value)
+    means = sorted((key, pair) for key, pair in sums.items() if "\0" not in key)
+    return means, out, values[: len(counts)]
 
 
 def _add_totals(
@@ -666,17 +535,15 @@ def _add_totals(
     return state.replace(extras=extras), run_totals
 
 
-def _check_totals(state: TrainState, names: Sequence[str], resumed: int) -> None:
+def _check_totals(state: TrainState, names: Sequence[str]) -> None:
     entry = state.extras.get(KEY)
-    if not names or not isinstance(entry, Mapping):
-        return
-    through = entry.get("through")
-    if isinstance(through, int) and through < resumed:
+    through = entry.get("through") if names and isinstance(entry, Mapping) else None
+    if isinstance(through, int) and through < state.step:
         warnings.warn(
             f"log_metrics: the run totals in the state count the updates up to step "
-            f"{through}, and the run resumes from step {resumed}: the {resumed - through} "
-            "updates between are in no total. Put log_metrics before checkpoints in the "
-            "plugin list and save at multiples of its every.",
+            f"{through}, and the run resumes from step {state.step}: the "
+            f"{state.step - through} updates between are in no total. Save checkpoints at "
+            "multiples of log_metrics's every.",
             RuntimeWarning,
-            stacklevel=4,
+            stacklevel=5,
         )

@@ -12,16 +12,17 @@ import pathlib
 import re
 import tempfile
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from toolkit._checks import check_count
+from toolkit._checks import check, check_count, check_one_of, check_path
 from toolkit.checkpoints._files import replace_file, write_bytes
 from toolkit.plugins._pixels import check_name, pixels
 
 __all__ = ["Sink", "jsonl", "png_dir", "tensorboard", "wandb"]
 
 _LOGGERS = 'pip install -e ".[loggers]" from a checkout of toolkit'
+_EXISTING = ("refuse", "replace", "append")  # what a fresh run does with logs already there
 
 
 def _no_start(step: int) -> None:
@@ -76,52 +77,58 @@ class Sink(NamedTuple):
     images: Callable[[int, dict[str, Any]], None] = _no_images
 
 
-def _check_path(fn: str, name: str, value: Any) -> pathlib.Path:
-    if not isinstance(value, (str, os.PathLike)):
-        raise TypeError(
-            f"{fn}: {name} must be a path (str or os.PathLike); got {type(value).__name__}."
-        )
-    return pathlib.Path(value)
+def check_sinks(who: str, sinks: Any, images: bool = False) -> list[Sink]:
+    """``sinks`` (a list, or one sink) as a list, each with the members ``who`` calls, once."""
+    sinks = [sinks] if isinstance(sinks, Sink) else sinks
+    listed = isinstance(sinks, Sequence) and not isinstance(sinks, str)
+    listed = listed and (bool(sinks) or not images)  # images with no sink: a forgotten sink
+    check(listed, who, "sinks", "a list of sinks, e.g. [jsonl(path)]", sinks, "", TypeError)
+    members = ("images", "close", "start") if images else ("write", "close", "start")
+    for i, sink in enumerate(sinks):
+        ok = all(callable(getattr(sink, name, None)) for name in members)
+        ok = ok and not (images and sink.images is _no_images)
+        fix = "Use png_dir, tensorboard or wandb (jsonl records metrics only), or a Sink."
+        check(ok, who, f"sinks[{i}]", f"a sink with {', '.join(members)}", sink, fix, TypeError)
+        once = not any(sink is other for other in sinks[:i])
+        check(once, who, f"sinks[{i}]", "listed once", "the same sink as an earlier one")
+    return list(sinks)
 
 
-_EXISTING = ("refuse", "replace", "append")
+def close_all(sinks: Sequence[Sink]) -> None:
+    """Close every sink, even when one fails; then raise the first failure."""
+    first: BaseException | None = None
+    for sink in sinks:
+        try:
+            sink.close()
+        except Exception as exc:
+            first = first or exc
+    if first is not None:
+        raise first
 
 
-def _check_existing(fn: str, existing: Any) -> str:
-    if existing not in _EXISTING:
-        raise ValueError(
-            f"{fn}: existing must be 'refuse', 'replace' or 'append' (what a fresh run does "
-            f"with logs already there); got {existing!r}."
-        )
-    return str(existing)
-
-
-def _refuse(fn: str, what: str, where: pathlib.Path, arg: str) -> FileExistsError:
+def _refuse(who: str, what: str, where: pathlib.Path, arg: str) -> FileExistsError:
     return FileExistsError(
-        f"{fn}: {str(where)!r} already holds {what} of another run, and this run starts "
-        f"fresh (step 0). Pass {fn}({arg}, existing='replace') to start afresh, "
-        f"existing='append' to add this run after them, or choose another {arg}. (A run "
-        "resumed from a checkpoint continues them from its step.)"
+        f"{who}: {str(where)!r} already holds {what} of another run, and this run starts "
+        f"fresh (step 0). Pass {who}({arg}, existing='replace') to start afresh, "
+        f"existing='append' to add this run after them, or choose another {arg}."
     )
 
 
-def _check_folder(fn: str, name: str, folder: pathlib.Path) -> None:
+def _check_folder(who: str, name: str, folder: pathlib.Path) -> None:
     """Create ``folder`` and check that a file can be written in it, or say why not."""
-    for parent in (folder, *folder.parents):
-        if parent.exists() or parent.is_symlink():
-            if not parent.is_dir():
-                raise NotADirectoryError(
-                    f"{fn}: {name} needs the folder {str(folder)!r}, but {str(parent)!r} is a "
-                    f"file, not a folder; choose another {name} or move the file."
-                )
-            break
+    parent = next(p for p in (folder, *folder.parents) if p.exists() or p.is_symlink())
+    if not parent.is_dir():
+        raise NotADirectoryError(
+            f"{who}: {name} needs the folder {str(folder)!r}, but {str(parent)!r} is a "
+            f"file, not a folder; choose another {name} or move the file."
+        )
     try:
         folder.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=folder).close()
     except OSError as exc:
         raise type(exc)(
-            f"{fn}: cannot write in {str(folder)!r} ({exc.strerror or exc}); make it writable "
-            f"or choose another {name}."
+            f"{who}: cannot write in {str(folder)!r} ({exc.strerror or exc}); make it "
+            f"writable or choose another {name}."
         ) from exc
 
 
@@ -154,9 +161,8 @@ class _Lazy:
             return
         self.shut_now()
         self.prepare(step, not self.prepared)
-        self.prepared, self.started = True, step
+        self.prepared, self.started, self.users = True, step, 1
         self.target = self.open()
-        self.users = 1
 
     def opened(self) -> Any:
         if self.target is None:
@@ -175,11 +181,10 @@ class _Lazy:
             self.put_images(self.opened(), step, images)
 
     def close(self) -> None:
-        if self.users > 1:
-            self.users -= 1
-            return
-        self.users = 0
-        self.shut_now()
+        self.users -= 1
+        if self.users <= 0:
+            self.users = 0
+            self.shut_now()
 
     def shut_now(self) -> None:
         target, self.target = self.target, None
@@ -187,31 +192,13 @@ class _Lazy:
             self.shut(target)
 
     def sink(self) -> Sink:
-        return Sink(
-            self.write,
-            self.close,
-            self.start,
-            _no_images if self.put_images is None else self.images,
-        )
+        images = _no_images if self.put_images is None else self.images
+        return Sink(self.write, self.close, self.start, images)
 
 
-# ------------------------------------------------------------------------------ jsonl
-
-# The jsonl sinks holding each file (resolved path) in this process: a second sink on the
+# The jsonl sink holding each file (resolved path) in this process: a second sink on the
 # same file would interleave (or truncate) the first one's lines.
 _HOLDERS: weakref.WeakValueDictionary[str, _Lazy] = weakref.WeakValueDictionary()
-_LABELS: weakref.WeakKeyDictionary[_Lazy, str] = weakref.WeakKeyDictionary()
-
-
-def _hold(key: str, holder: _Lazy) -> None:
-    other = _HOLDERS.get(key)
-    if other is not None and other is not holder:
-        raise ValueError(
-            f"jsonl: two sinks write to {key!r}: {_LABELS[other]} and {_LABELS[holder]}; "
-            "their lines would overwrite each other. Give each sink its own path, or pass "
-            "the same sink object wherever that file is wanted."
-        )
-    _HOLDERS[key] = holder
 
 
 def _kept_lines(data: bytes, step: int) -> bytes:
@@ -224,31 +211,25 @@ def _kept_lines(data: bytes, step: int) -> bytes:
     lines = data.splitlines(keepends=True)
     if lines and not lines[-1].endswith(b"\n"):
         lines.pop()  # a line the crash cut short
-    steps: list[int | None] = []
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except ValueError:
-            row = None
-        value = row.get("step") if isinstance(row, dict) else None
-        steps.append(value if isinstance(value, int) else None)
+    steps = [_step_of(line) for line in lines]
     last_run, before = 0, None
     for i, value in enumerate(steps):
         if value is not None:
-            if before is not None and value < before:
-                last_run = i
+            last_run = i if before is not None and value < before else last_run
             before = value
-    kept = lines[:last_run] + [
-        line
-        for line, value in zip(lines[last_run:], steps[last_run:])
-        if value is None or value <= step
-    ]
-    return b"".join(kept)
+    tail = zip(lines[last_run:], steps[last_run:])
+    return b"".join(lines[:last_run] + [ln for ln, s in tail if s is None or s <= step])
 
 
-def jsonl(
-    path: str | os.PathLike[str], *, existing: str | None = None, mode: str | None = None
-) -> Sink:
+def _step_of(line: bytes) -> int | None:
+    try:
+        step = json.loads(line).get("step")
+    except (ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None
+
+
+def jsonl(path: str | os.PathLike[str], *, existing: str = "refuse") -> Sink:
     """A sink appending one JSON object per publish to ``path``: ``{"step": s, **metrics}``.
 
     Needs no extra package. Every line goes to the operating system in one unbuffered write
@@ -312,43 +293,29 @@ def jsonl(
         {'step': 4, 'train/loss': 0.25}
         {'step': 6, 'train/loss': 0.125}
     """
-    file_path = _check_path("jsonl", "path", path)
-    if file_path.is_dir():
-        raise IsADirectoryError(
-            f"jsonl: path must be a file, e.g. {str(file_path / 'metrics.jsonl')!r}; got the "
-            f"directory {str(file_path)!r}."
-        )
-    if mode is not None:
-        if existing is not None:
-            raise ValueError(
-                f"jsonl: give existing= or its older spelling mode=, not both; got "
-                f"existing={existing!r} and mode={mode!r}."
-            )
-        if mode not in ("a", "w"):
-            raise ValueError(f"jsonl: mode must be 'a' (append) or 'w' (replace); got {mode!r}.")
-        existing = "append" if mode == "a" else "replace"
-    policy = _check_existing("jsonl", "refuse" if existing is None else existing)
+    file_path = check_path("jsonl", "path", path)
+    isdir = file_path.is_dir()
+    check(
+        not isdir, "jsonl", "path", "a file, e.g. 'metrics.jsonl'", str(path), "", IsADirectoryError
+    )
+    policy = check_one_of("jsonl", "existing", existing, _EXISTING)
     key = str(file_path.resolve())
 
     def prepare(step: int, first: bool) -> None:
-        _hold(key, lazy)
+        other = _HOLDERS.setdefault(key, lazy)
+        fix = "Give each sink its own path, or pass the same sink wherever that file is wanted."
+        check(other is lazy, "jsonl", "path", "written by one sink", key, fix)
         _check_folder("jsonl", "path", file_path.parent)
-        if file_path.is_dir():
-            raise IsADirectoryError(f"jsonl: path {str(file_path)!r} is now a directory.")
-        if not file_path.exists():
-            return
-        data = file_path.read_bytes()
-        if step > 0:
-            kept = _kept_lines(data, step)
-            if kept != data:
-                _replace_file(file_path, kept)
-        elif first and data and policy == "refuse":
+        data = file_path.read_bytes() if file_path.exists() else b""
+        if step > 0 and _kept_lines(data, step) != data:
+            _replace_file(file_path, _kept_lines(data, step))
+        elif step == 0 and first and data and policy == "refuse":
             raise _refuse("jsonl", f"{len(data.splitlines())} lines", file_path, "path")
-        elif first and data and policy == "replace":
+        elif step == 0 and first and data and policy == "replace":
             _replace_file(file_path, b"")
 
     def open_file() -> Any:
-        _hold(key, lazy)
+        _HOLDERS[key] = lazy
         # Unbuffered bytes: each line reaches the operating system in one write call.
         return open(file_path, "ab", buffering=0)
 
@@ -363,11 +330,7 @@ def jsonl(
             del _HOLDERS[key]
 
     lazy = _Lazy(prepare, open_file, shut, put)
-    _LABELS[lazy] = f"jsonl({str(path)!r})"
     return lazy.sink()
-
-
-# ------------------------------------------------------------------------ tensorboard
 
 
 def tensorboard(log_dir: str | os.PathLike[str], *, existing: str = "refuse") -> Sink:
@@ -421,8 +384,8 @@ def tensorboard(log_dir: str | os.PathLike[str], *, existing: str = "refuse") ->
         ...     [(e.step, e.value) for e in events.Scalars("train/loss")]
         [(3, 0.5), (6, 0.125)]
     """
-    directory = _check_path("tensorboard", "log_dir", log_dir)
-    policy = _check_existing("tensorboard", existing)
+    directory = check_path("tensorboard", "log_dir", log_dir)
+    policy = check_one_of("tensorboard", "existing", existing, _EXISTING)
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as exc:
@@ -434,15 +397,12 @@ def tensorboard(log_dir: str | os.PathLike[str], *, existing: str = "refuse") ->
 
     def prepare(step: int, first: bool) -> None:
         _check_folder("tensorboard", "log_dir", directory)
-        purge.clear()
+        purge[:] = [step + 1] if step > 0 else []  # events at steps > step are hidden
         events = sorted(directory.glob("events.out.tfevents.*"))
-        if step > 0:
-            purge.append(step + 1)  # events at steps >= step + 1 are hidden
-        elif first and events and policy == "refuse":
+        if step == 0 and first and events and policy == "refuse":
             raise _refuse("tensorboard", f"{len(events)} event files", directory, "log_dir")
-        elif first and policy == "replace":
-            for event_file in events:
-                event_file.unlink()
+        for event_file in events if step == 0 and first and policy == "replace" else ():
+            event_file.unlink()
 
     def open_writer() -> Any:
         return SummaryWriter(log_dir=str(directory), purge_step=purge.pop() if purge else None)
@@ -461,45 +421,32 @@ def tensorboard(log_dir: str | os.PathLike[str], *, existing: str = "refuse") ->
     return _Lazy(prepare, open_writer, lambda w: w.close(), put, put_images).sink()
 
 
-# ------------------------------------------------------------------------------ wandb
-
 _MODES = ("online", "offline", "disabled", "shared")
 _RESUME = ("allow", "never", "must", "auto", True, False)
-_TEXT = ("entity", "project", "id", "name", "notes", "group", "job_type")
 RUN_FILE = "toolkit-run.json"  # in <dir>/wandb/: {"id": the run's id, "step": last logged}
 
 
-def _check_wandb(module: Any, kwargs: Mapping[str, Any]) -> None:
+def _check_wandb(init: Any, kwargs: dict[str, Any]) -> None:
     """What wandb.init would refuse (or silently work around) later, checked now."""
-    params: Mapping[str, inspect.Parameter]
     try:
-        params = inspect.signature(module.init).parameters
+        params = inspect.signature(init).parameters
     except (TypeError, ValueError):  # not introspectable: wandb.init checks at start
-        params = {}
+        params = {}  # type: ignore[assignment]
     if params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
         unknown = sorted(set(kwargs) - set(params))
-        if unknown:
-            raise TypeError(
-                f"wandb: {unknown} {'is not an argument' if len(unknown) == 1 else 'are not'} "
-                f"of wandb.init; it takes {sorted(params)}."
-            )
-    for name in _TEXT:
+        fix = f"It takes {sorted(params)}."
+        check(not unknown, "wandb", "each argument", "one of wandb.init", unknown, fix, TypeError)
+    for name in ("entity", "project", "id", "name", "notes", "group", "job_type"):
         value = kwargs.get(name)
-        if value is not None and not isinstance(value, str):
-            raise TypeError(f"wandb: {name} must be a str; got {type(value).__name__} {value!r}.")
+        check(value is None or isinstance(value, str), "wandb", name, "a str", value, "", TypeError)
     if kwargs.get("dir") is not None:
-        _check_path("wandb", "dir", kwargs["dir"])
-    if kwargs.get("mode") is not None and kwargs["mode"] not in _MODES:
-        raise ValueError(f"wandb: mode must be one of {list(_MODES)}; got {kwargs['mode']!r}.")
-    if kwargs.get("resume") is not None and kwargs["resume"] not in _RESUME:
-        raise ValueError(f"wandb: resume must be one of {list(_RESUME)}; got {kwargs['resume']!r}.")
+        check_path("wandb", "dir", kwargs["dir"])
+    for name, choices in (("mode", _MODES), ("resume", _RESUME)):
+        if kwargs.get(name) is not None:
+            check_one_of("wandb", name, kwargs[name], choices)
     tags = kwargs.get("tags")
-    if tags is not None and (
-        isinstance(tags, str)
-        or not isinstance(tags, Sequence)
-        or not all(isinstance(t, str) for t in tags)
-    ):
-        raise TypeError(f"wandb: tags must be a list of str, e.g. ['baseline']; got {tags!r}.")
+    ok = tags is None or (isinstance(tags, (list, tuple)) and all(isinstance(t, str) for t in tags))
+    check(ok, "wandb", "tags", "a list of str, e.g. ['baseline']", tags, "", TypeError)
 
 
 def wandb(**init_kwargs: Any) -> Sink:
@@ -553,7 +500,7 @@ def wandb(**init_kwargs: Any) -> Sink:
             f"wandb(): needs the wandb package: pip install wandb (or {_LOGGERS}), or log "
             "with jsonl(path), which needs nothing."
         ) from exc
-    _check_wandb(wandb_module, init_kwargs)
+    _check_wandb(wandb_module.init, init_kwargs)
     folder = init_kwargs.get("dir") or os.environ.get("WANDB_DIR") or os.getcwd()
     run_file = pathlib.Path(folder) / "wandb" / RUN_FILE
     # What the next init continues: {"id": ..., "step": last logged}, and the floor: steps
@@ -566,49 +513,43 @@ def wandb(**init_kwargs: Any) -> Sink:
         if step > 0 and run_file.exists():
             try:
                 stored = json.loads(run_file.read_text())
-                if not (isinstance(stored["id"], str) and isinstance(stored["step"], int)):
+                run_id, last = stored["id"], stored["step"]
+                if not (isinstance(run_id, str) and isinstance(last, int)):
                     raise ValueError("expected an id and a step")
             except (ValueError, KeyError, TypeError) as exc:
                 raise ValueError(
                     f"wandb: cannot read the W&B run to resume from {str(run_file)!r} ({exc}); "
                     "it holds {'id': str, 'step': int}. Delete it to start a new W&B run."
                 ) from exc
-            if init_kwargs.get("id") in (None, stored["id"]):
-                memory.update(id=stored["id"], step=stored["step"], floor=stored["step"])
+            if init_kwargs.get("id") in (None, run_id):
+                memory.update(id=run_id, step=last, floor=last)
 
     def open_run() -> Any:
         kwargs = dict(init_kwargs)
         if memory["id"] is not None and "id" not in kwargs:
-            kwargs["id"] = memory["id"]
-            kwargs.setdefault("resume", "allow")
+            kwargs.update(id=memory["id"], resume=kwargs.get("resume", "allow"))
         run = wandb_module.init(**kwargs)
         memory["id"] = run.id
-        save()
+        logged(memory["step"], force=True)
         return run
 
-    def save() -> None:
-        if isinstance(memory["id"], str):
-            data = json.dumps({"id": memory["id"], "step": memory["step"]}).encode()
-            _replace_file(run_file, data)
-
-    def put(run: Any, step: int, metrics: dict[str, float]) -> None:
+    def put(run: Any, step: int, metrics: dict[str, Any]) -> None:
         if step > memory["floor"]:
             run.log(metrics, step=step)
             logged(step)
 
     def put_images(run: Any, step: int, images: dict[str, Any]) -> None:
-        if step > memory["floor"]:
-            logs = {}
-            for name, image in images.items():
-                hwc = pixels("wandb", name, image).numpy()
-                logs[name] = wandb_module.Image(hwc[..., 0] if hwc.shape[-1] == 1 else hwc)
-            run.log(logs, step=step)
-            logged(step)
+        logs = {}
+        for name, image in images.items():
+            hwc = pixels("wandb", name, image).numpy()
+            logs[name] = wandb_module.Image(hwc[..., 0] if hwc.shape[-1] == 1 else hwc)
+        put(run, step, logs)
 
-    def logged(step: int) -> None:
-        if step > memory["step"]:
-            memory["step"] = step
-            save()
+    def logged(step: int, force: bool = False) -> None:
+        if (step > memory["step"] or force) and isinstance(memory["id"], str):
+            memory["step"] = max(step, memory["step"])
+            data = json.dumps({"id": memory["id"], "step": memory["step"]}).encode()
+            _replace_file(run_file, data)
 
     def shut(run: Any) -> None:
         run.finish()
@@ -616,8 +557,6 @@ def wandb(**init_kwargs: Any) -> Sink:
 
     return _Lazy(prepare, open_run, shut, put, put_images).sink()
 
-
-# ---------------------------------------------------------------------------- png_dir
 
 _PNG = re.compile(r"step_(\d+)\.png")
 
@@ -666,8 +605,8 @@ def png_dir(path: str | os.PathLike[str], *, existing: str = "refuse") -> Sink:
         ...         (png.size, png.mode, png.getpixel((0, 0)))
         ((4, 2), 'RGB', (255, 255, 255))
     """
-    directory = _check_path("png_dir", "path", path)
-    policy = _check_existing("png_dir", existing)
+    directory = check_path("png_dir", "path", path)
+    policy = check_one_of("png_dir", "existing", existing, _EXISTING)
     try:
         import numpy  # noqa: F401  (Pillow reads the pixels through it)
         from PIL import Image
@@ -678,11 +617,14 @@ def png_dir(path: str | os.PathLike[str], *, existing: str = "refuse") -> Sink:
 
     def prepare(step: int, first: bool) -> None:
         _check_folder("png_dir", "path", directory)
-        pngs = [p for p in directory.rglob("step_*.png") if _PNG.fullmatch(p.name)]
+        pngs = {
+            p: int(m.group(1))
+            for p in directory.rglob("step_*.png")
+            if (m := _PNG.fullmatch(p.name))
+        }
         if first and step == 0 and pngs and policy == "refuse":
             raise _refuse("png_dir", f"{len(pngs)} step_*.png files", directory, "path")
-        for png in pngs:
-            number = int(_PNG.fullmatch(png.name).group(1))  # type: ignore[union-attr]
+        for png, number in pngs.items():
             if number > step > 0 or (first and step == 0 and policy == "replace"):
                 png.unlink()
 
@@ -695,25 +637,3 @@ def png_dir(path: str | os.PathLike[str], *, existing: str = "refuse") -> Sink:
             replace_file(target, functools.partial(picture.save, format="PNG"))
 
     return _Lazy(prepare, lambda: directory, lambda _: None, None, put_images).sink()
-
-
-def close_all(sinks: Sequence[Sink]) -> None:
-    """Close every sink, even when one fails; then raise the first failure."""
-    first: BaseException | None = None
-    for sink in sinks:
-        try:
-            sink.close()
-        except Exception as exc:
-            first = first or exc
-    if first is not None:
-        raise first
-
-
-def check_listed_once(who: str, sinks: Sequence[Any]) -> None:
-    """Refuse a sink that appears twice in ``sinks``: each publish would reach it twice."""
-    for i, sink in enumerate(sinks):
-        if any(sink is other for other in sinks[:i]):
-            raise ValueError(
-                f"{who}: sinks[{i}] is the same sink as an earlier one, so every "
-                "publish would be written to it twice; list each sink once."
-            )
