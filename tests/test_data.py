@@ -166,7 +166,9 @@ def test_an_iterable_dataset_without_a_length_is_taken() -> None:
 
 
 def test_an_iterable_dataset_resumes_by_reading_again_with_a_warning() -> None:
-    with pytest.warns(RuntimeWarning, match="resuming a DataLoader over an IterableDataset, "):
+    with pytest.warns(
+        RuntimeWarning, match="resuming a DataLoader over an IterableDataset: its first 3 batches"
+    ):
         _assert_same(lambda: DataLoader(Stream(10), batch_size=2), total=8, stop_at=3)
 
 

@@ -336,7 +336,7 @@ def test_plugin_returning_something_else_is_an_error() -> None:
     def plugin(event: Event) -> int:
         return 3
 
-    with pytest.raises(TypeError, match="returned int; a plugin returns a TrainState or None"):
+    with pytest.raises(TypeError, match="returned int; expected a TrainState or None"):
         run(_step(), _state(), _data(2), max_steps=1, plugins=[plugin])  # type: ignore[list-item]
 
 
@@ -344,7 +344,7 @@ def test_plugin_returning_something_else_at_end_is_reported_too() -> None:
     def plugin(event: Event) -> int | None:
         return 3 if event.kind == "end" else None
 
-    with pytest.warns(RuntimeWarning, match="returned int; a plugin returns a TrainState or None"):
+    with pytest.warns(RuntimeWarning, match="returned int; expected a TrainState or None"):
         run(_step(), _state(), _data(2), max_steps=1, plugins=[plugin])  # type: ignore[list-item]
 
 

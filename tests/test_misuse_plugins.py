@@ -16,7 +16,6 @@ from spawning import gloo_group
 from timed_spawn import spawn
 
 from toolkit import TrainState, make_step, run
-from toolkit.loop._run import Event, LoopInfo
 from toolkit.plugins import early_stop, ema, peak_memory, validate
 
 
@@ -133,16 +132,16 @@ def _counted(count):
     ("count", "error", "message"),
     [
         (-1, ValueError, "validate: the count eval_fn returned for batch 0 of the validation "
-         "data is -1; expected a finite number >= 0 (the batch's sample or target count"),
+         "data is -1; expected a finite number >= 0."),
         (math.nan, ValueError, "returned for batch 0 of the validation data is nan; expected"),
         (math.inf, ValueError, "returned for batch 0 of the validation data is inf; expected"),
         (torch.tensor(-2.0), ValueError, "for batch 0 of the validation data is -2.0; expected"),
         (torch.tensor([math.inf]), ValueError, "of the validation data is inf; expected a finite"),
         ("4", TypeError, "validate: the count eval_fn returned for batch 0 is a str ('4'); "
-         "expected a number >= 0 or a one-element real tensor, e.g. (metrics, len(batch))"),
+         "expected a number >= 0 or a one-element real tensor, e.g. (metrics, mask.sum())"),
         (True, TypeError, "for batch 0 is a bool (True); expected a number >= 0"),
         (torch.ones(2), TypeError, "for batch 0 is a torch.float32 tensor of shape (2,); "
-         "expected a number or a one-element real tensor, e.g. (metrics, mask.sum())"),
+         "expected a number >= 0 or a one-element real tensor, e.g. (metrics, mask.sum())"),
         (torch.tensor(True), TypeError, "for batch 0 is a torch.bool tensor of shape ()"),
         (torch.tensor(1j), TypeError, "for batch 0 is a torch.complex64 tensor of shape ()"),
     ],
@@ -246,7 +245,7 @@ def test_plateau_metric_may_differ_from_monitor_and_follows_the_scheduler_mode()
     assert state.optimizer.param_groups[0]["lr"] == 0.1 * 0.5**2
 
 
-def test_a_plateau_scheduler_that_no_validate_steps_is_refused_after_at_most_one_update() -> None:
+def test_a_plateau_scheduler_that_no_validate_steps_is_refused_at_start() -> None:
     state = _state()
     state = state.replace(scheduler=_plateau(state.optimizer))
     seen = []
@@ -259,20 +258,19 @@ def test_a_plateau_scheduler_that_no_validate_steps_is_refused_after_at_most_one
     )
     with pytest.raises(ValueError, match=re.escape(message)):
         run(_STEP, state, _train(10), max_steps=10, plugins=plugins)
-    # validate raised at the first event after "start" (before the first update where run()
-    # delivers "epoch_start", else with the first update's event): the next plugin saw none.
-    assert [kind for kind, _ in seen] == ["restore", "start", "end"] and seen[-1][1] <= 1
+    # validate raised at "start", before the plugins after it: they saw no "start".
+    assert seen == [("restore", 0), ("end", 0)]
 
 
 def test_the_check_does_not_mask_the_error_that_ended_training() -> None:
-    # A run whose "start" failed ends with an error and no other event: the check stays quiet.
+    # ema (run before validate) refuses an average of another model at "start": that error
+    # is the one reported, and validate, whose "start" never ran, checks nothing at "end".
     state = _state()
-    state = state.replace(scheduler=_plateau(state.optimizer))
-    loop = LoopInfo(None, None, None, 1, 0, None)
-    plugin = validate(_eval, VAL, every=1)
-    assert plugin(Event("end", state, loop, error=RuntimeError("failed"))) is None
-    with pytest.raises(ValueError, match=r"state.scheduler is a ReduceLROnPlateau, which"):
-        plugin(Event("end", state, loop))
+    extras = {"ema": {"step": 0, "num_updates": 0, "params": {"other": torch.ones(1)},
+                      "buffers": {}}}  # fmt: skip
+    state = state.replace(scheduler=_plateau(state.optimizer), extras=extras)
+    with pytest.raises(ValueError, match=r"ema: state.extras\['ema'\]\['params'\] does not"):
+        run(_STEP, state, _train(2), max_steps=2, plugins=[validate(_eval, VAL, every=1), ema()])
 
 
 def test_a_plugin_reused_for_a_second_run_checks_the_scheduler_again() -> None:

@@ -152,11 +152,10 @@ def _skipping_copy(loader: DataLoader, seen: int) -> tuple[DataLoader, _SkipFirs
 
 def _persistent(data: Any) -> str | None:
     if getattr(data, "persistent_workers", False) and getattr(data, "num_workers", 0) > 0:
+        # Its workers draw from the generator when they start, at another epoch on a resume.
         return (
-            "a DataLoader with persistent_workers=True draws from its generator when it "
-            "creates its workers, which a resumed process does at another epoch than the "
-            "original run, so the order of this and later epochs differs; use "
-            "persistent_workers=False (the default) for an exact resume"
+            "a DataLoader with persistent_workers=True draws from its generator when it starts "
+            "its workers, so the resumed order differs; use persistent_workers=False"
         )
     return None
 
@@ -165,26 +164,22 @@ def _unless_snapshot(snap: Any) -> str | None:
     if snap:
         return None
     return (
-        "the state carries no record of the randomness this pass started from "
-        "(state.data_state is empty: a state made by hand, or by an older toolkit), so the "
-        "order is exact only if it does not depend on randomness; resume from a state that "
-        "run() made"
+        "the state carries no record of the randomness this pass started from (an empty "
+        "state.data_state), so the order may differ; resume from a state that run() made"
     )
 
 
 def _reads_again(data: Any, seen: int) -> str:
-    if isinstance(data, Iterator):
-        what, fix = "a one-shot iterator", "pass the re-iterable source (the DataLoader) to run()"
-    elif isinstance(data, DataLoader):
-        what = "a DataLoader over an IterableDataset, which has no position to restore"
-        fix = "use torchdata's StatefulDataLoader, which saves its position"
-    else:
-        what = f"a {type(data).__name__}, which has no way to skip batches unread"
-        fix = "give run() a DataLoader over a map-style dataset, a list, or a source with "
-        fix += "state_dict() and load_state_dict()"
+    what = (
+        "a one-shot iterator"
+        if isinstance(data, Iterator)
+        else "a DataLoader over an IterableDataset"
+        if isinstance(data, DataLoader)
+        else f"a {type(data).__name__}"
+    )
     return (
-        f"resuming {what}: its first {seen} batches of this pass were read again and "
-        f"dropped, and any randomness they used was drawn anew; {fix}"
+        f"resuming {what}: its first {seen} batches of this pass were read again and dropped; "
+        "a DataLoader over a map-style dataset, a list or a StatefulDataLoader skips them unread"
     )
 
 

@@ -60,92 +60,80 @@ def evaluate(
         >>> sorted(evaluate(eval_fn, model, data)), model.training
         (['mse'], True)
     """
-    if not callable(eval_fn):
-        raise TypeError(
-            f"evaluate: eval_fn must be callable as eval_fn(model, batch); got "
-            f"{type(eval_fn).__name__}."
-        )
+    check_eval_fn("evaluate", eval_fn)
     module = model.model if isinstance(model, TrainState) else model
     if not isinstance(module, torch.nn.Module):
-        raise TypeError(
-            f"evaluate: model must be a torch.nn.Module or a TrainState; got "
-            f"{type(model).__name__}."
-        )
+        got = type(model).__name__
+        raise TypeError(f"evaluate: model must be a torch.nn.Module or a TrainState; got {got}.")
     if not isinstance(data, Iterable) or isinstance(data, (str, bytes)):
-        raise TypeError(
-            f"evaluate: data must be an iterable of batches (a DataLoader, a list); got "
-            f"{type(data).__name__}."
-        )
+        got = type(data).__name__
+        raise TypeError(f"evaluate: data must be an iterable of batches (a list); got {got}.")
     return _evaluate(eval_fn, module, data, who="evaluate")
 
 
-def _bad_result(result: Any, why: str, who: str = "validate") -> TypeError:
+def check_eval_fn(who: str, eval_fn: Any) -> None:
+    """Raise TypeError unless ``eval_fn`` is callable."""
+    if not callable(eval_fn):
+        got = type(eval_fn).__name__
+        raise TypeError(f"{who}: eval_fn must be callable as eval_fn(model, batch); got {got}.")
+
+
+def _bad_result(result: Any, why: str, who: str) -> TypeError:
     return TypeError(
         f"{who}: eval_fn returned {type(result).__name__}: {why}; expected a mapping of "
         "metric name -> number or 0-d tensor, or (mapping, count)."
     )
 
 
-def _bad_weight(index: int, weight: Any, who: str = "validate") -> ValueError:
+def _bad_weight(index: int, weight: Any, who: str) -> ValueError:
+    data = "validation data" if who == "validate" else "data"
     return ValueError(
-        f"{who}: the count eval_fn returned for batch {index} of the {_data_of(who)} is "
-        f"{weight!r}; expected a finite number >= 0 (the batch's sample or target count, "
-        "which weights its metrics; 0 for a batch that counts for nothing)."
+        f"{who}: the count eval_fn returned for batch {index} of the {data} is {weight!r}; "
+        "expected a finite number >= 0."
     )
 
 
-def _data_of(who: str) -> str:
-    return "validation data" if who == "validate" else "data"
-
-
-def _check_count(index: int, count: Any, who: str = "validate") -> Any:
+def _check_count(index: int, count: Any, who: str) -> Any:
     """The batch's count, 0-d; its type checked now, its value now for a python number."""
-    if isinstance(count, torch.Tensor):
-        if count.numel() != 1 or count.is_complex() or count.dtype == torch.bool:
-            raise TypeError(
-                f"{who}: the count eval_fn returned for batch {index} is a {count.dtype} "
-                f"tensor of shape {tuple(count.shape)}; expected a number or a one-element "
-                "real tensor, e.g. (metrics, mask.sum())."
-            )
-        # A tensor's value is checked after the one read at the end of the evaluation.
-        return count.reshape(()) if count.ndim else count
-    if isinstance(count, bool) or not isinstance(count, numbers.Real):
+    tensor = isinstance(count, torch.Tensor)
+    if tensor:
+        bad = count.numel() != 1 or count.is_complex() or count.dtype == torch.bool
+        got = f"a {count.dtype} tensor of shape {tuple(count.shape)}"
+    else:
+        bad = isinstance(count, bool) or not isinstance(count, numbers.Real)
+        got = f"a {type(count).__name__} ({count!r:.40})"
+    if bad:
         raise TypeError(
-            f"{who}: the count eval_fn returned for batch {index} is a "
-            f"{type(count).__name__} ({count!r:.40}); expected a number >= 0 or a one-element "
-            "real tensor, e.g. (metrics, len(batch))."
+            f"{who}: the count eval_fn returned for batch {index} is {got}; expected a number "
+            ">= 0 or a one-element real tensor, e.g. (metrics, mask.sum())."
         )
-    if not (math.isfinite(count) and float(count) >= 0):
+    if tensor:  # its value is checked after the one read at the end of the evaluation
+        return count.reshape(())
+    if not (math.isfinite(count) and count >= 0):
         raise _bad_weight(index, count, who)
     return count
 
 
-def _parse(
-    result: Any, batch: Any, index: int = 0, who: str = "validate"
-) -> tuple[Mapping[str, Any], Any]:
+def _parse(result: Any, batch: Any, index: int, who: str) -> tuple[Mapping[str, Any], Any]:
     """``eval_fn``'s metrics (tensors made 0-d, views copied) and the batch's weight."""
-    if isinstance(result, Mapping):
-        metrics, count = result, None
-    elif isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], Mapping):
-        metrics, count = result
-        if count is None:
-            raise _bad_result(result, "its count is None; give a number or a 0-d tensor", who)
-    else:
+    metrics, count = result if isinstance(result, tuple) and len(result) == 2 else (result, 1)
+    if not isinstance(metrics, Mapping):
         raise _bad_result(result, "not a mapping of metrics", who)
+    if count is None:
+        raise _bad_result(result, "its count is None; give a number or a 0-d tensor", who)
     flat = {}
     for name, value in metrics.items():
-        if isinstance(value, torch.Tensor):
-            if value.numel() != 1:
-                raise _bad_result(
-                    result, f"metric {name!r} is a tensor of shape {tuple(value.shape)}", who
-                )
-            value = value.reshape(()) if value.ndim else value
-            if value._base is not None:  # kept till the end: not the tensor it is a view of
-                value = value.clone()
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            # Kept till the end: a copy, not the (maybe large) tensor it is a view of.
+            value = value.reshape(()).clone() if value._base is not None else value.reshape(())
+        elif isinstance(value, torch.Tensor):
+            raise _bad_result(
+                result, f"metric {name!r} is a tensor of shape {tuple(value.shape)}", who
+            )
         elif isinstance(value, bool) or not isinstance(value, (int, float)):
             raise _bad_result(result, f"metric {name!r} is a {type(value).__name__}", who)
         flat[name] = value
-    if count is None:
+    if result is metrics:
         samples = _leading_dim(batch)
         return flat, 1 if samples is None else samples
     return flat, _check_count(index, count, who)
@@ -187,8 +175,8 @@ def _evaluate(
                 module.reshard()  # type: ignore[operator]
     if not records:
         raise ValueError(
-            f"{who}: the {_data_of(who)} yielded no batches; pass a non-empty, re-iterable "
-            "source (a DataLoader, a list of batches)."
+            f"{who}: the {'validation ' if who == 'validate' else ''}data yielded no batches; "
+            "pass a non-empty, re-iterable source (a DataLoader, a list of batches)."
         )
     for index, weight in enumerate(reduced.weights):
         if not (math.isfinite(weight) and weight >= 0):  # only tensor counts can fail here
@@ -196,11 +184,8 @@ def _evaluate(
     sums, _ = sum_over_ranks(who, reduced.sums, group=data_parallel_group(model))  # type: ignore[arg-type]
     if sums and not any(weight for _, weight in sums.values()):
         warnings.warn(
-            f"{who}: every batch of the {'validation ' if who == 'validate' else ''}"
-            f"pass{where} had weight 0 (the counts "
-            "eval_fn returned sum to 0, over all ranks), so every metric is NaN: it never "
-            "becomes best, early_stop counts it as no improvement, a ReduceLROnPlateau as a "
-            "bad epoch. Check the counts eval_fn returns (e.g. a mask that selects nothing).",
+            f"{who}: every batch of the pass{where} had weight 0 (the counts eval_fn returned "
+            "sum to 0 over all ranks), so every metric is NaN; check the counts eval_fn returns.",
             RuntimeWarning,
             stacklevel=2,
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import itertools
 import time
 import warnings
 import weakref
@@ -121,75 +122,57 @@ Plugin = Callable[[Event], "TrainState | None"]
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _micro_batches(step: Any) -> int:
-    accumulation = getattr(step, "accumulation", None)
-    return accumulation.micro_batches if accumulation is not None else 1
-
-
 def _set_epoch(data: Any, epoch: int) -> None:
     # DataLoader(sampler=DistributedSampler) and friends reshuffle per epoch through this.
-    for owner in (data, getattr(data, "sampler", None), getattr(data, "batch_sampler", None)):
-        set_epoch = getattr(owner, "set_epoch", None)
-        if callable(set_epoch):
-            set_epoch(epoch)
-            return
-    inner = getattr(getattr(data, "batch_sampler", None), "sampler", None)
-    set_epoch = getattr(inner, "set_epoch", None)
-    if callable(set_epoch):
-        set_epoch(epoch)
+    sampler, batch_sampler = getattr(data, "sampler", None), getattr(data, "batch_sampler", None)
+    for owner in (data, sampler, batch_sampler, getattr(batch_sampler, "sampler", None)):
+        if callable(getattr(owner, "set_epoch", None)):
+            return owner.set_epoch(epoch)  # type: ignore[union-attr, no-any-return]
 
 
-def _close(iterator: Iterator[Any] | None) -> None:
-    if iterator is None:
-        return
+def _close(iterator: Iterator[Any]) -> None:
     # Generators have close(); DataLoader iterators with workers have _shutdown_workers().
-    for name in ("close", "_shutdown_workers"):
-        close = getattr(iterator, name, None)
-        if callable(close):
-            close()
-            return
+    close = getattr(iterator, "close", None) or getattr(iterator, "_shutdown_workers", None)
+    if callable(close):
+        close()
 
 
-def _total_steps(
-    state: TrainState,
-    max_steps: int | None,
-    epochs: int | None,
-    batches: int | None,
-    k: int,
-    partial: PartialWindow = "carry",
-) -> int | None:
-    by_epochs = None
-    if epochs is not None and batches is not None and epochs > state.epoch:
+def _counted(loop: LoopInfo, state: TrainState, partial: PartialWindow) -> LoopInfo:
+    """``loop`` with the run's start step and total number of updates, from ``state``."""
+    total = _total_steps(state, loop, partial)
+    return dataclasses.replace(loop, start_step=state.step, total_steps=total)
+
+
+def _total_steps(state: TrainState, loop: LoopInfo, partial: PartialWindow) -> int | None:
+    max_steps, epochs, batches, k = (
+        loop.max_steps,
+        loop.epochs,
+        loop.batches_per_epoch,
+        loop.micro_batches,
+    )
+    if epochs is None or batches is None:
+        return max_steps
+    left = 0
+    if epochs > state.epoch:
         # Micro-batches of a window left open by the previous run still count toward it.
         this = batches - state.batches_seen + state.window.micro_step
-        rest = (epochs - state.epoch - 1) * batches
+        passes = epochs - state.epoch - 1
         if partial == "epoch":  # every pass ends with a window of its own, however short
-            left = -(-this // k) + (epochs - state.epoch - 1) * -(-batches // k)
-        elif partial == "end":
-            left = -(-(this + rest) // k)
-        else:
-            left = (this + rest) // k
-        by_epochs = state.step + left
-    elif epochs is not None and batches is not None:
-        by_epochs = state.step
-    if max_steps is not None and by_epochs is not None:
-        return min(max_steps, by_epochs)
-    return max_steps if max_steps is not None else by_epochs
+            left = -(-this // k) + passes * -(-batches // k)
+        else:  # "end" applies the last short window, "carry" never does
+            left = (this + passes * batches + (k - 1 if partial == "end" else 0)) // k
+    return state.step + left if max_steps is None else min(max_steps, state.step + left)
 
 
 def _validate(
     state: Any, data: Any, max_steps: int | None, epochs: int | None, plugins: Any
 ) -> None:
     if not isinstance(state, TrainState):
-        raise TypeError(
-            f"run: state must be a TrainState; got {type(state).__name__}. Build one: "
-            "TrainState(model=model, optimizer=optimizer); run(step, state, data, ...)."
-        )
+        raise TypeError(f"run: state must be a TrainState; got {type(state).__name__}.")
     if max_steps is None and epochs is None:
         raise ValueError(
-            "run: give max_steps (optimizer updates) and/or epochs (passes over the data); got "
-            "neither, so the run would never end. Example: run(step, state, loader, "
-            "max_steps=1000)."
+            "run: give max_steps (optimizer updates) and/or epochs (passes over the data); "
+            "got neither, so the run would never end."
         )
     for name, value in (("max_steps", max_steps), ("epochs", epochs)):
         if value is not None:
@@ -204,9 +187,8 @@ def _validate(
     _check_plugins(plugins)
     if epochs is not None and isinstance(data, Iterator):
         raise ValueError(
-            f"run: epochs={epochs} needs data that can be iterated again (a DataLoader, a "
-            f"list); got a one-shot iterator ({type(data).__name__}). Pass the DataLoader "
-            "itself, or use max_steps."
+            f"run: epochs={epochs} needs data that can be iterated again; got a one-shot "
+            f"iterator ({type(data).__name__}). Pass the DataLoader itself, or use max_steps."
         )
 
 
@@ -261,18 +243,13 @@ def _call(plugins: Sequence[Plugin], event: Event) -> TrainState:
     state = event.state
     for plugin in plugins:
         new = plugin(event if state is event.state else event._replace(state=state))
-        if new is not None:
-            state = _returned(plugin, new)
+        if new is not None and not isinstance(new, TrainState):
+            name = getattr(plugin, "__name__", plugin)
+            raise TypeError(
+                f"plugin {name!r} returned {type(new).__name__}; expected a TrainState or None."
+            )
+        state = state if new is None else new
     return state
-
-
-def _returned(plugin: Plugin, new: Any) -> TrainState:
-    if not isinstance(new, TrainState):
-        raise TypeError(
-            f"plugin {getattr(plugin, '__name__', plugin)!r} returned "
-            f"{type(new).__name__}; a plugin returns a TrainState or None."
-        )
-    return new
 
 
 def run(
@@ -379,136 +356,167 @@ def run(
     _validate(state, data, max_steps, epochs, plugins)
     plugins = _ordered(plugins)
     _check_partial(step, partial_window)
-    k = _micro_batches(step)
+    accumulation = getattr(step, "accumulation", None)
+    k = accumulation.micro_batches if accumulation is not None else 1
     batches = batches_per_epoch(data)
     # Ranks whose passes differ in length would hang in the step's collectives at the end of
     # the shortest: one all-reduce per run (none without data parallelism) refuses that.
     check_even(batches, data_parallel_group(state.model))
     state = state.replace(stop=None) if state.stop is not None else state
-
-    def info(state: TrainState, claimed: dict[str, str]) -> LoopInfo:
-        total = _total_steps(state, max_steps, epochs, batches, k, partial_window)
-        return LoopInfo(max_steps, epochs, batches, k, state.step, total, data, claimed)
-
-    loop = info(state, {})
-    one_shot = isinstance(data, Iterator)
-    iterator: Iterator[Any] | None = None
-    clock = time.perf_counter
+    loop = _counted(LoopInfo(max_steps, epochs, batches, k, 0, None, data), state, partial_window)
+    window = _Window()
     error: BaseException | None = None
-    window: list[StepOutput] = []  # outputs of the open accumulation window
-    window_batches: list[Any] = []  # ... and their batches (references, not copies)
-    pending = 0  # batches drawn since state.batches_seen was last written
-    data_time = step_time = 0.0
-    stalled = False  # a pass without progress was reported (once per run)
-    warned = False  # an inexact resume was reported (once per run)
     try:
         # Restoring comes first, so that every plugin starts from the restored state.
         state = _call(plugins, Event("restore", state, loop))
-        loop = info(state, loop.claimed)
+        loop = _counted(loop, state, partial_window)
         state = _call(plugins, Event("start", state, loop))
-        while not _done(state, max_steps, epochs):
+        while not _done(state, loop):
             _set_epoch(data, state.epoch)
             state = _call(plugins, Event("epoch_start", state, loop))
-            if _done(state, max_steps, epochs):
+            if _done(state, loop):
                 break
-            # Close the window on the pass's last batch: at every pass's end, or the last.
-            flush = partial_window == "epoch" or (
-                partial_window == "end"
-                and (one_shot or (epochs is not None and state.epoch + 1 >= epochs))
-            )
-            resumed = state.batches_seen > 0  # a partial pass may hold nothing new
-            if resumed:
-                iterator, why = _resume(data, state)
-                if why is not None and not warned:
-                    warnings.warn(f"run: {why}.", RuntimeWarning, stacklevel=2)
-                    warned = True
-            else:
-                if not one_shot:  # what the pass draws its order from, for a resume
-                    state = state._evolve({"data_state": snapshot(data)})
-                iterator = iter(data)  # closed on every exit
-            exhausted = True
-            accepted = 0  # micro-batches of this pass that the loss function did not skip
-            source: Iterator[Any] = iterator
-            if flush and batches is None:
-                source = _read_ahead(iterator)  # the last batch is known when it comes
-            t0 = clock()
-            for batch in source:
-                t1 = clock()
-                if not flush:
-                    state, out = step(state, batch)
-                elif batches is None:
-                    batch, last = batch
-                    state, out = step(state, batch, close=last)  # type: ignore[call-arg]
-                else:
-                    last = state.batches_seen + pending + 1 >= batches
-                    state, out = step(state, batch, close=last)  # type: ignore[call-arg]
-                t2 = clock()
-                if type(out) is not StepOutput:
-                    raise _bad_step_return(state, out)
-                accepted += not out.skipped
-                data_time += t1 - t0
-                step_time += t2 - t1
-                pending += 1
-                window.append(out)
-                window_batches.append(batch)
-                # Plugins see updates, not micro-batches: nothing they read (state.step,
-                # the LR, a stop request) changes in between, and calling them per
-                # micro-batch would cost more than the loop itself.
-                if out.closed:
-                    state = state._evolve({"batches_seen": state.batches_seen + pending})
-                    event = Event(
-                        "step",
-                        state,
-                        loop,
-                        out,
-                        data_time,
-                        step_time,
-                        None,
-                        tuple(window),
-                        tuple(window_batches),
-                    )
-                    window, window_batches, pending = [], [], 0
-                    data_time = step_time = 0.0
-                    state = _call(plugins, event)
-                    if _done(state, max_steps, epochs):
-                        exhausted = False
-                        break
-                    t2 = clock()  # time in plugins is neither data time nor step time
-                t0 = t2
-            _close(iterator)
-            iterator = None
-            if not exhausted:
+            state, ran_out = _pass(step, state, plugins, loop, window, partial_window)
+            if not ran_out:
                 break
-            if not accepted and not one_shot and not resumed and not stalled:
-                stalled = _no_progress(state, pending, epochs)
             # A window may span the epoch boundary: its outputs stay in `window`.
-            pending = 0
+            window.pending = 0
             state = state._evolve({"epoch": state.epoch + 1, "batches_seen": 0})
             # Before the plugins: a checkpoint taken at "epoch_end" holds the stepped one.
             for scheduler in epoch_schedulers(state.scheduler):
                 scheduler.step()
             state = _call(plugins, Event("epoch_end", state, loop))
-            if one_shot:
+            if isinstance(data, Iterator):
                 break
     except BaseException as exc:
         error = exc
         raise
     finally:
-        _close(iterator)
-        if pending:
-            state = state._evolve({"batches_seen": state.batches_seen + pending})
-        end = Event(
-            "end", state, loop, error=error, outs=tuple(window), batches=tuple(window_batches)
-        )
+        state = window.failed or state
+        if window.pending:
+            state = state._evolve({"batches_seen": state.batches_seen + window.pending})
+        outs, batches_ = tuple(window.outs), tuple(window.batches)
+        end = Event("end", state, loop, error=error, outs=outs, batches=batches_)
         state = _end(plugins, end, error)
     return state
+
+
+@dataclasses.dataclass(slots=True)
+class _Window:
+    """What run() carries from batch to batch: the open accumulation window, and the
+    warnings given once per run."""
+
+    outs: list[StepOutput] = dataclasses.field(default_factory=list)
+    batches: list[Any] = dataclasses.field(default_factory=list)  # references, not copies
+    pending: int = 0  # batches drawn since state.batches_seen was last written
+    data_time: float = 0.0
+    step_time: float = 0.0
+    warned: bool = False  # an inexact resume was reported
+    stalled: bool = False  # a pass without progress was reported
+    failed: TrainState | None = None  # the state when a pass raised
+
+    def add(self, batch: Any, out: StepOutput, data_time: float, step_time: float) -> None:
+        self.outs.append(out)
+        self.batches.append(batch)
+        self.pending += 1
+        self.data_time += data_time
+        self.step_time += step_time
+
+    def close(self, state: TrainState, loop: LoopInfo) -> Event:
+        """The "step" event of the window just closed by ``state``'s update; a new window."""
+        state = state._evolve({"batches_seen": state.batches_seen + self.pending})
+        out, outs, batches = self.outs[-1], tuple(self.outs), tuple(self.batches)
+        event = Event("step", state, loop, out, self.data_time, self.step_time, None, outs, batches)
+        self.outs, self.batches, self.pending, self.data_time, self.step_time = [], [], 0, 0.0, 0.0
+        return event
+
+
+def _pass(
+    step: Callable[..., tuple[TrainState, StepOutput]],
+    state: TrainState,
+    plugins: Sequence[Plugin],
+    loop: LoopInfo,
+    window: _Window,
+    partial_window: PartialWindow,
+) -> tuple[TrainState, bool]:
+    """One pass over the data (its rest when resumed); whether the data ran out."""
+    one_shot = isinstance(loop.data, Iterator)
+    # Close the window on the pass's last batch: at every pass's end, or the last.
+    flush = partial_window == "epoch" or (
+        partial_window == "end"
+        and (one_shot or (loop.epochs is not None and state.epoch + 1 >= loop.epochs))
+    )
+    resumed = state.batches_seen > 0  # a partial pass may hold nothing new
+    state, iterator = _open(state, loop.data, window)
+    accepted = 0  # micro-batches of this pass that the loss function did not skip
+    clock = time.perf_counter
+    try:
+        t0 = clock()
+        for batch, last in _with_last(iterator, flush, loop.batches_per_epoch, state):
+            t1 = clock()
+            state, out = step(state, batch, close=last) if flush else step(state, batch)
+            t2 = clock()
+            if type(out) is not StepOutput:
+                raise _bad_step_return(state, out)
+            accepted += not out.skipped
+            window.add(batch, out, t1 - t0, t2 - t1)
+            # Plugins see updates, not micro-batches: nothing they read (state.step, the LR,
+            # a stop request) changes in between, and calling them per micro-batch would
+            # cost more than the loop itself.
+            if out.closed:
+                state = _call(plugins, window.close(state, loop))
+                if _done(state, loop):
+                    return state, False
+                t2 = clock()  # time in plugins is neither data time nor step time
+            t0 = t2
+    except BaseException:
+        window.failed = state  # for the "end" event: how far training got
+        raise
+    finally:
+        _close(iterator)
+    if not accepted and not one_shot and not resumed and not window.stalled:
+        window.stalled = _no_progress(state, window.pending, loop.epochs)
+    return state, True
+
+
+def _open(state: TrainState, data: Any, window: _Window) -> tuple[TrainState, Iterator[Any]]:
+    """The pass's iterator (the rest of a resumed pass), and the state recording the pass."""
+    if state.batches_seen == 0:
+        if not isinstance(data, Iterator):  # what the pass draws its order from, for a resume
+            state = state._evolve({"data_state": snapshot(data)})
+        return state, iter(data)
+    if is_stateful(data) and "loader" in state.data_state:
+        data.load_state_dict(state.data_state["loader"])  # it restarts where it was
+        return state, iter(data)
+    iterator, why = unseen(data, state.batches_seen, state.data_state)
+    if why is not None and not window.warned:
+        warnings.warn(f"run: {why}.", RuntimeWarning, stacklevel=4)
+        window.warned = True
+    return state, iterator
+
+
+def _with_last(
+    iterator: Iterator[Any], flush: bool, batches: int | None, state: TrainState
+) -> Iterator[tuple[Any, bool]]:
+    """``(batch, is_last)``: by ``len(data)``, else one batch read ahead (only to flush)."""
+    if not flush:
+        yield from zip(iterator, itertools.repeat(False))
+    elif batches is not None:
+        for seen, batch in enumerate(iterator, state.batches_seen + 1):
+            yield batch, seen >= batches
+    else:
+        end = object()
+        current = next(iterator, end)
+        while current is not end:
+            following = next(iterator, end)
+            yield current, following is end
+            current = following
 
 
 def _check_partial(step: Any, partial_window: Any) -> None:
     if partial_window not in ("carry", "epoch", "end"):
         raise ValueError(
-            f"run: partial_window must be 'carry', 'epoch' or 'end'; got {partial_window!r}. "
-            "'epoch' applies the short window at every pass's end, 'end' at the last one."
+            f"run: partial_window must be 'carry', 'epoch' or 'end'; got {partial_window!r}."
         )
     if partial_window == "carry":
         return
@@ -518,65 +526,31 @@ def _check_partial(step: Any, partial_window: Any) -> None:
         takes_close = False
     if not takes_close:
         raise TypeError(
-            f"run: partial_window={partial_window!r} closes a window through "
-            f"step(state, batch, close=True); this step ({type(step).__name__}) takes no "
-            "close= argument. Pass a step of make_step, or let a wrapper pass close= on."
+            f"run: partial_window={partial_window!r} needs step(state, batch, close=...); this "
+            f"step ({type(step).__name__}) takes no close= argument. Pass a step of make_step."
         )
 
 
-def _read_ahead(iterator: Iterator[Any]) -> Iterator[tuple[Any, bool]]:
-    """``(batch, is_last)``: one batch read ahead, so that the last is known as it comes."""
-    end = object()
-    current = next(iterator, end)
-    while current is not end:
-        following = next(iterator, end)
-        yield current, following is end
-        current = following
-
-
-def _resume(data: Any, state: TrainState) -> tuple[Iterator[Any], str | None]:
-    """The rest of a pass resumed ``state.batches_seen`` batches in, and why it is not exact."""
-    if is_stateful(data) and "loader" in state.data_state:
-        data.load_state_dict(state.data_state["loader"])  # it restarts where it was
-        return iter(data), None
-    return unseen(data, state.batches_seen, state.data_state)
-
-
 def _bad_step_return(state: Any, out: Any) -> TypeError:
-    return TypeError(
-        f"run: the step returned ({type(state).__name__}, {type(out).__name__}); expected "
-        "(TrainState, StepOutput), as the steps of make_step do. A wrapper around a step "
-        "must return what the step returned."
-    )
+    got = f"({type(state).__name__}, {type(out).__name__})"
+    return TypeError(f"run: the step returned {got}; expected (TrainState, StepOutput).")
 
 
 def _no_progress(state: TrainState, batches: int, epochs: int | None) -> bool:
     """A whole pass with no accepted micro-batch: the next passes would be the same."""
-    why = (
-        "the data yielded no batch"
-        if not batches
-        else f"the loss function skipped all {batches} batches (returned None)"
-    )
+    why = f"the loss function skipped all {batches} batches (returned None)"
+    why = f"run: in epoch {state.epoch} {why if batches else 'the data yielded no batch'}"
     if epochs is None:
-        raise ValueError(
-            f"run: in epoch {state.epoch} {why}, so no update can ever happen and max_steps "
-            "would never be reached. Check the data source (an empty DataLoader, a filter "
-            "that drops everything) and the loss function."
-        )
-    warnings.warn(
-        f"run: in epoch {state.epoch} {why}; no update happened in that pass (reported once "
-        "per run).",
-        RuntimeWarning,
-        stacklevel=3,
-    )
+        raise ValueError(f"{why}, so no update can ever happen; check the data and loss_fn.")
+    warnings.warn(f"{why}; no update happened in that pass.", RuntimeWarning, stacklevel=4)
     return True
 
 
-def _done(state: TrainState, max_steps: int | None, epochs: int | None) -> bool:
+def _done(state: TrainState, loop: LoopInfo) -> bool:
     return (
         state.stop is not None
-        or (max_steps is not None and state.step >= max_steps)
-        or (epochs is not None and state.epoch >= epochs)
+        or (loop.max_steps is not None and state.step >= loop.max_steps)
+        or (loop.epochs is not None and state.epoch >= loop.epochs)
     )
 
 
@@ -594,20 +568,15 @@ def _end(plugins: Sequence[Plugin], event: Event, error: BaseException | None) -
     leave: BaseException | None = None  # SystemExit, KeyboardInterrupt: raised at the end
     for plugin in plugins:
         try:
-            new = plugin(event._replace(state=state))
-            if new is not None:
-                state = _returned(plugin, new)
+            state = _call((plugin,), event._replace(state=state))
         except Exception as exc:
             name = getattr(plugin, "__qualname__", repr(plugin))
             if error is not None:
                 error.add_note(f"and then plugin {name} failed at 'end': {exc!r}")
             else:
-                warnings.warn(
-                    f"run: plugin {name} failed at 'end' after training ended well: {exc!r}. "
-                    "run() returns the trained state anyway.",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
+                message = f"run: plugin {name} failed at 'end' after training ended well: {exc!r}"
+                message += "; run() returns the trained state anyway."
+                warnings.warn(message, RuntimeWarning, stacklevel=3)
         except BaseException as exc:
             leave = leave or exc
     if leave is not None:

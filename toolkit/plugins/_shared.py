@@ -1,21 +1,70 @@
-"""What several plugins share: extras key claims, when an update is due, the metrics entry,
-"better than best".
+"""What several plugins share: the typed entries they keep in ``state.extras``, extras key
+claims, when an update is due, "better than best".
 
-The metrics convention between plugins is ``state.extras[NAME] = {"step", "metrics", ...}``:
-a plugin that produces metrics (validate, peak_memory) stores python floats under
-``"metrics"`` with the ``"step"`` they were made at; readers (log_metrics, progress,
-early_stop) recognise such an entry with :func:`metric_entry`.
+Each plugin's memory is one ``state.extras`` entry, a plain dict of numbers, strings and
+tensors (checkpoints save ``state.extras`` as it is), typed below. A plugin that measures
+(validate, peak_memory) writes a :class:`MetricsEntry`; readers (log_metrics, progress,
+early_stop, checkpoints) find one with :func:`metric_entry`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypedDict
+
+import torch
 
 from toolkit.loop._run import Event
 
-__all__ = ["better", "check_mode", "claim", "due", "metric_entry"]
+__all__ = [
+    "EarlyStopEntry",
+    "EmaEntry",
+    "MetricsEntry",
+    "ValidationEntry",
+    "better",
+    "check_mode",
+    "claim",
+    "due",
+    "metric_entry",
+]
+
+
+class MetricsEntry(TypedDict):
+    """What a measuring plugin keeps: its latest ``metrics`` and the ``step`` they are of."""
+
+    step: int
+    metrics: dict[str, float]
+
+
+class ValidationEntry(TypedDict):
+    """validate's entry: a :class:`MetricsEntry` with the best ``monitor`` value so far."""
+
+    step: int
+    metrics: dict[str, float]
+    epoch: int
+    best: float | None  # None until an evaluation gives a number
+    best_step: int | None
+
+
+class EarlyStopEntry(TypedDict):
+    """early_stop's counters: the ``step`` of the last evaluation judged, the best so far,
+    and the evaluations in a row without improvement."""
+
+    metric: str
+    seen_step: int | None
+    best: float | None
+    best_step: int | None
+    bad: int
+
+
+class EmaEntry(TypedDict):
+    """ema's average: the tensors by the unwrapped model's names, and how often it moved."""
+
+    step: int
+    num_updates: int
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
 
 
 def claim(event: Event, key: str, owner: str) -> None:
@@ -71,7 +120,7 @@ def due(event: Event, every: int) -> bool:
 
 
 def metric_entry(entry: Any) -> tuple[Any, Mapping[str, Any]] | None:
-    """``(step, metrics)`` of an extras entry of the metrics form, or None for any other.
+    """``(step, metrics)`` of a :class:`MetricsEntry` (or one that extends it), else None.
 
     Example:
         >>> metric_entry({"step": 4, "metrics": {"loss": 0.5}, "best": 0.5})

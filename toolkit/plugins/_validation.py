@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from toolkit._checks import check_count, check_key
-from toolkit.loop._evaluate import _evaluate
+from toolkit.loop._evaluate import _evaluate, check_eval_fn
 from toolkit.loop._run import Event, Plugin, plugin_factory
-from toolkit.plugins._shared import better, check_mode, claim, due
+from toolkit.plugins._shared import ValidationEntry, better, check_mode, claim, due
 from toolkit.step._state import TrainState
 
 __all__ = ["validate"]
@@ -20,13 +19,6 @@ __all__ = ["validate"]
 
 # The run's claim (in LoopInfo.claimed) of stepping the ReduceLROnPlateau; no extras key.
 _PLATEAU = "<state.scheduler: ReduceLROnPlateau>"
-
-
-@dataclasses.dataclass(slots=True)
-class _Run:
-    """validate's memory for one run."""
-
-    checked: bool = False  # whether the first event after "start" has been looked at
 
 
 def _plateau(state: TrainState, plateau_metric: str) -> ReduceLROnPlateau:
@@ -78,8 +70,7 @@ def validate(
     becomes best, so both are None until an evaluation gives a number) and ``best_step`` the
     update at which it was reached; a resumed entry keeps its best. The evaluation is not
     repeated for a ``state.step`` that already has one (the weights have not changed), e.g.
-    when an epoch ends on a multiple of ``every``. Put ``validate`` before ``early_stop``
-    and ``log_metrics`` in the plugin list. At ``"start"`` the plugin claims ``key`` for
+    when an epoch ends on a multiple of ``every``. At ``"start"`` the plugin claims ``key`` for
     the run: another plugin keeping the same ``state.extras`` key (a second ``validate``,
     ``ema()`` under ``key="ema"``) is refused before training.
 
@@ -96,11 +87,9 @@ def validate(
     ``scheduler.step(metrics["loss"])``, exactly as a hand-written loop calling
     ``scheduler.step(val_loss)`` after each validation. It is explicit on purpose: with a
     ``ReduceLROnPlateau`` in the state and no ``validate`` of the run given
-    ``plateau_metric``, every ``validate`` raises at the first event after ``"start"``
-    (at the latest, that of the first update) rather than leave the learning rate silently
-    unreduced; a
-    second ``validate`` with ``plateau_metric`` would step it twice per evaluation and is
-    refused at ``"start"``.
+    ``plateau_metric``, every ``validate`` raises at ``"start"`` rather than leave the
+    learning rate silently unreduced; a second ``validate`` with ``plateau_metric`` would
+    step it twice per evaluation and is refused at ``"start"``.
 
     Args:
         eval_fn: ``eval_fn(model, batch) -> mapping | (mapping, count)``.
@@ -114,7 +103,7 @@ def validate(
         mode: ``"min"`` or ``"max"``: which direction is better for ``monitor``.
         model: a function ``state -> module`` choosing what to evaluate instead of
             ``state.model``, e.g. :func:`toolkit.plugins.ema_model` to evaluate the average
-            (then put ``ema`` before ``validate``).
+            (ema runs before validate, so it is the average of this very update).
         plateau_metric: the metric to step the ``ReduceLROnPlateau`` in ``state.scheduler``
             with after each evaluation, or None (see above). The scheduler's own ``mode``
             applies; when ``plateau_metric == monitor`` it must equal ``mode``.
@@ -127,8 +116,8 @@ def validate(
             ``mode``, an empty ``key`` or ``plateau_metric``, a one-shot iterator as
             ``data``; at ``"start"``, ``key`` kept by another plugin of the run,
             ``plateau_metric`` without a ``ReduceLROnPlateau`` in ``state.scheduler``, or
-            with one whose ``mode`` contradicts ``mode``, or given to two ``validate``; at
-            the first later event, a ``ReduceLROnPlateau`` that no ``validate`` steps;
+            with one whose ``mode`` contradicts ``mode``, or given to two ``validate``, or a
+            ``ReduceLROnPlateau`` that no ``validate`` steps;
             during the run, validation data without batches, a negative or non-finite
             count, or ranks returning different metric names.
         TypeError: ``eval_fn`` not callable; during the run, an ``eval_fn`` result that is
@@ -163,41 +152,31 @@ def validate(
         >>> round(state.optimizer.param_groups[0]["lr"], 6)  # reduced once: 0.1 -> 0.01
         0.01
     """
-    if not callable(eval_fn):
-        raise TypeError(
-            f"validate: eval_fn must be callable as eval_fn(model, batch); got "
-            f"{type(eval_fn).__name__}."
-        )
+    check_eval_fn("validate", eval_fn)
     if every is not None:
         check_count("validate", "every", every, 1, "applied updates between evaluations, or None")
     check_key("validate", key)
     if every is None and not per_epoch and not at_end:
-        raise ValueError(
-            "validate: expected every=N, per_epoch=True and/or at_end=True; got none of "
-            "them, so it would never run."
-        )
+        raise ValueError("validate: expected every=N, per_epoch=True and/or at_end=True; got none.")
     check_mode("validate", mode)
     if isinstance(data, Iterator):
+        got = type(data).__name__
         raise ValueError(
-            f"validate: data must be re-iterable (a DataLoader, a list), read at every "
-            f"evaluation; got a one-shot iterator ({type(data).__name__})."
+            f"validate: data must be re-iterable (a list); got a one-shot iterator ({got})."
         )
     if model is not None and not callable(model):
-        raise TypeError(
-            f"validate: model must be a function state -> module (e.g. ema_model) or None; "
-            f"got {type(model).__name__}."
-        )
+        got = type(model).__name__
+        raise TypeError(f"validate: model must be a function state -> module or None; got {got}.")
     if plateau_metric is not None and (not isinstance(plateau_metric, str) or not plateau_metric):
         raise ValueError(
             f"validate: plateau_metric must be the name of a metric eval_fn returns (e.g. "
             f"'loss'), or None; got {plateau_metric!r}."
         )
-    pick = model
-    run_ = _Run()
+    me = f"validate(key={key!r}, plateau_metric={plateau_metric!r})"
 
     def run_eval(state: TrainState) -> TrainState:
-        where = f" at step {state.step}"
-        metrics = _evaluate(eval_fn, pick(state) if pick is not None else state.model, data, where)
+        module = model(state) if model is not None else state.model
+        metrics = _evaluate(eval_fn, module, data, f" at step {state.step}")
         for wanted, option in ((monitor, "monitor"), (plateau_metric, "plateau_metric")):
             if wanted is not None and wanted not in metrics:
                 raise KeyError(
@@ -206,25 +185,26 @@ def validate(
                 )
         if plateau_metric is not None:
             _plateau(state, plateau_metric).step(metrics[plateau_metric])
-        previous = state.extras.get(key)
-        best = previous.get("best") if isinstance(previous, Mapping) else None
-        best_step = previous.get("best_step") if isinstance(previous, Mapping) else None
-        value = metrics[monitor]
-        if better(value, best, mode):
-            best, best_step = value, state.step
-        entry = {
-            "step": state.step,
-            "epoch": state.epoch,
-            "metrics": metrics,
-            "best": best,
-            "best_step": best_step,
-        }
+        previous: ValidationEntry | None = state.extras.get(key)
+        best, best_step = (previous["best"], previous["best_step"]) if previous else (None, None)
+        if better(metrics[monitor], best, mode):
+            best, best_step = metrics[monitor], state.step
+        entry = ValidationEntry(
+            step=state.step, epoch=state.epoch, metrics=metrics, best=best, best_step=best_step
+        )
         return state.replace(extras={**state.extras, key: entry})
 
     def start(event: Event) -> None:
         claim(event, key, "validate")
-        run_.checked = False
         if plateau_metric is None:
+            scheduler = event.state.scheduler
+            if isinstance(scheduler, ReduceLROnPlateau) and _PLATEAU not in event.loop.claimed:
+                raise ValueError(
+                    "validate: state.scheduler is a ReduceLROnPlateau, which the train step "
+                    "leaves alone (it needs a metric), and no validate of this run steps it, so "
+                    "the learning rate would never be reduced. Pass the metric to step it with, "
+                    f"e.g. validate(..., plateau_metric={monitor!r})."
+                )
             return
         scheduler = _plateau(event.state, plateau_metric)
         if plateau_metric == monitor and scheduler.mode != mode:
@@ -233,46 +213,36 @@ def validate(
                 f"which validate treats as mode={mode!r} but state.scheduler (a "
                 f"ReduceLROnPlateau) as mode={scheduler.mode!r}; give both the same mode."
             )
-        claimed = event.loop.claimed
-        holder = claimed.get(_PLATEAU)
-        if holder is not None:
+        holder = event.loop.claimed.setdefault(_PLATEAU, me)
+        if holder != me:
             raise ValueError(
-                f"validate(key={key!r}, plateau_metric={plateau_metric!r}): state.scheduler, a "
-                f"ReduceLROnPlateau, is already stepped by {holder} in this run; a second "
-                "one would step it twice per evaluation. Give plateau_metric to one validate."
+                f"{me}: state.scheduler, a ReduceLROnPlateau, is already stepped by {holder} in "
+                "this run; a second one would step it twice per evaluation. Give plateau_metric "
+                "to one validate."
             )
-        claimed[_PLATEAU] = f"validate(key={key!r}, plateau_metric={plateau_metric!r})"
 
     def plugin(event: Event) -> TrainState | None:
-        state = event.state
-        if event.kind == "restore":
+        kind, state = event.kind, event.state
+        if kind == "restore":
+            # Claimed before any "start", so that each validate knows there whether one of
+            # the run steps the scheduler (the first to claim it does).
+            if plateau_metric is not None:
+                event.loop.claimed.setdefault(_PLATEAU, me)
             return None
-        if event.kind == "start":
+        if kind == "start":
             start(event)
             return None
-        if not run_.checked and event.error is None:  # never mask the error that ended a run
-            # Now, not at "start": every plugin's "start" has run, so a validate listed
-            # later that steps the scheduler has claimed it by now.
-            run_.checked = True
-            if isinstance(state.scheduler, ReduceLROnPlateau) and (
-                _PLATEAU not in event.loop.claimed
-            ):
-                raise ValueError(
-                    "validate: state.scheduler is a ReduceLROnPlateau, which the train step "
-                    "leaves alone (it needs a metric), and no validate of this run steps "
-                    "it, so the learning rate would never be reduced. Pass the metric to "
-                    f"step it with, e.g. validate(..., plateau_metric={monitor!r})."
-                )
-        if event.kind == "step":
-            evaluate = every is not None and due(event, every)
-        elif event.kind == "end":
-            evaluate = at_end and event.error is None
+        if kind == "step":
+            due_now = every is not None and due(event, every)
         else:
-            evaluate = per_epoch and event.kind == "epoch_end"
-        if not evaluate:
-            return None
+            due_now = (
+                at_end and event.error is None
+                if kind == "end"
+                else per_epoch and kind == "epoch_end"
+            )
         previous = state.extras.get(key)
-        if isinstance(previous, Mapping) and previous.get("step") == state.step:
+        # Not twice for one step: the weights have not changed (an epoch ending on `every`).
+        if not due_now or (previous is not None and previous["step"] == state.step):
             return None
         return run_eval(state)
 
