@@ -210,7 +210,7 @@ def all_reduce_(
         return tensor
     moved = tensor.to(_device(group))
     dist.all_reduce(moved, op=op, group=group)
-    return tensor if moved is tensor else tensor.copy_(moved)
+    return tensor if moved is tensor else tensor.copy_(moved.to(tensor.device))
 
 
 def is_rank_zero() -> bool:
@@ -336,8 +336,8 @@ def agree(error: BaseException | None, group: Group | None, who: str) -> None:
         return
     src, said = failed[0], ""
     if rank == src and error is not None:
-        kind = next((i for i, t in enumerate(_TYPES) if i and isinstance(error, t)), 0)
-        said = f"{kind} {getattr(error, 'errno', None) or 0} {error}"
+        index = next((i for i, t in enumerate(_TYPES) if i and isinstance(error, t)), 0)
+        said = f"{index} {getattr(error, 'errno', None) or 0} {error}"
     kind, code, message = broadcast_text(said, group, src).split(" ", 2)
     if error is not None:
         raise error
