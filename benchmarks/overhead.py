@@ -9,6 +9,7 @@ ends run() once), over five times the rounds.
 
     make bench                      # or: OMP_NUM_THREADS=1 python benchmarks/overhead.py
     python benchmarks/overhead.py --rounds 30 --updates 50
+    python benchmarks/overhead.py --compiled   # adds a torch.compile'd transformer row
 """
 
 from __future__ import annotations
@@ -76,14 +77,14 @@ def setup(sizes: list[int], batch: int, seed: int = 0, optimizer: str = "adamw")
 Setup = tuple  # (model, optimizer, scheduler, micro-batches), from setup()
 
 
-def composed_step():
+def composed_step(loss=loss_fn):
     """The toolkit step every case times: accumulate K, clip by norm, non-finite guard."""
     return compose(accumulate(micro_batches=K), clip(max_norm=MAX_NORM), guard_nonfinite())(
-        make_step(loss_fn)
+        make_step(loss)
     )
 
 
-def hand_written(objects: Setup) -> Callable[[int], None]:
+def hand_written(objects: Setup, loss_of=loss_fn) -> Callable[[int], None]:
     """The nanoGPT-order loop a careful user writes: accumulate, clip, guard, step."""
     model, opt, sched, data = objects
 
@@ -91,7 +92,7 @@ def hand_written(objects: Setup) -> Callable[[int], None]:
         for _ in range(n):
             window_loss = 0.0
             for x, y in data:
-                loss = loss_fn(model, (x, y)) / K
+                loss = loss_of(model, (x, y)) / K
                 loss.backward()
                 window_loss = window_loss + loss.detach()
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
@@ -106,10 +107,10 @@ def hand_written(objects: Setup) -> Callable[[int], None]:
     return updates
 
 
-def composed(objects: Setup) -> Callable[[int], None]:
+def composed(objects: Setup, loss=loss_fn) -> Callable[[int], None]:
     """The toolkit step over the same objects, driven by a plain for loop."""
     model, opt, sched, data = objects
-    step = composed_step()
+    step = composed_step(loss)
     holder = [TrainState(model=model, optimizer=opt, scheduler=sched)]
 
     def updates(n: int) -> None:
@@ -226,6 +227,35 @@ def measure(
     return statistics.median(t_base), statistics.median(t_ours), statistics.median(ratios)
 
 
+def transformer_setup(compiled: bool) -> Setup:
+    """A small causal transformer (4 layers, width 256, context 128, batch 16), its loss
+    inside the model, torch.compile'd or eager; AdamW and a scheduler, as setup() makes."""
+    from gpu import GPT, Config  # benchmarks/gpu.py's GPT-2, at a CPU size
+
+    torch.manual_seed(0)
+    model = GPT(Config(layers=4, width=256, heads=4, context=128, vocab=256))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    ids = [torch.randint(0, 256, (16, 129)) for _ in range(K)]
+    data = [(i[:, :-1].contiguous(), i[:, 1:].contiguous()) for i in ids]
+    return torch.compile(model) if compiled else model, opt, sched, data
+
+
+def lm_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return model(*batch)
+
+
+def transformer_rows(rounds: int, updates: int) -> list[tuple[str, float, float, float]]:
+    """--compiled: both sides compiled the same way (the model), and the eager pair."""
+    rows = []
+    for compiled in (True, False):
+        objects = transformer_setup(compiled)
+        timed = measure(hand_written(objects, lm_loss), composed(objects, lm_loss), rounds, updates)
+        name = "compiled" if compiled else "eager"
+        rows.append((f"step: transformer 4x256, ctx 128, batch 16, {name}", *timed))
+    return rows
+
+
 def one_pass(rounds: int, updates: int) -> list[tuple[str, float, float, float]]:
     """Every case once: (name, baseline s/update, toolkit s/update, median ratio)."""
     rows = []
@@ -263,6 +293,11 @@ def main() -> None:
     parser.add_argument(
         "--repeat", type=int, default=1, help="measure everything N times; print the range"
     )
+    parser.add_argument(
+        "--compiled",
+        action="store_true",
+        help="also a torch.compile'd transformer and its eager pair (compiles: ~2 minutes)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(
@@ -270,7 +305,12 @@ def main() -> None:
         f"{args.rounds} rounds x {args.updates} updates (run() rows: {RUN_ROUNDS * args.rounds} "
         f"x {args.updates}), median CPU time per update\n"
     )
-    passes = [one_pass(args.rounds, args.updates) for _ in range(args.repeat)]
+    # The transformer rows take ~50 ms an update: a tenth of the rounds, 3 updates each.
+    passes = [
+        one_pass(args.rounds, args.updates)
+        + (transformer_rows(max(args.rounds // 10, 3), 3) if args.compiled else [])
+        for _ in range(args.repeat)
+    ]
     rows = passes[-1]
     width = max(len(r[0]) for r in rows)
     print(f"{'case':<{width}}  {'baseline':>10}  {'toolkit':>10}  ratio (median of rounds)")

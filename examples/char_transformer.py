@@ -46,6 +46,7 @@ from toolkit import (
     guard_nonfinite,
     make_step,
     run,
+    to_device,
 )
 from toolkit.plugins import jsonl, log_metrics, progress, validate
 
@@ -113,6 +114,7 @@ class CharTransformer(nn.Module):
 
 def summed_loss(model: nn.Module, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy summed over the real target tokens, and their number (a tensor)."""
+    rows = to_device(rows, next(model.parameters()).device, non_blocking=True)
     inputs, targets = rows[:, :-1], rows[:, 1:]
     logits = model(inputs)
     # In float32: a bf16 sum over thousands of tokens would lose most of its precision.
@@ -139,7 +141,7 @@ def eval_fn(model: nn.Module, batch) -> tuple[dict[str, torch.Tensor], torch.Ten
 def sample(model: nn.Module, prompt: str, stoi: dict[str, int], itos: list[str], n: int) -> str:
     """Greedy decoding: always the most likely next character."""
     model.eval()
-    ids = torch.tensor([[stoi[c] for c in prompt]])
+    ids = torch.tensor([[stoi[c] for c in prompt]], device=next(model.parameters()).device)
     for _ in range(n):
         logits = model(ids[:, -CONTEXT:])[:, -1]
         logits[:, PAD] = -math.inf
@@ -151,10 +153,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="20 updates, not 600: a smoke test")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/char_transformer"))
+    parser.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="where to train (default: cuda when available)",
+    )
     args = parser.parse_args()
     max_steps = 20 if args.quick else 600
     every = 5 if args.quick else 100  # updates between validations
 
+    device = torch.device(args.device)
     torch.manual_seed(SEED)
     itos, train_docs, val_docs = load_corpus()
     stoi = {c: i for i, c in enumerate(itos)}
@@ -164,13 +172,14 @@ def main() -> None:
         batch_size=BATCH_SIZE,
         shuffle=True,
         generator=shuffle,
+        pin_memory=device.type == "cuda",
     )
     val_rows = windows(val_docs, stoi)
     if args.quick:
         val_rows = val_rows[:256]  # a fixed subset keeps the smoke test fast
     val_loader = DataLoader(TensorDataset(val_rows), batch_size=128)
 
-    model = CharTransformer(len(itos))
+    model = CharTransformer(len(itos)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     # Warm-up then cosine decay, one scheduler step per optimizer update.
     scheduler = torch.optim.lr_scheduler.OneCycleLR(
@@ -186,8 +195,13 @@ def main() -> None:
         guard_nonfinite(),
     )(make_step(loss_fn))
 
+    def eval_bf16(model: nn.Module, batch) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        # Validation under the train step's autocast (amp_wrap): the same bf16 kernels.
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            return eval_fn(model, batch)
+
     plugins = [
-        validate(eval_fn, val_loader, every=every, at_end=True),
+        validate(eval_bf16, val_loader, every=every, at_end=True),
         progress(every=every // 2, counts="tokens"),
         # mode="w" (existing="replace"): a fresh run empties the file (the default refuses one
         # that holds lines); a run resumed from a checkpoint would continue it.

@@ -48,7 +48,16 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
 
-from toolkit import TrainState, accumulate, clip, compose, guard_nonfinite, make_step, run
+from toolkit import (
+    TrainState,
+    accumulate,
+    clip,
+    compose,
+    guard_nonfinite,
+    make_step,
+    run,
+    to_device,
+)
 from toolkit.distributed import Launch, process_group
 from toolkit.plugins import checkpoints, ema, ema_model, jsonl, log_metrics, progress, validate
 
@@ -74,12 +83,15 @@ def make_loaders(launch: Launch) -> tuple[DataLoader, DataLoader]:
         train_set, num_replicas=launch.world_size, rank=launch.rank, shuffle=True, seed=SEED
     )
     batch_size = UPDATE_BATCH // (launch.world_size * MICRO_BATCHES)
-    train = DataLoader(train_set, batch_size=batch_size, sampler=sampler, drop_last=True)
+    pin = launch.device.type == "cuda"
+    train = DataLoader(
+        train_set, batch_size=batch_size, sampler=sampler, drop_last=True, pin_memory=pin
+    )
     # Validation slices are disjoint and cover the set once (no padding: validate weights
     # each rank's batches by their size, so unequal slices average exactly).
     val_set = dataset(x_val, y_val)
     mine = Subset(val_set, range(launch.rank, len(val_set), launch.world_size))
-    return train, DataLoader(mine, batch_size=256)
+    return train, DataLoader(mine, batch_size=256, pin_memory=pin)
 
 
 def make_model() -> nn.Module:
@@ -95,14 +107,15 @@ def make_model() -> nn.Module:
 
 
 def loss_fn(model: nn.Module, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    x, y = batch
+    # Inputs and targets both go to this rank's device (from pinned memory on CUDA).
+    x, y = to_device(batch, next(model.parameters()).device, non_blocking=True)
     logits = model(x)
     accuracy = (logits.argmax(dim=-1) == y).float().mean()
     return F.cross_entropy(logits, y), {"accuracy": accuracy}
 
 
 def eval_fn(model: nn.Module, batch) -> dict[str, torch.Tensor]:
-    x, y = batch
+    x, y = to_device(batch, next(model.parameters()).device, non_blocking=True)
     logits = model(x)
     return {
         "loss": F.cross_entropy(logits, y),
@@ -149,10 +162,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 epochs, not 40: a smoke test")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/ddp_digits"))
+    parser.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cuda: each rank takes cuda:LOCAL_RANK (the default when available); or cpu",
+    )
     args = parser.parse_args()
     epochs, every = (3, 10) if args.quick else (40, 50)
 
-    with process_group(seed=SEED) as launch:
+    # setup() picks cuda:LOCAL_RANK, one device per rank; cpu keeps every rank on the CPU.
+    device = None if args.device == "cuda" else args.device
+    with process_group(seed=SEED, device=device) as launch:
         started = time.perf_counter()
         state = train(launch, epochs, every, args.out)
         seconds = time.perf_counter() - started

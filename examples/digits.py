@@ -7,6 +7,7 @@ nothing is downloaded. Install the extra and run::
     make example                              # = OMP_NUM_THREADS=1 python examples/digits.py
     python examples/digits.py --out runs/digits   # metrics go to runs/digits/metrics.jsonl
     python examples/digits.py --quick         # a few epochs, for smoke tests
+    python examples/digits.py --device cpu    # default: cuda when available
 
 It shows the whole toolkit on one page: a loss function, a composed train step
 (accumulation, clipping, a non-finite guard), and ``run()`` with progress, JSON-lines
@@ -29,7 +30,16 @@ from sklearn.model_selection import train_test_split
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from toolkit import TrainState, accumulate, clip, compose, guard_nonfinite, make_step, run
+from toolkit import (
+    TrainState,
+    accumulate,
+    clip,
+    compose,
+    guard_nonfinite,
+    make_step,
+    run,
+    to_device,
+)
 from toolkit.plugins import (
     early_stop,
     ema,
@@ -46,8 +56,11 @@ BATCH_SIZE = 32  # per micro-batch; two micro-batches make one update of 64 samp
 MICRO_BATCHES = 2
 
 
-def make_loaders(seed: int) -> tuple[DataLoader, DataLoader]:
-    """Stratified 80/20 split of the digits, scaled to [0, 1], as DataLoaders."""
+def make_loaders(seed: int, pin_memory: bool = False) -> tuple[DataLoader, DataLoader]:
+    """Stratified 80/20 split of the digits, scaled to [0, 1], as DataLoaders.
+
+    ``pin_memory`` (on CUDA) lets the loss function's copies to the GPU run asynchronously.
+    """
     images, labels = load_digits(return_X_y=True)
     x_train, x_val, y_train, y_val = train_test_split(
         images, labels, test_size=0.2, stratify=labels, random_state=seed
@@ -66,8 +79,9 @@ def make_loaders(seed: int) -> tuple[DataLoader, DataLoader]:
         shuffle=True,
         generator=shuffle,
         drop_last=True,
+        pin_memory=pin_memory,
     )
-    val = DataLoader(dataset(x_val, y_val), batch_size=256)
+    val = DataLoader(dataset(x_val, y_val), batch_size=256, pin_memory=pin_memory)
     return train, val
 
 
@@ -85,7 +99,8 @@ def make_model() -> nn.Module:
 
 def loss_fn(model: nn.Module, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Mean cross-entropy, plus the batch accuracy as a record (logged as train/accuracy)."""
-    x, y = batch
+    # Inputs and targets go where the model is; non_blocking: from pinned memory on CUDA.
+    x, y = to_device(batch, next(model.parameters()).device, non_blocking=True)
     logits = model(x)
     accuracy = (logits.argmax(dim=-1) == y).float().mean()
     return F.cross_entropy(logits, y), {"accuracy": accuracy}
@@ -93,7 +108,7 @@ def loss_fn(model: nn.Module, batch) -> tuple[torch.Tensor, dict[str, torch.Tens
 
 def eval_fn(model: nn.Module, batch) -> dict[str, torch.Tensor]:
     """Per-batch metrics; validate() weights them by batch size, so the means are exact."""
-    x, y = batch
+    x, y = to_device(batch, next(model.parameters()).device, non_blocking=True)
     logits = model(x)
     return {
         "loss": F.cross_entropy(logits, y),
@@ -105,12 +120,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 epochs, not 40: a smoke test")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/digits"))
+    parser.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="where to train (default: cuda when available)",
+    )
     args = parser.parse_args()
     epochs = 3 if args.quick else 40
 
     torch.manual_seed(SEED)  # weights and dropout masks
-    train_loader, val_loader = make_loaders(SEED)
-    model = make_model()
+    device = torch.device(args.device)
+    train_loader, val_loader = make_loaders(SEED, pin_memory=device.type == "cuda")
+    model = make_model().to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=1e-2)
     # One scheduler step per optimizer update (the step calls scheduler.step() after each).
     total_updates = epochs * len(train_loader) // MICRO_BATCHES

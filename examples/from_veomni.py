@@ -59,7 +59,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from toolkit import LossSum, TrainState, accumulate, clip, compose, export_model, make_step, run
+from toolkit import (
+    LossSum,
+    TrainState,
+    accumulate,
+    clip,
+    compose,
+    export_model,
+    make_step,
+    run,
+    to_device,
+)
 from toolkit.plugins import jsonl, log_metrics, progress, validate
 
 SEED = 42  # VeOmni's default seed
@@ -102,13 +112,13 @@ class CausalLM(nn.Module):
         self.head = nn.Linear(d_model, VOCAB + 1)  # tokens and EOS; never PAD
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        mask = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1])
+        mask = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1], device=tokens.device)
         return self.head(self.blocks(self.embed(tokens) + self.position, mask=mask, is_causal=True))
 
 
 def loss_fn(model: nn.Module, batch) -> LossSum:
     """forward_backward_step's loss: summed over real tokens, with their count."""
-    (rows,) = batch
+    (rows,) = to_device(batch, next(model.parameters()).device, non_blocking=True)
     inputs, targets = rows[:, :-1], rows[:, 1:]
     logits = model(inputs)
     total = F.cross_entropy(
@@ -139,6 +149,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1 epoch, not 3: a smoke test")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/veomni"))
+    parser.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="where to train (default: cuda when available)",
+    )
     args = parser.parse_args()
     num_train_epochs = 1 if args.quick else 3
 
@@ -152,7 +167,7 @@ def main() -> None:
     micro_batches = GLOBAL_BATCH_SIZE // MICRO_BATCH_SIZE  # // world size under data parallelism
     train_steps = len(train_loader) // micro_batches
 
-    model = CausalLM()
+    model = CausalLM().to(args.device)
     # VeOmni's recipe: Muon for the blocks' weight matrices, AdamW for the rest, one backward.
     # build_param_groups: the embeddings learn at a lower rate than the rest.
     matrices = [p for p in model.blocks.parameters() if p.ndim == 2]

@@ -69,7 +69,10 @@ def make_loaders(launch: Launch, stoi: dict[str, int], train_docs, val_docs, qui
     )
     # BATCH_SIZE rows per micro-batch over all ranks, as in the single-process script.
     batch_size = BATCH_SIZE // launch.world_size
-    train = DataLoader(train_set, batch_size=batch_size, sampler=sampler, drop_last=True)
+    pin = launch.device.type == "cuda"
+    train = DataLoader(
+        train_set, batch_size=batch_size, sampler=sampler, drop_last=True, pin_memory=pin
+    )
     val_rows = windows(val_docs, stoi)
     if quick:
         val_rows = val_rows[:256]
@@ -98,10 +101,17 @@ def main() -> None:
     parser.add_argument(
         "--out", type=pathlib.Path, default=pathlib.Path("runs/fsdp2_char_transformer")
     )
+    parser.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cuda: each rank takes cuda:LOCAL_RANK (the default when available); or cpu",
+    )
     args = parser.parse_args()
     max_steps, every = (20, 5) if args.quick else (600, 100)
 
-    with process_group(seed=SEED) as launch:
+    # setup() picks cuda:LOCAL_RANK, one device per rank; cpu keeps every rank on the CPU.
+    device = None if args.device == "cuda" else args.device
+    with process_group(seed=SEED, device=device) as launch:
         itos, train_docs, val_docs = load_corpus()
         stoi = {c: i for i, c in enumerate(itos)}
         train_loader, val_loader = make_loaders(launch, stoi, train_docs, val_docs, args.quick)

@@ -36,7 +36,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from toolkit import TrainState, clip, compose, guard_nonfinite, make_step, save_checkpoint
+from toolkit import (
+    TrainState,
+    clip,
+    compose,
+    guard_nonfinite,
+    make_step,
+    save_checkpoint,
+    to_device,
+)
 
 MODES, RADIUS, SPREAD = 8, 2.0, 0.05
 NOISE = 16
@@ -69,8 +77,9 @@ def quality(generator: nn.Module, n: int = 2000) -> tuple[int, float]:
     """(modes covered, share of points within 3 std of a mode) of ``n`` generated points."""
     angles = torch.arange(MODES) * (2 * math.pi / MODES)
     centres = RADIUS * torch.stack([angles.cos(), angles.sin()], dim=1)
+    noise = torch.randn(n, NOISE, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        points = generator(torch.randn(n, NOISE, generator=torch.Generator().manual_seed(1)))
+        points = generator(noise.to(next(generator.parameters()).device)).cpu()
     distance, nearest = torch.cdist(points, centres).min(dim=1)
     near = distance < 3 * SPREAD
     covered = int(nearest[near].unique().numel())
@@ -81,11 +90,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="300 updates, a smoke test")
     parser.add_argument("--out", default="runs/gan", help="folder for the two checkpoints")
+    parser.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="where to train (default: cuda when available)",
+    )
     args = parser.parse_args()
     updates, batch = (300, 128) if args.quick else (3000, 256)
 
     torch.manual_seed(0)
-    gen, disc = mlp(NOISE, 2), mlp(2, 1)
+    device = torch.device(args.device)
+    gen, disc = mlp(NOISE, 2).to(device), mlp(2, 1).to(device)
     betas = (0.5, 0.9)
     g_state = TrainState(model=gen, optimizer=torch.optim.Adam(gen.parameters(), 1e-3, betas=betas))
     d_state = TrainState(
@@ -112,7 +127,8 @@ def main() -> None:
     print(f"start: {covered} of {MODES} modes covered, {near:.1%} of points near a mode")
     data = torch.Generator().manual_seed(0)
     for update in range(1, updates + 1):
-        batch_ = (ring(batch, data), torch.randn(batch, NOISE, generator=data))
+        # Drawn on the CPU (the same numbers on any device), then moved.
+        batch_ = to_device((ring(batch, data), torch.randn(batch, NOISE, generator=data)), device)
         d_state, d_out = d_step(d_state, batch_)
         g_state, g_out = g_step(g_state, batch_)
         if update % (updates // 5) == 0:
