@@ -27,6 +27,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from toolkit._checks import check
+
 __all__ = ["GROUPS", "group_of", "main", "plot_metrics", "read_series"]
 
 # The PNG files, in the order they are written, with the title of each.
@@ -72,23 +74,21 @@ def group_of(key: str) -> tuple[str, str]:
         >>> group_of("train/accuracy"), group_of("val_ema/accuracy")
         (('metrics', 'accuracy'), ('metrics', 'accuracy'))
     """
+    name = key.rsplit("/", 1)[-1]
     if key == "train/lr" or key.startswith("train/lr/"):
         return "learning_rate", "learning rate"
     if key == "train/grad_norm":
         return "grad_norm", "gradient norm"
-    if key in _THROUGHPUT:
-        return "throughput", _THROUGHPUT[key]
-    if key.startswith("time/"):
-        return "throughput", "seconds per update"
+    if key in _THROUGHPUT or key.startswith("time/"):
+        return "throughput", _THROUGHPUT.get(key, "seconds per update")
     if key in _COUNTERS or key.startswith("train/total/"):
         return "counters", key
     if key.startswith("memory/"):
         return "memory", key
-    name = key.rsplit("/", 1)[-1]
     if name.endswith("loss"):
         return "loss", "loss"
     # "val/accuracy" -> "accuracy"; nested records keep their path ("train/f1/macro").
-    return "metrics", key.split("/", 1)[1] if "/" in key else key
+    return "metrics", key.split("/", 1)[-1]
 
 
 def read_series(path: str | os.PathLike[str]) -> tuple[Series, list[str]]:
@@ -133,88 +133,53 @@ def read_series(path: str | os.PathLike[str]) -> tuple[Series, list[str]]:
         ['line 3: step 1 after step 2 (a rerun or a resume): 2 earlier line(s) dropped']
     """
     file = pathlib.Path(path)
+    who, name = "toolkit.plot", repr(str(file))
     if file.is_dir():
         raise IsADirectoryError(
-            f"toolkit.plot: path must be a metrics.jsonl file; got the folder {str(file)!r} "
-            f"(did you mean {str(file / 'metrics.jsonl')!r}?)."
+            f"{who}: {name} is a folder; did you mean {str(file / 'metrics.jsonl')!r}?"
         )
     if not file.exists():
         raise FileNotFoundError(
-            f"toolkit.plot: no file {str(file)!r}; pass the metrics.jsonl that "
-            "log_metrics(sinks=[jsonl(path)]) writes, e.g. runs/a/metrics.jsonl."
+            f"{who}: no file {name}; pass the metrics.jsonl that jsonl(path) writes."
         )
-    records: list[tuple[int, int, dict[str, Any]]] = []  # (line number, step, record)
+    records: list[tuple[int, dict[str, Any]]] = []  # (step, record)
     notes: list[str] = []
-    with open(file, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            step, record = _parse(file, number, line)
-            if records and step < records[-1][1]:
-                kept = [r for r in records if r[1] < step]
+    for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
+        if line.strip():
+            step, record = _parse(f"{name} line {number}", line)
+            if records and step < records[-1][0]:
+                kept = [r for r in records if r[0] < step]
                 notes.append(
-                    f"line {number}: step {step} after step {records[-1][1]} (a rerun or a "
+                    f"line {number}: step {step} after step {records[-1][0]} (a rerun or a "
                     f"resume): {len(records) - len(kept)} earlier line(s) dropped"
                 )
                 records = kept
-            records.append((number, step, record))
-    if not records:
-        raise ValueError(
-            f"toolkit.plot: {str(file)!r} is empty: no metrics were published to it yet "
-            "(log_metrics writes a line every `every` updates and at the end of a run)."
-        )
+            records.append((step, record))
     series: Series = {}
-    for _, step, record in records:
+    for step, record in records:
         for key, value in record.items():
-            if key == "step" or isinstance(value, bool) or not isinstance(value, (int, float)):
-                continue
-            steps, values = series.setdefault(key, ([], []))
-            if steps and steps[-1] == step:  # published again at that step: a resume
-                steps.pop()
-                values.pop()
-            steps.append(step)
-            values.append(float(value) if math.isfinite(value) else math.nan)
-    if not series:
-        keys = sorted({key for _, _, record in records for key in record} - {"step"})
-        raise ValueError(
-            f"toolkit.plot: {str(file)!r} has no numeric series to plot: its "
-            f"{len(records)} line(s) hold no number besides the step (keys: {keys})."
-        )
+            if key != "step" and type(value) in (int, float):
+                steps, values = series.setdefault(key, ([], []))
+                if steps and steps[-1] == step:  # published again at that step: a resume
+                    del steps[-1], values[-1]
+                steps.append(step)
+                values.append(float(value) if math.isfinite(value) else math.nan)
+    check(bool(records), who, name, "a file of published lines", "an empty file")
+    keys = sorted({key for _, record in records for key in record} - {"step"})
+    check(bool(series), who, name, "a file of numbers besides the steps", keys)
     return series, notes
 
 
-def _parse(file: pathlib.Path, number: int, line: str) -> tuple[int, dict[str, Any]]:
-    where = f"toolkit.plot: {str(file)!r} line {number}"
+def _parse(name: str, line: str) -> tuple[int, dict[str, Any]]:
+    example = 'a JSON object such as {"step": 10, "train/loss": 0.5}'
     try:
         record = json.loads(line)
-    except json.JSONDecodeError as error:
-        raise ValueError(
-            f"{where} is not JSON ({error.msg}); expected one JSON object per line, as the "
-            f"jsonl sink writes; got {line.strip()[:80]!r}."
-        ) from None
-    if not isinstance(record, dict):
-        raise ValueError(
-            f"{where} is a JSON {type(record).__name__}; expected an object such as "
-            '{"step": 10, "train/loss": 0.5}.'
-        )
+    except json.JSONDecodeError:
+        record = line.strip()[:80]
+    check(isinstance(record, dict), "toolkit.plot", name, example, record)
     step = record.get("step")
-    if isinstance(step, bool) or not isinstance(step, int):
-        raise ValueError(
-            f'{where} has no integer "step" (got {step!r}); every line the jsonl sink '
-            'writes starts with {"step": <update number>, ...}.'
-        )
+    check(type(step) is int, "toolkit.plot", name, 'an object with an integer "step"', step)
     return step, record
-
-
-def _matplotlib() -> Any:
-    try:
-        from matplotlib.figure import Figure
-    except ImportError as error:
-        raise ImportError(
-            "toolkit.plot needs matplotlib, which is not installed: install the plot extra, "
-            'pip install -e ".[plot]" (or pip install matplotlib).'
-        ) from error
-    return Figure
 
 
 def plot_metrics(
@@ -248,17 +213,14 @@ def plot_metrics(
         ...     [p.name for p in plot_metrics(path)]
         ['loss.png', 'learning_rate.png']
     """
-    figure_class = _matplotlib()
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as error:
+        raise ImportError(
+            "toolkit.plot needs matplotlib, which is not installed: install the plot extra, "
+            'pip install -e ".[plot]" (or pip install matplotlib).'
+        ) from error
     series, _ = read_series(path)
-    return _write(figure_class, series, path, out)
-
-
-def _write(
-    figure_class: Any,
-    series: Series,
-    path: str | os.PathLike[str],
-    out: str | os.PathLike[str] | None,
-) -> list[pathlib.Path]:
     folder = pathlib.Path(path).parent / "plots" if out is None else pathlib.Path(out)
     axes: dict[str, dict[str, list[str]]] = {group: {} for group in GROUPS}
     for key in series:
@@ -266,36 +228,32 @@ def _write(
         axes[group].setdefault(axis, []).append(key)
     # Rates before the seconds they come from; otherwise the order the keys first appear in.
     axes["throughput"] = dict(
-        sorted(axes["throughput"].items(), key=lambda item: item[0] == "seconds per update")
+        sorted(axes["throughput"].items(), key=lambda a: a[0] == "seconds per update")
     )
     written = []
     for group, by_axis in axes.items():
-        if not by_axis:
-            continue
-        folder.mkdir(parents=True, exist_ok=True)
-        target = folder / f"{group}.png"
-        _draw(figure_class, f"{GROUPS[group]}: {path}", by_axis, series).savefig(target)
-        written.append(target)
+        if by_axis:
+            # A Figure without pyplot: no global state, no display backend needed.
+            figure = Figure(figsize=(8, 1 + 2.6 * len(by_axis)), dpi=100, layout="constrained")
+            figure.suptitle(f"{GROUPS[group]}: {path}", fontsize=10)
+            for ax, (axis, keys) in zip(
+                figure.subplots(len(by_axis), 1, squeeze=False)[:, 0], by_axis.items()
+            ):
+                for key in keys:
+                    # Sparse series (per-epoch, validation) show their points; dense ones a line.
+                    steps, values = series[key]
+                    ax.plot(
+                        steps, values, label=key, marker="o" if len(steps) <= 30 else None, ms=3
+                    )
+                ax.set_ylabel(axis)
+                ax.grid(True, alpha=0.3)
+                if len(keys) > 1 or keys[0] != axis:
+                    ax.legend(fontsize=8)
+            ax.set_xlabel("update (step)")
+            folder.mkdir(parents=True, exist_ok=True)
+            written.append(folder / f"{group}.png")
+            figure.savefig(written[-1])
     return written
-
-
-def _draw(figure_class: Any, title: str, by_axis: dict[str, list[str]], series: Series) -> Any:
-    # A Figure without pyplot: no global state, no display backend needed.
-    figure = figure_class(figsize=(8, 1 + 2.6 * len(by_axis)), dpi=100, layout="constrained")
-    figure.suptitle(title, fontsize=10)
-    for ax, (axis, keys) in zip(
-        figure.subplots(len(by_axis), 1, squeeze=False)[:, 0], by_axis.items()
-    ):
-        for key in keys:
-            steps, values = series[key]
-            # Sparse series (per-epoch, validation) show their points; dense ones a line.
-            ax.plot(steps, values, label=key, marker="o" if len(steps) <= 30 else None, ms=3)
-        ax.set_ylabel(axis)
-        ax.grid(True, alpha=0.3)
-        if len(keys) > 1 or keys[0] != axis:
-            ax.legend(fontsize=8)
-    ax.set_xlabel("update (step)")
-    return figure
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -324,16 +282,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     try:
-        figure_class = _matplotlib()
-        series, notes = read_series(args.metrics)
-        written = _write(figure_class, series, args.metrics, args.out)
+        _, notes = read_series(args.metrics)
+        written = plot_metrics(args.metrics, args.out)
     except (ImportError, OSError, ValueError) as error:
         print(error, file=sys.stderr)
         return 1
-    for note in notes:
-        print(f"note: {note}")
-    for target in written:
-        print(target)
+    print("".join(f"note: {note}\n" for note in notes) + "\n".join(map(str, written)))
     return 0
 
 
