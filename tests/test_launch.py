@@ -104,9 +104,26 @@ def test_a_local_rank_beyond_the_gpus_is_named(monkeypatch: pytest.MonkeyPatch) 
         setup()
 
 
+def test_on_cuda_the_backend_is_nccl_bound_to_the_ranks_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # toolkit's own exchanges need no CPU backend (test_collective_devices.py), so none is asked.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    asked: list[tuple[str, torch.device]] = []
+    monkeypatch.setattr(
+        dist, "init_process_group", lambda backend, **kw: asked.append((backend, kw["device_id"]))
+    )
+    launch = setup()
+    assert (launch.backend, asked) == ("nccl", [("nccl", torch.device("cuda", 0))])
+
+
 def test_setting_up_twice_is_refused() -> None:
     setup()
-    with pytest.raises(RuntimeError, match=r"initialised already .* call toolkit.distributed"):
+    with pytest.raises(
+        RuntimeError, match=r"initialised already; call toolkit.distributed.teardown\(\)"
+    ):
         setup()
     teardown()
 
