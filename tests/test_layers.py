@@ -9,13 +9,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "toolkit"
 
 # The public decorator factories sit on top of Step: only the package root imports them.
-DECORATOR_MODULES = {
-    "toolkit.step._amp",
-    "toolkit.step._accumulation",
-    "toolkit.step._clipping",
-    "toolkit.step._guards",
-    "toolkit.step._transforms",
-}
+DECORATOR_MODULES = {"toolkit.step._decorating"}
 ROOTS = {
     "toolkit",
     "toolkit.plugins",

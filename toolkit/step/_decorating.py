@@ -1,22 +1,42 @@
-"""How step decorators attach their configuration to a Step, and compose()."""
+"""The step decorators (amp_wrap, accumulate, transform_grads, clip, guard_nonfinite) and compose.
+
+Each is a thin validated factory: it checks its arguments, builds its phase's configuration
+(``_phases.py``) and puts it into its own field of a :class:`Step`, which runs the phases in
+the canonical order. Every one is callable as ``name(step, ...)`` or ``name(...)``, the
+latter returning a :class:`Decorator` for :func:`compose`.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, overload
 
+import torch
+
+from toolkit.step._phases import (
+    AccumulateConfig,
+    AmpConfig,
+    ClipConfig,
+    GradFn,
+    GradTransformConfig,
+    GuardConfig,
+    OnExhaust,
+)
 from toolkit.step._step import Step
 
 __all__ = [
     "Decorator",
-    "attach",
-    "check_int",
-    "check_positive",
-    "check_step",
+    "accumulate",
+    "amp_wrap",
+    "clip",
     "compose",
-    "decorate",
+    "guard_nonfinite",
+    "transform_grads",
 ]
+
+_Scaler = torch.amp.GradScaler | None
+_Bound = float | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,72 +54,314 @@ class Decorator:
     config: Any
 
     def __call__(self, step: Step) -> Step:
-        return attach(step, self.name, self.field, self.config)
+        return _attach(step, self.name, self.field, self.config)
 
 
-def decorate(step: Step | None, name: str, field: str, config: Any) -> Step | Decorator:
+def _decorate(step: Step | None, name: str, field: str, config: Any) -> Step | Decorator:
     """The two calling forms of every decorator: ``name(step, ...)`` or ``name(...)``."""
-    if step is None:
-        return Decorator(name, field, config)
-    return attach(step, name, field, config)
+    return Decorator(name, field, config) if step is None else _attach(step, name, field, config)
 
 
-def check_positive(name: str, option: str, value: Any) -> float:
-    """``value`` as a float, or a one-sentence error unless it is a number > 0 (or ``inf``)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name}: {option} must be a number > 0; got {value!r}.")
-    if not value > 0:  # math.inf passes; -inf and NaN do not
-        raise ValueError(f"{name}: {option} must be > 0; got {value!r}.")
-    return float(value)
-
-
-def check_int(name: str, option: str, value: Any, least: int, fix: str = "") -> int:
-    """``value``, or a one-sentence error unless it is an int (not a bool) >= ``least``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: {option} must be an int >= {least}; got {value!r}.{fix}")
-    if value < least:
-        raise ValueError(f"{name}: {option} must be an int >= {least}; got {value!r}.{fix}")
-    return value
-
-
-def check_step(name: str, step: Any) -> None:
-    """A one-sentence error unless ``step`` (the optional first argument) is a Step or None."""
-    if step is not None and not isinstance(step, Step):
-        raise TypeError(
-            f"{name}: expected a Step from make_step(loss_fn) as the first argument; got "
-            f"{type(step).__name__} {step!r:.40}. Pass options by keyword: "
-            f"{name}(make_step(loss_fn), ...)."
-        )
-
-
-def attach(step: Any, name: str, field: str, config: Any) -> Step:
-    """Return ``step`` with ``config`` in ``field``; raise on reuse or impossible combinations."""
-    check_step(name, step)
-    present = getattr(step, field)
-    if present is not None:
-        raise ValueError(
-            f"{name} was applied twice to the same step (already {present}, now {config}). "
-            "Apply each decorator once; to change its settings, decorate the undecorated "
-            "step again."
-        )
-    new = dataclasses.replace(step, **{field: config})
-    _check_combination(new)
-    return new
-
-
-def _check_combination(step: Step) -> None:
-    if (
-        step.amp is not None
-        and step.amp.fp16
-        and step.guard is not None
-        and step.guard.on_exhaust == "accept"
-    ):
+def _attach(step: Any, name: str, field: str, config: Any) -> Step:
+    """``step`` with ``config`` in ``field``; raises on reuse or an impossible combination."""
+    _check_step(name, step)
+    if getattr(step, field) is not None:
+        raise ValueError(f"{name} was applied twice to the same step; apply each decorator once.")
+    new: Step = dataclasses.replace(step, **{field: config})
+    if new.amp is not None and new.amp.fp16 and new.guard and new.guard.on_exhaust == "accept":
         raise ValueError(
             "guard_nonfinite(on_exhaust='accept') cannot be combined with "
             "amp_wrap(dtype='fp16'): the GradScaler always skips an update whose gradients "
             "are not finite, so the window could never be accepted. Use on_exhaust='raise' "
             "or 'skip', or bf16."
         )
+    return new
+
+
+def _check_step(name: str, step: Any) -> None:
+    if step is not None and not isinstance(step, Step):
+        raise TypeError(
+            f"{name}: expected a Step from make_step(loss_fn) as the first argument; got "
+            f"{type(step).__name__} {step!r:.40}. Pass options by keyword."
+        )
+
+
+def _positive(name: str, option: str, value: Any) -> float:
+    """``value`` as a float, unless it is not a number > 0 (``math.inf`` is one)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: {option} must be a number > 0; got {value!r}.")
+    if not value > 0:
+        raise ValueError(f"{name}: {option} must be > 0; got {value!r}.")
+    return float(value)
+
+
+def _count(name: str, option: str, value: Any, least: int) -> int:
+    """``value``, unless it is not an int (a bool is not one) >= ``least``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: {option} must be an int >= {least}; got {value!r}.")
+    if value < least:
+        raise ValueError(f"{name}: {option} must be an int >= {least}; got {value!r}.")
+    return value
+
+
+@overload
+def amp_wrap(
+    step: Step, /, *, dtype: str | torch.dtype, scaler: _Scaler = ..., min_scale: float = ...,
+    device_type: str | None = ...,
+) -> Step: ...  # fmt: skip
+@overload
+def amp_wrap(
+    *, dtype: str | torch.dtype, scaler: _Scaler = ..., min_scale: float = ...,
+    device_type: str | None = ...,
+) -> Decorator: ...  # fmt: skip
+def amp_wrap(
+    step: Step | None = None, /, *, dtype: str | torch.dtype | None = None,
+    scaler: _Scaler = None, min_scale: float = 1e-4, device_type: str | None = None,
+) -> Step | Decorator:  # fmt: skip
+    """Run forward passes under ``torch.autocast`` (phase 1); fp16 adds a GradScaler.
+
+    bf16 needs no scaler. fp16 uses ``state.scaler``, else ``scaler``, else a new
+    ``torch.amp.GradScaler(device_type)``, kept in the returned state. Gradients are
+    unscaled once per update (phase 4). An update the scaler skips for overflow is not
+    applied: no scheduler step, ``state.step`` unchanged, ``state.guard.total_overflow``
+    counts it. fp16 needs one host sync per update (did the scaler skip?), shared with
+    :func:`guard_nonfinite`. Backward runs outside autocast, as PyTorch recommends.
+
+    Args:
+        step: the step to wrap; omit it to get a decorator.
+        dtype: ``"bf16"``, ``"fp16"``, ``torch.bfloat16`` or ``torch.float16``.
+        scaler: fp16 only: the GradScaler to use when the state holds none.
+        min_scale: fp16 only: an overflow taking the scale below this raises
+            :class:`LossScaleError`.
+        device_type: autocast device (``"cpu"``, ``"cuda"``); default: the device of the
+            optimizer's first parameter.
+
+    Returns:
+        The wrapped :class:`Step`, or a decorator when ``step`` is omitted.
+
+    Raises:
+        ValueError: an unknown dtype, a scaler with bf16, a disabled scaler,
+            ``min_scale <= 0``, a device type without autocast or without a device here,
+            or amp_wrap applied twice.
+        TypeError: ``step`` not a Step, ``scaler`` not a GradScaler.
+
+    Example:
+        >>> import torch
+        >>> from toolkit import TrainState, amp_wrap, make_step
+        >>> model = torch.nn.Linear(4, 1)
+        >>> state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> step = amp_wrap(make_step(lambda m, b: m(b).float().square().mean()), dtype="bf16")
+        >>> state, out = step(state, torch.randn(8, 4))
+        >>> out.updated, state.scaler is None
+        (True, True)
+    """
+    _check_step("amp_wrap", step)
+    config = AmpConfig(dtype, scaler, min_scale, device_type)  # type: ignore[arg-type]
+    return _decorate(step, "amp_wrap", "amp", config)
+
+
+@overload
+def accumulate(step: Step, /, *, micro_batches: int) -> Step: ...
+@overload
+def accumulate(*, micro_batches: int) -> Decorator: ...
+def accumulate(
+    step: Step | None = None, /, *, micro_batches: int | None = None
+) -> Step | Decorator:
+    """Accumulate gradients over ``micro_batches`` calls, then apply one update.
+
+    Like optax ``MultiSteps``: each call consumes one micro-batch and the update happens on
+    the k-th *accepted* call (``out.updated``); a batch whose loss function returns ``None``
+    does not advance the window (``state.window.micro_step``). A plain loss is divided by k;
+    a :class:`LossSum` is summed and the gradients divided by the window's total count
+    (over all data-parallel ranks), which is exact for micro-batches of any sizes. Under
+    DDP/FSDP2 gradients are synchronised on the closing micro-batch only.
+
+    Args:
+        step: the step to wrap; omit it to get a decorator.
+        micro_batches: micro-batches per update, an int >= 1.
+
+    Returns:
+        The wrapped :class:`Step`, or a decorator when ``step`` is omitted.
+
+    Raises:
+        ValueError: ``micro_batches`` < 1, or accumulate applied twice.
+        TypeError: ``micro_batches`` missing or not an int, or ``step`` not a Step.
+
+    Example:
+        >>> import torch
+        >>> from toolkit import TrainState, accumulate, make_step
+        >>> model = torch.nn.Linear(2, 1)
+        >>> state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> step = accumulate(make_step(lambda m, b: m(b).square().mean()), micro_batches=2)
+        >>> state, out = step(state, torch.randn(4, 2))
+        >>> out.updated, state.window.micro_step
+        (False, 1)
+        >>> state, out = step(state, torch.randn(4, 2))
+        >>> out.updated, state.step
+        (True, 1)
+    """
+    _check_step("accumulate", step)
+    k = _count("accumulate", "micro_batches", micro_batches, 1)
+    return _decorate(step, "accumulate", "accumulation", AccumulateConfig(k))
+
+
+@overload
+def transform_grads(step: Step, /, *fns: GradFn) -> Step: ...
+@overload
+def transform_grads(*fns: GradFn) -> Decorator: ...
+def transform_grads(*args: Step | GradFn) -> Step | Decorator:
+    """Run your functions over the gradients once per update, between phases 5 and 6.
+
+    Each ``fn(grads)`` gets the gradients of the optimizer's parameters that have one, in
+    ``param_groups`` order, after unscaling (4) and the division by the target count (5),
+    before the finite check (6) and clipping (7): scale by world size, add noise,
+    centralise, clip per layer. It changes them in place and returns ``None``, or returns
+    as many new tensors, which become the parameters' ``.grad``. The functions run in the
+    given order on every closed window, also one that phase 6 then rejects.
+
+    Args:
+        *args: optionally the step to wrap first, then one or more functions
+            ``fn(grads: list[Tensor]) -> list[Tensor] | None``.
+
+    Returns:
+        The wrapped :class:`Step`, or a decorator when no step is given.
+
+    Raises:
+        TypeError: no function, or one that is not callable; at run time, a function that
+            returns something else than None or a list of as many tensors.
+        ValueError: transform_grads applied twice to one step (give all functions at once).
+
+    Example:
+        >>> import torch
+        >>> from toolkit import TrainState, make_step, transform_grads
+        >>> model = torch.nn.Linear(2, 1, bias=False)
+        >>> torch.nn.init.zeros_(model.weight)
+        Parameter containing:
+        tensor([[0., 0.]], requires_grad=True)
+        >>> state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0))
+        >>> def halve(grads):
+        ...     torch._foreach_mul_(grads, 0.5)
+        >>> step = transform_grads(make_step(lambda m, b: m(b).sum()), halve)
+        >>> state, out = step(state, torch.tensor([[2.0, 4.0]]))
+        >>> model.weight.tolist()  # the gradient [2, 4], halved
+        [[-1.0, -2.0]]
+    """
+    step = args[0] if args and isinstance(args[0], Step) else None
+    fns = args[1:] if step is not None else args
+    if not fns or not all(callable(fn) and not isinstance(fn, Step) for fn in fns):
+        raise TypeError(
+            "transform_grads: expected one or more functions fn(grads) after the optional "
+            f"step; got {[type(fn).__name__ for fn in fns]}."
+        )
+    config = GradTransformConfig(fns)  # type: ignore[arg-type]
+    return _decorate(step, "transform_grads", "grad_transforms", config)
+
+
+@overload
+def clip(
+    step: Step, /, *, max_norm: _Bound = ..., max_value: _Bound = ..., norm_type: float = ...
+) -> Step: ...
+@overload
+def clip(
+    *, max_norm: _Bound = ..., max_value: _Bound = ..., norm_type: float = ...
+) -> Decorator: ...
+def clip(
+    step: Step | None = None,
+    /,
+    *,
+    max_norm: _Bound = None,
+    max_value: _Bound = None,
+    norm_type: float = 2.0,
+) -> Step | Decorator:
+    """Clip gradients once per update (phase 7), after unscaling and count normalisation.
+
+    By norm with ``torch.nn.utils.clip_grad_norm_`` semantics; by value, clamping each
+    element to ``[-max_value, max_value]``; with both, the norm clip first. ``out.grad_norm``
+    is the total norm before clipping. No host sync.
+
+    Args:
+        step: the step to wrap; omit it to get a decorator.
+        max_norm: the total-norm bound, > 0.
+        max_value: the element-wise bound, > 0.
+        norm_type: the norm's p, > 0 or ``math.inf``.
+
+    Returns:
+        The wrapped :class:`Step`, or a decorator when ``step`` is omitted.
+
+    Raises:
+        ValueError: neither bound, a bound or ``norm_type`` not > 0, or clip applied twice.
+        TypeError: a bound or ``norm_type`` that is not a number, or ``step`` not a Step.
+
+    Example:
+        >>> import torch
+        >>> from toolkit import TrainState, clip, make_step
+        >>> model = torch.nn.Linear(2, 1)
+        >>> state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> step = clip(make_step(lambda m, b: 100 * m(b).square().mean()), max_norm=1.0)
+        >>> state, out = step(state, torch.ones(4, 2))
+        >>> bool(out.grad_norm > 1.0)
+        True
+    """
+    _check_step("clip", step)
+    if max_norm is None and max_value is None:
+        raise ValueError("clip: expected max_norm and/or max_value; got neither.")
+    norm = None if max_norm is None else _positive("clip", "max_norm", max_norm)
+    value = None if max_value is None else _positive("clip", "max_value", max_value)
+    config = ClipConfig(norm, value, _positive("clip", "norm_type", norm_type))
+    return _decorate(step, "clip", "clipping", config)
+
+
+@overload
+def guard_nonfinite(
+    step: Step, /, *, max_retries: int = ..., on_exhaust: OnExhaust = ...
+) -> Step: ...
+@overload
+def guard_nonfinite(*, max_retries: int = ..., on_exhaust: OnExhaust = ...) -> Decorator: ...
+def guard_nonfinite(
+    step: Step | None = None, /, *, max_retries: int = 3, on_exhaust: OnExhaust = "raise"
+) -> Step | Decorator:
+    """Reject an update whose window had a non-finite loss or gradient (phase 6).
+
+    Checked once per window, after unscaling, on the summed loss and the total gradient
+    norm, with one host sync (shared with fp16's) and a MAX all-reduce so that every rank
+    decides alike. A rejected window is thrown away: gradients cleared, no optimizer or
+    scheduler step, ``state.step`` unchanged; the next window is the retry. Counters are in
+    ``state.guard`` (:class:`GuardState`). When a window fails with ``notfinite_count``
+    already at ``max_retries``, ``on_exhaust`` decides: ``"raise"`` :class:`NonFiniteError`,
+    ``"skip"`` it and keep skipping, or ``"accept"`` it (optax ``apply_if_finite``). Under
+    fp16 non-finite *gradients* are the GradScaler's overflow (counted in
+    ``state.guard.total_overflow``), and only a non-finite loss is a failure.
+
+    Args:
+        step: the step to wrap; omit it to get a decorator.
+        max_retries: consecutive rejected windows to retry, an int >= 0.
+        on_exhaust: ``"raise"``, ``"skip"`` or ``"accept"``.
+
+    Returns:
+        The wrapped :class:`Step`, or a decorator when ``step`` is omitted.
+
+    Raises:
+        ValueError: ``max_retries`` < 0, an unknown ``on_exhaust``, ``"accept"`` with fp16,
+            or guard_nonfinite applied twice.
+        TypeError: ``max_retries`` not an int, or ``step`` not a Step.
+
+    Example:
+        >>> import torch
+        >>> from toolkit import TrainState, guard_nonfinite, make_step
+        >>> model = torch.nn.Linear(2, 1)
+        >>> state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> step = guard_nonfinite(make_step(lambda m, b: m(b).mean() * b.sum()), max_retries=1)
+        >>> state, out = step(state, torch.tensor([[float("nan"), 1.0]]))
+        >>> out.updated, out.nonfinite, state.guard.notfinite_count
+        (False, True, 1)
+    """
+    _check_step("guard_nonfinite", step)
+    _count("guard_nonfinite", "max_retries", max_retries, 0)
+    if on_exhaust not in ("raise", "skip", "accept"):
+        raise ValueError(
+            f"guard_nonfinite: on_exhaust must be 'raise', 'skip' or 'accept'; got {on_exhaust!r}."
+        )
+    return _decorate(step, "guard_nonfinite", "guard", GuardConfig(max_retries, on_exhaust))
 
 
 def compose(*decorators: Callable[[Step], Step]) -> Callable[[Step], Step]:

@@ -60,12 +60,7 @@ class MultiOptimizer:
 
     def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
         _check_optimizers(optimizers)
-        object.__setattr__(self, "optimizers", tuple(optimizers))
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError(
-            f"MultiOptimizer is immutable; build a new one instead of setting {name!r}."
-        )
+        self.optimizers = tuple(optimizers)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -84,10 +79,7 @@ class MultiOptimizer:
     def step(self, closure: Any = None) -> None:
         """Step every optimizer, in order."""
         if closure is not None:
-            raise TypeError(
-                "MultiOptimizer.step: a closure would be evaluated once per optimizer (one "
-                "forward and backward each); step without one, after a single backward."
-            )
+            raise TypeError("MultiOptimizer.step: a closure would be evaluated once per optimizer.")
         for optimizer in self.optimizers:
             optimizer.step()
 
@@ -124,35 +116,27 @@ class MultiOptimizer:
         if len(groups) != sum(counts):
             raise ValueError(
                 f"MultiOptimizer.load_state_dict: the state dict has {len(groups)} parameter "
-                f"group(s); these optimizers have {sum(counts)} ({counts}). Load a state "
-                "saved from the same optimizers, built over the same parameter groups."
+                f"group(s); these optimizers have {sum(counts)} ({counts})."
             )
-        saved = state_dict["state"]
-        pieces = []  # every optimizer's part is checked before any is loaded
-        offset = start = 0
-        for position, (optimizer, count) in enumerate(zip(self.optimizers, counts, strict=True)):
-            own = groups[start : start + count]
-            start += count
-            # The numbering says nothing of the optimizer kind: SGD's state loaded into an
-            # AdamW would only fail at its first step. Their options tell them apart.
-            for group, live in zip(own, optimizer.param_groups, strict=True):
-                foreign = sorted(set(group) - set(live) - {"params"})
-                if foreign:
-                    raise ValueError(
-                        f"MultiOptimizer.load_state_dict: the state for optimizers[{position}] "
-                        f"({type(optimizer).__name__}) has options {foreign} it does not "
-                        "know; it was saved from another kind of optimizer. Build the "
-                        "optimizers in the saved run's order and kinds."
-                    )
-            indices = [i for group in own for i in group["params"]]
-            pieces.append(
-                {
-                    "state": {i - offset: saved[i] for i in indices if i in saved},
-                    "param_groups": [
-                        {**group, "params": [i - offset for i in group["params"]]} for group in own
-                    ],
-                }
-            )
+        pieces, offset = [], 0  # every optimizer's part is checked before any is loaded
+        for i, (optimizer, count) in enumerate(zip(self.optimizers, counts, strict=True)):
+            own, groups = groups[:count], groups[count:]
+            # The numbering says nothing of the kind: SGD's state loaded into an AdamW would
+            # only fail at its first step. Their options tell them apart.
+            live = {key for group in optimizer.param_groups for key in group}
+            foreign = sorted({key for group in own for key in group} - live)
+            if foreign:
+                raise ValueError(
+                    f"MultiOptimizer.load_state_dict: the state for optimizers[{i}] "
+                    f"({type(optimizer).__name__}) has options {foreign} it does not know; it "
+                    "was saved from another kind of optimizer."
+                )
+            indices = [j for group in own for j in group["params"]]
+            state = {
+                j - offset: state_dict["state"][j] for j in indices if j in state_dict["state"]
+            }
+            own = [{**group, "params": [j - offset for j in group["params"]]} for group in own]
+            pieces.append({"state": state, "param_groups": own})
             offset += len(indices)
         for optimizer, piece in zip(self.optimizers, pieces, strict=True):
             optimizer.load_state_dict(piece)
@@ -163,37 +147,23 @@ class MultiOptimizer:
 
 def _check_optimizers(optimizers: tuple[Any, ...]) -> None:
     if not optimizers:
-        raise TypeError(
-            "MultiOptimizer: expected one or more torch.optim.Optimizer; got none. "
-            "Example: MultiOptimizer(torch.optim.SGD(matrices), torch.optim.AdamW(rest))."
-        )
+        raise TypeError("MultiOptimizer: expected one or more torch.optim.Optimizer; got none.")
     owner: dict[int, int] = {}
     for i, optimizer in enumerate(optimizers):
         if not isinstance(optimizer, torch.optim.Optimizer):
-            hint = (
-                " (already several: pass its .optimizers)"
-                if isinstance(optimizer, MultiOptimizer)
-                else ""
-            )
             raise TypeError(
-                f"MultiOptimizer: optimizers[{i}] is a {type(optimizer).__name__}{hint}; "
-                "expected a torch.optim.Optimizer, e.g. torch.optim.AdamW(params)."
+                f"MultiOptimizer: optimizers[{i}] is a {type(optimizer).__name__}; expected a "
+                "torch.optim.Optimizer."
             )
-        if any(optimizer is other for other in optimizers[:i]):
-            raise ValueError(
-                f"MultiOptimizer: optimizers[{i}] is the same {type(optimizer).__name__} as "
-                "an earlier one; it would be stepped twice per update. Give each once."
-            )
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                first = owner.setdefault(id(param), i)
-                if first != i:
-                    raise ValueError(
-                        f"MultiOptimizer: a parameter of shape {list(param.shape)} is held by "
-                        f"optimizers[{first}] ({type(optimizers[first]).__name__}) and "
-                        f"optimizers[{i}] ({type(optimizer).__name__}); it would be updated "
-                        "twice per step. Split the parameters so each optimizer has its own."
-                    )
+        for param in (p for group in optimizer.param_groups for p in group["params"]):
+            first = owner.setdefault(id(param), i)
+            if first != i:
+                raise ValueError(
+                    f"MultiOptimizer: a parameter of shape {list(param.shape)} is held by "
+                    f"optimizers[{first}] ({type(optimizers[first]).__name__}) and "
+                    f"optimizers[{i}] ({type(optimizer).__name__}); it would be updated twice "
+                    "per step."
+                )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,16 +240,10 @@ def per_epoch(scheduler: Any) -> PerEpoch:
         >>> state.step, optimizer.param_groups[0]["lr"]
         (6, 0.25)
     """
-    if isinstance(scheduler, ReduceLROnPlateau):
+    if isinstance(scheduler, (ReduceLROnPlateau, PerEpoch, MultiScheduler)):
         raise TypeError(
-            "per_epoch: got a ReduceLROnPlateau, which steps on a metric, not on a count of "
-            "epochs. Put it in the state as it is and let validation step it: "
-            "plugins=[validate(eval_fn, data, per_epoch=True, plateau_metric='loss')]."
-        )
-    if isinstance(scheduler, (PerEpoch, MultiScheduler)):
-        raise TypeError(
-            f"per_epoch: got a {type(scheduler).__name__}; expected one LR scheduler. Mark "
-            "each per-epoch scheduler alone: scheduler=[per_epoch(a), b]."
+            f"per_epoch: got a {type(scheduler).__name__}; expected one LR scheduler by count "
+            "(validate(plateau_metric=...) steps a ReduceLROnPlateau)."
         )
     _check_scheduler(scheduler, "per_epoch: scheduler")
     return PerEpoch(scheduler)
@@ -320,34 +284,18 @@ class MultiScheduler:
 
     def __init__(self, *schedulers: Any) -> None:
         if not schedulers:
-            raise TypeError(
-                "MultiScheduler: expected one or more LR schedulers; got none. Example: "
-                "MultiScheduler(CosineAnnealingLR(muon, 1000), LinearLR(adamw))."
-            )
+            raise TypeError("MultiScheduler: expected one or more LR schedulers; got none.")
         for i, scheduler in enumerate(schedulers):
-            if isinstance(scheduler, ReduceLROnPlateau):
+            if isinstance(scheduler, (ReduceLROnPlateau, MultiScheduler)):
                 raise TypeError(
-                    f"MultiScheduler: schedulers[{i}] is a ReduceLROnPlateau; validate("
-                    "plateau_metric=...) steps one only when it is alone in "
-                    "TrainState.scheduler. Use a schedule by count here, or a single "
-                    "optimizer with the ReduceLROnPlateau."
-                )
-            if isinstance(scheduler, MultiScheduler):
-                raise TypeError(
-                    f"MultiScheduler: schedulers[{i}] is a MultiScheduler; pass its "
-                    "schedulers one by one: MultiScheduler(*inner.schedulers, other)."
+                    f"MultiScheduler: schedulers[{i}] is a {type(scheduler).__name__}; expected "
+                    "a schedule by count (validate steps a ReduceLROnPlateau only alone)."
                 )
             if not isinstance(scheduler, PerEpoch):
                 _check_scheduler(scheduler, f"MultiScheduler: schedulers[{i}]")
-        set_ = object.__setattr__
-        set_(self, "schedulers", tuple(schedulers))
-        set_(self, "per_update", tuple(s for s in schedulers if not isinstance(s, PerEpoch)))
-        set_(self, "per_epoch", tuple(s for s in schedulers if isinstance(s, PerEpoch)))
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError(
-            f"MultiScheduler is immutable; build a new one instead of setting {name!r}."
-        )
+        self.schedulers = tuple(schedulers)
+        self.per_update = tuple(s for s in schedulers if not isinstance(s, PerEpoch))
+        self.per_epoch = tuple(s for s in schedulers if isinstance(s, PerEpoch))
 
     @property
     def optimizers(self) -> tuple[Any, ...]:

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
 import torch
 
-from toolkit.distributed._collectives import all_reduce_, skips_differ_carried
-from toolkit.step._state import GuardState
+from toolkit.distributed._collectives import all_reduce_
+from toolkit.step._state import GuardState, WindowState
 
 __all__ = [
     "AccumulateConfig",
@@ -30,7 +29,6 @@ __all__ = [
     "Verdict",
     "decide",
     "skip_range",
-    "skips_differ",
 ]
 
 OnExhaust = Literal["raise", "skip", "accept"]
@@ -93,7 +91,7 @@ class AmpConfig:
     def __post_init__(self) -> None:
         # amp_wrap's argument checks: a dtype string becomes the torch dtype.
         object.__setattr__(self, "dtype", _resolve_dtype(self.dtype))
-        scaler = self.scaler
+        scaler, m = self.scaler, self.min_scale
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             raise TypeError(
                 f"amp_wrap: scaler must be a torch.amp.GradScaler or None; got {scaler!r}."
@@ -104,7 +102,6 @@ class AmpConfig:
             raise ValueError(
                 "amp_wrap: expected an enabled GradScaler; got one with enabled=False."
             )
-        m = self.min_scale
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not m > 0:
             raise ValueError(f"amp_wrap: min_scale must be a number > 0; got {m!r}.")
         object.__setattr__(self, "min_scale", float(m))
@@ -116,32 +113,21 @@ class AmpConfig:
         return self.dtype == torch.float16
 
     def _device_type(self, optimizer: torch.optim.Optimizer) -> str:
-        if self.device_type is not None:
-            return self.device_type
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                return str(param.device.type)
-        return "cpu"
+        return self.device_type or optimizer.param_groups[0]["params"][0].device.type
 
     def autocast(self, optimizer: torch.optim.Optimizer) -> torch.autocast:
         return torch.autocast(self._device_type(optimizer), dtype=self.dtype)
 
     def make_scaler(self, optimizer: torch.optim.Optimizer) -> torch.amp.GradScaler:
-        if self.scaler is not None:
-            return self.scaler
-        return torch.amp.GradScaler(self._device_type(optimizer))
+        return self.scaler or torch.amp.GradScaler(self._device_type(optimizer))
 
     def collapsed(self, scaler: torch.amp.GradScaler) -> LossScaleError:
         """The error for an overflow that took the scale below ``min_scale``."""
         return LossScaleError(
-            f"the fp16 loss scale fell to {scaler.get_scale():g}, below "
-            f"min_scale={self.min_scale:g}: gradients overflow even at a tiny scale, so they "
-            "are likely NaN or inf whatever the scale. Check the data and the learning rate, "
-            "or train in bf16 (amp_wrap(dtype='bf16')), or lower min_scale."
+            f"the fp16 loss scale fell to {scaler.get_scale():g}, below min_scale="
+            f"{self.min_scale:g}: the gradients are likely NaN or inf at any scale; check the "
+            "data and the learning rate, or train in bf16, or lower min_scale."
         )
-
-    def __str__(self) -> str:
-        return f"amp_wrap(dtype={self.dtype})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,9 +139,6 @@ class AccumulateConfig:
     """
 
     micro_batches: int
-
-    def __str__(self) -> str:
-        return f"accumulate(micro_batches={self.micro_batches})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,17 +158,16 @@ class GradTransformConfig:
             if result is None:
                 continue
             if not isinstance(result, Sequence) or len(result) != len(grads):
+                got = type(result).__name__
+                got = f"a list of {len(result)}" if isinstance(result, Sequence) else f"a {got}"
                 raise TypeError(
-                    f"transform_grads: {_name(fn)} returned {_describe(result)}; expected None "
-                    f"(gradients changed in place) or a list of {len(grads)} tensors."
+                    f"transform_grads: {getattr(fn, '__qualname__', fn)} returned {got}; "
+                    f"expected None (changed in place) or a list of {len(grads)} tensors."
                 )
             grads = list(result)
             for param, grad in zip(params, grads):
                 param.grad = grad
         return grads
-
-    def __str__(self) -> str:
-        return f"transform_grads({', '.join(_name(fn) for fn in self.fns)})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,9 +193,6 @@ class ClipConfig:
             torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, total_norm)
         if self.max_value is not None:
             torch.nn.utils.clip_grad_value_(params, self.max_value)
-
-    def __str__(self) -> str:
-        return f"clip(max_norm={self.max_norm}, max_value={self.max_value})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,35 +233,29 @@ class GuardConfig:
             return counters, False, None
         if self.on_exhaust == "accept":
             return counters, True, None
+        n, total = counters.notfinite_count, counters.total_notfinite
         return (
             counters,
             False,
             NonFiniteError(
-                f"guard_nonfinite: {counters.notfinite_count} consecutive accumulation windows had "
-                f"a non-finite loss or gradient (max_retries={self.max_retries}; "
-                f"{counters.total_notfinite} rejected in total). The last one: summed loss "
-                f"{_show(window_loss)}, gradient norm {_show(grad_norm)}, after "
-                f"{applied_updates} applied updates. Check the data for NaN/inf and the learning "
-                "rate, or pass on_exhaust='skip' to keep skipping such windows."
+                f"guard_nonfinite: {n} consecutive accumulation windows had a non-finite loss or "
+                f"gradient (max_retries={self.max_retries}; {total} rejected in total); the last: "
+                f"summed loss {_show(window_loss)}, gradient norm {_show(grad_norm)}, after "
+                f"{applied_updates} updates. Check the data and the learning rate, or pass "
+                "on_exhaust='skip'."
             ),
         )
-
-    def __str__(self) -> str:
-        return f"guard_nonfinite(max_retries={self.max_retries}, on_exhaust={self.on_exhaust!r})"
 
 
 class Verdict(NamedTuple):
     """What phase 6 found about a closed window (all False: apply it)."""
 
-    nonfinite: bool  # the loss (or, without a scaler, the gradient norm) is not finite
-    overflow: bool  # the GradScaler found inf/NaN gradients
-    collapsed: bool  # ... and its scale fell below min_scale
-    empty: bool  # the window's total target count is 0: nothing to learn from
-    negative: bool  # ... or negative: the loss function reported a bad count
+    nonfinite: bool = False  # the loss (or, without a scaler, the gradient norm) is not finite
+    overflow: bool = False  # the GradScaler found inf/NaN gradients
+    collapsed: bool = False  # ... and its scale fell below min_scale
+    empty: bool = False  # the window's total target count is 0: nothing to learn from
+    negative: bool = False  # ... or negative: the loss function reported a bad count
     uneven: bool = False  # data-parallel ranks skipped different numbers of micro-batches
-
-
-_FINE = Verdict(False, False, False, False, False, False)
 
 
 def decide(
@@ -290,112 +263,51 @@ def decide(
     scaler: torch.amp.GradScaler | None,
     min_scale: float,
     optimizer: torch.optim.Optimizer,
-    window_loss: torch.Tensor | None,
-    grad_norm: torch.Tensor | None,
-    total: torch.Tensor | None = None,
-    group: Any = None,
-    skipped: int = 0,
-    carried: torch.Tensor | None = None,
-) -> Verdict:
-    """Phase 6: every decision of the window in one host sync.
-
-    ``total`` is the window's target count as a tensor (checked here because this sync
-    exists anyway), or None. ``group`` is the model's data-parallel process group (see
-    :func:`toolkit.data_parallel_group`), or None: the flags are all-reduced over it with
-    MAX so that every data-parallel rank decides alike, together with this rank's count of
-    ``skipped`` micro-batches and its negation (their maximum and minimum over the ranks:
-    ``uneven`` when they differ). ``carried`` (DDP, see :class:`Carrier`): the
-    ranks' summed window loss and skip sums, already exchanged with the gradients, which
-    DDP has made the same on every rank; then nothing more is all-reduced.
-    """
-    if carried is not None:
-        world = group.size() if group is not None else 1
-        return _decide_carried(
-            guard, scaler, min_scale, optimizer, grad_norm, total, carried, world
-        )
-    if scaler is None and total is None:
-        # The common case, kept to as few tiny kernels as a hand-written loop needs.
-        assert window_loss is not None and grad_norm is not None
-        finite = torch.isfinite(window_loss) & torch.isfinite(grad_norm)
-        if group is None:
-            nonfinite = not finite.item()  # the one host sync of the update
-            return _FINE._replace(nonfinite=nonfinite) if nonfinite else _FINE
-        packed = torch.cat([(~finite).to(torch.float32).reshape(1), _pair(skipped, finite)])
-        packed = all_reduce_(packed, torch.distributed.ReduceOp.MAX, group)
-        # bit 0: not finite on some rank; bit 1: the skip counts differ (max + -min > 0)
-        code = int(((packed[0] > 0) + 2 * (packed[1] + packed[2] > 0)).item())  # the sync
-        return _FINE._replace(nonfinite=bool(code & 1), uneven=bool(code & 2))
-    flags = []  # bit i of the code below
-    if scaler is not None:
-        found, scale = _overflows(scaler, optimizer)
-        device = scale.device
-        found = found > 0
-        if guard is not None and window_loss is not None:
-            # Under fp16 only the loss counts: non-finite gradients are the scaler's overflow.
-            flags.append(~torch.isfinite(window_loss).to(device))
-        else:
-            flags.append(torch.zeros((), dtype=torch.bool, device=device))
-        flags += [found, found & (scale * scaler.get_backoff_factor() < min_scale)]
-    else:
-        assert window_loss is not None and grad_norm is not None and total is not None
-        device = total.device
-        finite = torch.isfinite(window_loss) & torch.isfinite(grad_norm)
-        flags += [~finite.to(device), *torch.zeros(2, dtype=torch.bool, device=device)]
-    if total is not None:
-        flags += [total.to(device) == 0, total.to(device) < 0]
-    packed = torch.stack(flags).to(torch.float32)
-    if group is not None:
-        if total is None:  # keep the skip flag at bit 5
-            packed = torch.cat([packed, packed.new_zeros(2)])
-        packed = torch.cat([packed, _pair(skipped, packed)])
-        packed = all_reduce_(packed, torch.distributed.ReduceOp.MAX, group)
-        packed = torch.cat([packed[:5], (packed[5:6] + packed[6:7] > 0).to(torch.float32)])
-    code = int((packed * _flag_bits(packed.device)[: len(packed)]).sum().item())  # the sync
-    return Verdict(*(bool(code & (1 << i)) for i in range(6)))
-
-
-def _decide_carried(
-    guard: GuardConfig | None,
-    scaler: torch.amp.GradScaler | None,
-    min_scale: float,
-    optimizer: torch.optim.Optimizer,
+    window: WindowState,
     grad_norm: torch.Tensor | None,
     total: torch.Tensor | None,
-    carried: torch.Tensor,
-    world: int,
+    group: Any,
+    carried: torch.Tensor | None,
 ) -> Verdict:
-    """:func:`decide` under DDP with the flags carried (see :class:`Carrier`).
+    """Phase 6: every decision about the closed window in one host sync, alike on all ranks.
 
-    The gradients (so their norm and the scaler's overflow) are the same on every rank
-    after DDP's all-reduce, and the count total was summed over the ranks: every flag here
-    agrees across ranks without an exchange of its own. One host sync, one read of a few
-    numbers, decided in Python.
+    Each flag is a 0-d tensor; one read of them all is the update's host sync. ``total``
+    is the window's count as a tensor (checked here since this sync exists anyway), or
+    None. Over the data-parallel ``group`` one MAX all-reduce agrees the flags, with each
+    rank's skipped micro-batches and their negation (``uneven`` when the most and the
+    fewest differ), unless DDP has ``carried`` the ranks' summed window loss and skip sums
+    with the gradients (see :class:`Carrier`): then every flag agrees without one.
     """
-    parts = [carried]
-    if scaler is None:
-        assert grad_norm is not None
-        parts.append(grad_norm.reshape(1))
-    else:
+    loss, flags = window.loss, {}
+    if carried is not None:
+        loss = carried[0]  # the ranks' summed losses: finite when every rank's is
+        # Equal counts exactly when sum**2 == world * sum of squares (Cauchy-Schwarz).
+        flags["uneven"] = carried[1] * carried[1] != group.size() * carried[2]
+    if scaler is None and guard is not None:
+        assert loss is not None and grad_norm is not None
+        flags["nonfinite"] = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
+    elif scaler is not None:
+        if guard is not None:  # under fp16 only the loss counts: bad gradients overflow
+            flags["nonfinite"] = ~torch.isfinite(loss)
         found, scale = _overflows(scaler, optimizer)
-        parts += [found.reshape(1), scale.reshape(1)]
+        flags["overflow"] = found > 0
+        flags["collapsed"] = (found > 0) & (scale * scaler.get_backoff_factor() < min_scale)
     if total is not None:
-        parts.append(total.reshape(1))
-    # the sync
-    values = torch.cat([part.to(carried.device, torch.float64) for part in parts]).tolist()
-    uneven = skips_differ_carried(values[:3], world)
-    loss = values[0]
-    # Under fp16 only the loss counts: non-finite gradients are the scaler's overflow.
-    nonfinite = guard is not None and not math.isfinite(loss)
-    overflow = collapsed = False
-    if scaler is None:
-        nonfinite = nonfinite or not math.isfinite(values[3])
-    else:
-        overflow = values[3] > 0
-        collapsed = overflow and values[4] * scaler.get_backoff_factor() < min_scale
-    zero = negative = False
-    if total is not None:
-        zero, negative = values[-1] == 0, values[-1] < 0
-    return Verdict(nonfinite, overflow, collapsed, zero, negative, uneven)
+        flags["empty"], flags["negative"] = total == 0, total < 0
+    if group is not None and carried is None:
+        like = _first_param(optimizer)
+        values = [flag.to(like.device, torch.float32) for flag in flags.values()]
+        packed = torch.stack([*values, *_pair(window.skipped, like)])
+        packed = all_reduce_(packed, torch.distributed.ReduceOp.MAX, group)
+        flags = dict(zip(flags, packed[:-2] > 0))
+        flags["uneven"] = packed[-2] + packed[-1] > 0
+    if len(flags) == 1:  # the guard alone: as few kernels as a hand-written loop
+        ((name, flag),) = flags.items()
+        return Verdict(**{name: bool(flag.item())})  # the sync
+    device = next(iter(flags.values())).device
+    bits = torch.stack([flag.to(device, torch.float32) for flag in flags.values()])
+    code = int((bits * _flag_weights(device)[: len(bits)]).sum().item())  # the sync
+    return Verdict(**{name: bool(code >> i & 1) for i, name in enumerate(flags)})
 
 
 def _overflows(
@@ -419,18 +331,6 @@ def _pair(skipped: int, like: torch.Tensor) -> torch.Tensor:
     return torch.tensor([skipped, -skipped], dtype=torch.float32, device=like.device)
 
 
-def skips_differ(skipped: int, group: Any, optimizer: torch.optim.Optimizer) -> bool:
-    """Whether the ranks of ``group`` skipped different numbers of micro-batches.
-
-    For an update without a verdict to carry the counts (no guard, no fp16): one
-    2-element all-reduce and one host sync.
-    """
-    packed = all_reduce_(
-        _pair(skipped, _first_param(optimizer)), torch.distributed.ReduceOp.MAX, group
-    )
-    return bool((packed.sum() > 0).item())
-
-
 def skip_range(skipped: int, group: Any, optimizer: torch.optim.Optimizer) -> tuple[int, int]:
     """The fewest and the most micro-batches of the window that a rank of ``group`` skipped.
 
@@ -439,10 +339,8 @@ def skip_range(skipped: int, group: Any, optimizer: torch.optim.Optimizer) -> tu
     packed = all_reduce_(
         _pair(skipped, _first_param(optimizer)), torch.distributed.ReduceOp.MAX, group
     )
-    wide = packed.to(torch.float64)
-    code = int((wide[0] * 65536 - wide[1]).item())
-    most, fewest = divmod(code, 65536)
-    return fewest, most
+    most, minus_fewest = packed.tolist()
+    return int(-minus_fewest), int(most)
 
 
 def _first_param(optimizer: torch.optim.Optimizer) -> torch.Tensor:
@@ -450,13 +348,13 @@ def _first_param(optimizer: torch.optim.Optimizer) -> torch.Tensor:
 
 
 @functools.cache
-def _flag_bits(device: torch.device) -> torch.Tensor:
+def _flag_weights(device: torch.device) -> torch.Tensor:
     """The weights that pack the six flags into one number, made once per device."""
     return torch.tensor([1.0, 2.0, 4.0, 8.0, 16.0, 32.0], device=device)
 
 
-_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16}
-_DTYPES.update({"float16": torch.float16, "half": torch.float16})
+_BF16, _FP16 = torch.bfloat16, torch.float16
+_DTYPES = {"bf16": _BF16, "bfloat16": _BF16, "fp16": _FP16, "float16": _FP16, "half": _FP16}
 
 
 def _check_device_type(device_type: Any) -> None:
@@ -474,17 +372,15 @@ def _check_device_type(device_type: Any) -> None:
     if device_type != "cpu" and callable(available) and not available():
         raise ValueError(
             f"amp_wrap: device_type={device_type!r}, but no {device_type} device is available "
-            "here, so autocast would be off and training would run in float32; leave "
-            "device_type out to use the parameters' device."
+            "here (autocast would be off); leave device_type out to use the parameters'."
         )
 
 
 def _resolve_dtype(dtype: Any) -> torch.dtype:
-    key = dtype.lower() if isinstance(dtype, str) else dtype
-    if key in (torch.bfloat16, torch.float16):
-        return key
-    if isinstance(key, str) and key in _DTYPES:
-        return _DTYPES[key]
+    if dtype in (_BF16, _FP16):
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in _DTYPES:
+        return _DTYPES[dtype.lower()]
     raise ValueError(
         f"amp_wrap: dtype must be 'bf16', 'fp16', torch.bfloat16 or torch.float16; got "
         f"{dtype!r}. For float32 training leave amp_wrap out."
@@ -493,13 +389,3 @@ def _resolve_dtype(dtype: Any) -> torch.dtype:
 
 def _show(value: torch.Tensor | None) -> str:
     return "not computed" if value is None else f"{value.item():g}"
-
-
-def _name(fn: Any) -> str:
-    return getattr(fn, "__qualname__", None) or repr(fn)
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, Sequence):
-        return f"a {type(value).__name__} of {len(value)}"
-    return f"a {type(value).__name__}"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, ClassVar, NamedTuple
 
 import optree
@@ -156,7 +156,7 @@ class TrainState:
     def __post_init__(self) -> None:
         for name, value in _several(vars(self)).items():
             object.__setattr__(self, name, value)
-        _check(self, _FIELD_CHECKS)
+        _check(self, _FIELD_NAMES)
 
     def replace(self, **changes: Any) -> TrainState:
         """Return a copy with ``changes`` applied; the changed fields are checked as at build.
@@ -184,7 +184,7 @@ class TrainState:
                 f"expected some of {sorted(_FIELD_NAMES)}."
             )
         new = self._evolve({**changes, **_several(changes)})
-        _check(new, [c for c in _FIELD_CHECKS if changes.keys() & c.fields])
+        _check(new, changes.keys())
         return new
 
     def _evolve(self, changes: dict[str, Any]) -> TrainState:
@@ -200,22 +200,11 @@ class TrainState:
 _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(TrainState))
 
 
-class _FieldCheck(NamedTuple):
-    fields: frozenset[str]  # the fields it reads: replace() runs it when one of them changes
-    check: Any  # check(state) raises, or returns None
-
-
-def _check(state: TrainState, checks: Any) -> None:
-    for check in checks:
-        check.check(state)
-
-
-def _model(state: TrainState) -> None:
-    if not isinstance(state.model, torch.nn.Module):
-        raise TypeError(
-            f"TrainState.model: expected a torch.nn.Module, got {type(state.model).__name__}. "
-            "Pass the module you train, e.g. TrainState(model=net, optimizer=opt)."
-        )
+def _check(state: TrainState, changed: Collection[str]) -> None:
+    """Run the checks that read a field of ``changed`` (all of them at build time)."""
+    for check, fields in _FIELD_CHECKS.items():
+        if not fields.isdisjoint(changed):
+            check(state)
 
 
 def _several(fields: Mapping[str, Any]) -> dict[str, Any]:
@@ -231,59 +220,56 @@ def _several(fields: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _model(state: TrainState) -> None:
+    if not isinstance(state.model, torch.nn.Module):
+        raise TypeError(
+            f"TrainState.model: expected a torch.nn.Module, got {type(state.model).__name__}."
+        )
+
+
 def _optimizer(state: TrainState) -> None:
     optimizer = state.optimizer
     if optimizer is None:
         return
     if not isinstance(optimizer, (torch.optim.Optimizer, MultiOptimizer)):
         raise TypeError(
-            "TrainState.optimizer: expected a torch.optim.Optimizer, or a list of them (one "
-            f"backward, each stepped); got {type(optimizer).__name__}. Build it over the "
-            "model's parameters, e.g. torch.optim.AdamW(model.parameters(), lr=1e-3)."
+            "TrainState.optimizer: expected a torch.optim.Optimizer or a list of them; got "
+            f"{type(optimizer).__name__}."
         )
     # Once per state built by hand (steps copy states without this check). No shared
     # parameter means the optimizer steps another model: training would change nothing.
     own = {id(p) for p in state.model.parameters()}
-    inner = optimizer.optimizers if isinstance(optimizer, MultiOptimizer) else (optimizer,)
-    for i, one in enumerate(inner):
+    several = isinstance(optimizer, MultiOptimizer)
+    for i, one in enumerate(optimizer.optimizers if several else (optimizer,)):
         params = [p for group in one.param_groups for p in group["params"]]
         if not any(id(p) in own for p in params):
-            which = f"optimizer[{i}]" if isinstance(optimizer, MultiOptimizer) else "optimizer"
+            which = f"optimizer[{i}]" if several else "optimizer"
             raise ValueError(
                 f"TrainState.{which}: none of its {len(params)} parameters belongs to the "
-                "model, so training would never change the model; build it over this "
-                "model's parameters, e.g. torch.optim.AdamW(model.parameters())."
+                "model, so training would never change the model."
             )
 
 
 def _scheduler(state: TrainState) -> None:
-    scheduler = state.scheduler
+    scheduler, optimizer = state.scheduler, state.optimizer
     if scheduler is None:
         return
     if not (callable(getattr(scheduler, "step", None)) and hasattr(scheduler, "state_dict")):
         raise TypeError(
             f"TrainState.scheduler: expected an LR scheduler from torch.optim.lr_scheduler "
-            f"(or a list of them); got {type(scheduler).__name__} {scheduler!r:.40}. Build "
-            "one over the optimizer, e.g. "
-            "torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=1000)."
+            f"(or a list of them); got {type(scheduler).__name__} {scheduler!r:.40}."
         )
-    optimizer = state.optimizer
     # A scheduler may drive the state's optimizer or, with several, any one of them.
-    allowed = [optimizer]
-    if isinstance(optimizer, MultiOptimizer):
-        allowed += optimizer.optimizers
+    allowed = [optimizer, *getattr(optimizer, "optimizers", ())]
     several = isinstance(scheduler, MultiScheduler)
-    members = scheduler.schedulers if several else (scheduler,)
-    for i, member in enumerate(members):
+    for i, member in enumerate(scheduler.schedulers if several else (scheduler,)):
         driven = getattr(member, "optimizer", optimizer)
         if optimizer is None or not any(driven is o for o in allowed):
             which = f"scheduler[{i}]" if several else "scheduler"
             raise ValueError(
                 f"TrainState.{which}: expected a scheduler over the state's optimizer; this "
                 f"{type(member).__name__} steps "
-                f"{'no optimizer of the state' if optimizer is None else 'another one'}. "
-                "Build it over the same optimizer: Scheduler(optimizer, ...) (with several "
-                "optimizers, over one of them)."
+                f"{'no optimizer of the state' if optimizer is None else 'another one'}."
             )
 
 
@@ -307,25 +293,22 @@ def _counters(state: TrainState) -> None:
 def _bookkeeping(state: TrainState) -> None:
     for name, kind in (("window", WindowState), ("guard", GuardState)):
         if not isinstance(getattr(state, name), kind):
-            raise TypeError(
-                f"TrainState.{name}: expected a {kind.__name__}; got "
-                f"{type(getattr(state, name)).__name__}."
-            )
+            got = type(getattr(state, name)).__name__
+            raise TypeError(f"TrainState.{name}: expected a {kind.__name__}; got {got}.")
     if state.stop is not None and not isinstance(state.stop, str):
         raise TypeError(f"TrainState.stop: expected None or a reason string; got {state.stop!r}.")
     for name in ("extras", "data_state"):
         if not isinstance(getattr(state, name), Mapping):
-            raise TypeError(
-                f"TrainState.{name}: expected a mapping; got "
-                f"{type(getattr(state, name)).__name__}. Use {{}} for none."
-            )
+            got = type(getattr(state, name)).__name__
+            raise TypeError(f"TrainState.{name}: expected a mapping; got {got}.")
 
 
-_FIELD_CHECKS = [
-    _FieldCheck(frozenset({"model"}), _model),
-    _FieldCheck(frozenset({"model", "optimizer"}), _optimizer),
-    _FieldCheck(frozenset({"optimizer", "scheduler"}), _scheduler),
-    _FieldCheck(frozenset({"scaler"}), _scaler),
-    _FieldCheck(frozenset({"step", "epoch", "batches_seen"}), _counters),
-    _FieldCheck(frozenset({"window", "guard", "stop", "extras", "data_state"}), _bookkeeping),
-]
+# Each check and the fields it reads: replace() runs it when one of them changes.
+_FIELD_CHECKS = {
+    _model: {"model"},
+    _optimizer: {"model", "optimizer"},
+    _scheduler: {"optimizer", "scheduler"},
+    _scaler: {"scaler"},
+    _counters: {"step", "epoch", "batches_seen"},
+    _bookkeeping: {"window", "guard", "stop", "extras", "data_state"},
+}
