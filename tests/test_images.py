@@ -59,12 +59,24 @@ def test_float_intensities_are_clamped_and_rounded_to_pixels() -> None:
 @pytest.mark.parametrize(
     ("image", "error", "match"),
     [
-        ([[0, 1]], TypeError, r"t: image 'a' must be a tensor \(CHW or HWC, .*got list"),
-        (torch.zeros(2, 2, dtype=torch.int64), TypeError, r"must hold uint8 pixels .*int64"),
+        (
+            [[0, 1]],
+            TypeError,
+            r"t: image 'a' must be a tensor or a matplotlib figure; got <class 'list'>",
+        ),
+        (
+            torch.zeros(2, 2, dtype=torch.int64),
+            TypeError,
+            r"must be uint8 pixels or float intensities .*int64",
+        ),
         (torch.zeros(5, 6, 2), ValueError, r"\(H, W\), \(C, H, W\) or \(H, W, C\) .*\(5, 6, 2\)"),
-        (torch.zeros(1, 3, 4, 4), ValueError, r"got shape \(1, 3, 4, 4\)"),
-        (torch.zeros(3, 0, 4), ValueError, r"H, W > 0; got shape \(0, 4, 3\)"),
-        (torch.tensor([[0.5, float("nan")]]), ValueError, r"image 'a' holds NaN or infinite"),
+        (torch.zeros(1, 3, 4, 4), ValueError, r"shape must be .*; got \(1, 3, 4, 4\)"),
+        (torch.zeros(3, 0, 4), ValueError, r"H, W > 0; got \(0, 4, 3\)"),
+        (
+            torch.tensor([[0.5, float("nan")]]),
+            ValueError,
+            r"image 'a' must be intensities in \[0, 1\]; got 'NaN or infinite values'",
+        ),
     ],
 )
 def test_bad_images_are_named(image: Any, error: type, match: str) -> None:

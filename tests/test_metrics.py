@@ -559,7 +559,7 @@ def test_plugin_metric_tensor_is_refused() -> None:
             return event.state.replace(extras={"val": entry})
         return None
 
-    with pytest.raises(TypeError, match=r"metric val/loss must be a number; got 'a tensor'"):
+    with pytest.raises(TypeError, match=r"metric val/loss must be a float; got 'a tensor'"):
         run(
             make_step(lambda m, b: zero(m) + b),
             frozen_state(),
@@ -639,13 +639,13 @@ def test_sinks_must_be_sinks(sinks: Any) -> None:
         (
             {"acc": torch.ones(3)},
             ValueError,
-            r"record 'acc' is a tensor of shape \(3,\); expected a number or a one-element "
-            r"tensor; reduce it first \(.mean\(\), .sum\(\)\) or leave it out of records=",
+            r"record 'acc' must be a number or a one-element tensor; got \(3,\). Reduce it "
+            r"first \(.mean\(\), .sum\(\)\) or leave it out of records=",
         ),
         (
             {"a": {"b": "x"}},
             TypeError,
-            r"record 'a/b' is a str; expected a number, a one-element tensor or a nested mapping",
+            r"record 'a/b' must be a number or a one-element tensor; got <class 'str'>",
         ),
         ({"loss": 1.0}, ValueError, r"records must be named unlike published keys; got \['loss'\]"),
     ],

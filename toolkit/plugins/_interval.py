@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from toolkit._checks import check
 from toolkit.step._step import StepOutput
 from toolkit.step._weighted import Column, _fsum, columns, weighted_sums
 
@@ -186,31 +187,23 @@ def flat_scalars(
 
 
 def _flatten(
-    tree: Mapping[str, Any],
-    prefix: str,
-    into: dict[str, Any],
-    chosen: frozenset[str] | None,
-    who: str,
+    tree: Mapping[str, Any], prefix: str, into: dict[str, Any], chosen: Any, who: str
 ) -> None:
     for key, value in tree.items():
         name = f"{prefix}{key}"
-        if isinstance(value, torch.Tensor):
-            if value.numel() == 1:
-                into[name] = value.detach().reshape(()) if value.ndim else value.detach()
-            elif chosen is not None and name in chosen:
-                raise ValueError(
-                    f"{who}: record {name!r} is a tensor of shape {tuple(value.shape)}; "
-                    "expected a number or a one-element tensor; reduce it first (.mean(), "
-                    ".sum()) or leave it out of records=."
-                )
-        elif isinstance(value, (int, float)):
-            into[name] = value
-        elif isinstance(value, Mapping):
+        if isinstance(value, Mapping):
             _flatten(value, f"{name}/", into, chosen, who)
-        elif chosen is not None and name in chosen:
-            raise TypeError(
-                f"{who}: record {name!r} is a {type(value).__name__}; expected a number, a "
-                "one-element tensor or a nested mapping of them; leave it out of records=."
+        elif isinstance(value, (int, float)) or (
+            isinstance(value, torch.Tensor) and value.numel() == 1
+        ):
+            tensor = isinstance(value, torch.Tensor)
+            into[name] = value.detach().reshape(()) if tensor else value
+        elif chosen is not None and name in chosen:  # a chosen record that is no scalar
+            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value)
+            fix = "Reduce it first (.mean(), .sum()) or leave it out of records=."
+            error = ValueError if isinstance(value, torch.Tensor) else TypeError
+            check(
+                False, who, f"record {name!r}", "a number or a one-element tensor", got, fix, error
             )
 
 

@@ -452,18 +452,10 @@ def _scan(memory: _Memory, state: TrainState) -> dict[str, float]:
         if parsed is None or memory.seen.get(name, _NEVER) == parsed[0]:
             continue
         memory.seen[name] = parsed[0]
-        for key, value in flat_scalars(parsed[1], who=name).items():
-            fix = "A plugin stores python floats in extras[NAME]['metrics'] (no host sync)."
-            number = not isinstance(value, torch.Tensor)
-            check(
-                number,
-                "log_metrics",
-                f"metric {name}/{key}",
-                "a number",
-                "a tensor",
-                fix,
-                TypeError,
-            )
+        for key, value in flat_scalars(parsed[1]).items():
+            fix = "Store python floats in extras[NAME]['metrics'] (no host sync)."
+            ok = not isinstance(value, torch.Tensor)
+            check(ok, "log_metrics", f"metric {name}/{key}", "a float", "a tensor", fix, TypeError)
             out[f"{name}/{key}"] = value
     return out
 

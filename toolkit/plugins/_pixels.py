@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from toolkit._checks import check
+
 __all__ = ["check_name", "pixels"]
 
 _CHANNELS = (1, 3, 4)  # grey, RGB, RGBA
@@ -15,49 +17,43 @@ _CHANNELS = (1, 3, 4)  # grey, RGB, RGBA
 def pixels(who: str, name: str, image: Any) -> torch.Tensor:
     """``image`` as a contiguous CPU ``uint8`` tensor of shape ``(H, W, C)``, C in 1, 3, 4.
 
-    A tensor is ``(H, W)`` (grey), or 3-D: **CHW when its first dimension is 1, 3 or 4**
-    (torch's convention), else HWC (its last dimension must then be 1, 3 or 4); so an HWC
-    image whose height is 1, 3 or 4 must be given as CHW. ``uint8`` values are pixels as
-    they are; floating-point values are intensities in [0, 1] (clamped to it, then
-    ``round(x * 255)``). A matplotlib figure is drawn (RGBA) with its own canvas when
-    that draws with Agg, else with an Agg canvas that replaces it.
+        A tensor is ``(H, W)`` (grey), or 3-D: **CHW when its first dimension is 1, 3 or 4**
+        (torch's convention), else HWC (its last dimension must then be 1, 3 or 4); so an HWC
+        image whose height is 1, 3 or 4 must be given as CHW. ``uint8`` values are pixels as
+        they are; floating-point values are intensities in [0, 1] (clamped to it, then
+        ``round(x * 255)``). A matplotlib figure is drawn (RGBA) with its own canvas when
+        that draws with Agg, else with an Agg canvas that replaces it.
 
-    Example:
-        >>> import torch
-        >>> pixels("log_images", "grid", torch.zeros(3, 2, 5)).shape  # CHW
-        torch.Size([2, 5, 3])
-        >>> pixels("log_images", "grid", torch.tensor([[0.0, 0.5, 1.0]])).flatten().tolist()
-        [0, 128, 255]
+        Example:
+            >>> import torch
+
+    from toolkit._checks import check
+            >>> pixels("log_images", "grid", torch.zeros(3, 2, 5)).shape  # CHW
+            torch.Size([2, 5, 3])
+            >>> pixels("log_images", "grid", torch.tensor([[0.0, 0.5, 1.0]])).flatten().tolist()
+            [0, 128, 255]
     """
     figure = sys.modules.get("matplotlib.figure")  # a figure exists only if this is imported
     if figure is not None and isinstance(image, figure.Figure):
         return _figure(image)
-    if not isinstance(image, torch.Tensor):
-        raise TypeError(
-            f"{who}: image {name!r} must be a tensor (CHW or HWC, uint8 or float in [0, 1]) "
-            f"or a matplotlib figure; got {type(image).__name__}."
-        )
-    if image.dtype != torch.uint8 and not image.is_floating_point():
-        raise TypeError(
-            f"{who}: image {name!r} must hold uint8 pixels or float intensities in [0, 1]; "
-            f"got dtype {image.dtype}. Convert it, e.g. image.to(torch.uint8)."
-        )
+    what = f"image {name!r}"
+    tensor = isinstance(image, torch.Tensor)
+    check(tensor, who, what, "a tensor or a matplotlib figure", type(image), "", TypeError)
+    dtype = image.dtype == torch.uint8 or image.is_floating_point()
+    check(
+        dtype, who, what, "uint8 pixels or float intensities in [0, 1]", image.dtype, "", TypeError
+    )
     image = image.detach().cpu()
     if image.dim() == 2:
         image = image.unsqueeze(-1)
     elif image.dim() == 3 and image.shape[0] in _CHANNELS:
         image = image.permute(1, 2, 0)
-    if image.dim() != 3 or image.shape[-1] not in _CHANNELS or image.numel() == 0:
-        raise ValueError(
-            f"{who}: image {name!r} must be (H, W), (C, H, W) or (H, W, C) with C in 1, 3 "
-            f"or 4 and H, W > 0; got shape {tuple(image.shape)}."
-        )
+    shaped = image.dim() == 3 and image.shape[-1] in _CHANNELS and image.numel() > 0
+    shapes = "(H, W), (C, H, W) or (H, W, C) with C in 1, 3 or 4 and H, W > 0"
+    check(shaped, who, f"{what}'s shape", shapes, tuple(image.shape))
     if image.dtype != torch.uint8:
-        if not bool(torch.isfinite(image).all()):
-            raise ValueError(
-                f"{who}: image {name!r} holds NaN or infinite values; float images are "
-                "intensities in [0, 1]."
-            )
+        finite = bool(torch.isfinite(image).all())
+        check(finite, who, what, "intensities in [0, 1]", "NaN or infinite values")
         image = image.float().clamp(0, 1).mul(255).round().to(torch.uint8)
     return image.contiguous()
 
@@ -75,10 +71,8 @@ def _figure(figure: Any) -> torch.Tensor:
 
 def check_name(who: str, name: Any) -> str:
     """An image name: a non-empty relative path of "/"-separated parts, none "." or ".."."""
-    parts = name.split("/") if isinstance(name, str) else None
-    if not parts or any(part in ("", ".", "..") or "\\" in part for part in parts):
-        raise ValueError(
-            f"{who}: an image name must be a relative path such as 'samples' or "
-            f"'val/samples' (no empty, '.' or '..' part, no backslash); got {name!r}."
-        )
+    parts = name.split("/") if isinstance(name, str) else [""]
+    ok = not any(part in ("", ".", "..") or "\\" in part for part in parts)
+    example = "a relative path such as 'val/samples' (no empty, '.' or '..' part, no backslash)"
+    check(ok, who, "an image name", example, name)
     return name

@@ -3,6 +3,7 @@ JSON lines, TensorBoard, W&B, PNG files; each follows a resumed run's step."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -95,15 +96,10 @@ def check_sinks(who: str, sinks: Any, images: bool = False) -> list[Sink]:
 
 
 def close_all(sinks: Sequence[Sink]) -> None:
-    """Close every sink, even when one fails; then raise the first failure."""
-    first: BaseException | None = None
-    for sink in sinks:
-        try:
-            sink.close()
-        except Exception as exc:
-            first = first or exc
-    if first is not None:
-        raise first
+    """Close every sink, even when one fails; then raise the failure."""
+    with contextlib.ExitStack() as stack:  # runs every callback, last in first out
+        for sink in reversed(sinks):
+            stack.callback(sink.close)
 
 
 def _refuse(who: str, what: str, where: pathlib.Path, arg: str) -> FileExistsError:
@@ -294,10 +290,8 @@ def jsonl(path: str | os.PathLike[str], *, existing: str = "refuse") -> Sink:
         {'step': 6, 'train/loss': 0.125}
     """
     file_path = check_path("jsonl", "path", path)
-    isdir = file_path.is_dir()
-    check(
-        not isdir, "jsonl", "path", "a file, e.g. 'metrics.jsonl'", str(path), "", IsADirectoryError
-    )
+    file = not file_path.is_dir()
+    check(file, "jsonl", "path", "a file, e.g. 'metrics.jsonl'", str(path), "", IsADirectoryError)
     policy = check_one_of("jsonl", "existing", existing, _EXISTING)
     key = str(file_path.resolve())
 
