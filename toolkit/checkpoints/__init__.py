@@ -14,23 +14,22 @@ on; :func:`toolkit.save_checkpoint` and :func:`toolkit.load_checkpoint` write an
 checkpoint.
 """
 
-from toolkit.checkpoints._cli import (
+from toolkit.checkpoints._cli import main
+from toolkit.checkpoints._folder import (
     POINTER,
     CheckpointInfo,
-    DamagedCheckpointError,
-    Retention,
     clean_temporaries,
     latest_checkpoint,
     list_checkpoints,
     load_latest,
-    main,
     prune_checkpoints,
     read_pointer,
-    retain,
-    save_in_background,
     verify_checkpoint,
     write_pointer,
 )
+from toolkit.checkpoints._manifest import DamagedCheckpointError
+from toolkit.checkpoints._retention import Retention, retain
+from toolkit.checkpoints._save import save_in_background
 
 __all__ = [
     "POINTER",

@@ -8,40 +8,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from toolkit.checkpoints._folder import (
-    POINTER,
-    CheckpointInfo,
-    _info,
-    clean_temporaries,
-    latest_checkpoint,
-    list_checkpoints,
-    load_latest,
-    prune_checkpoints,
-    read_pointer,
-    verify_checkpoint,
-    write_pointer,
-)
-from toolkit.checkpoints._manifest import MANIFEST, DamagedCheckpointError
+from toolkit.checkpoints._folder import CheckpointInfo, _info, list_checkpoints, read_pointer
+from toolkit.checkpoints._manifest import MANIFEST
 from toolkit.checkpoints._retention import Retention, retain
-from toolkit.checkpoints._save import save_in_background
 
-__all__ = [
-    "POINTER",
-    "CheckpointInfo",
-    "DamagedCheckpointError",
-    "Retention",
-    "clean_temporaries",
-    "latest_checkpoint",
-    "list_checkpoints",
-    "load_latest",
-    "main",
-    "prune_checkpoints",
-    "read_pointer",
-    "retain",
-    "save_in_background",
-    "verify_checkpoint",
-    "write_pointer",
-]
+__all__ = ["main"]
 
 
 def _size(size: int) -> str:

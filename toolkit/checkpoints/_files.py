@@ -46,7 +46,7 @@ def checksum(path: Path) -> str:
 
 
 def fsync_dir(path: Path) -> None:
-    """Make the entries of folder ``path`` (new, renamed or removed names) durable."""
+    """Make a file's data, or a folder's entries (new, renamed or removed names), durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -57,14 +57,6 @@ def fsync_dir(path: Path) -> None:
 def new_token() -> int:
     """A non-negative int for :func:`temp_name`: this pid and 32 random bits."""
     return (os.getpid() << 32) | int(uuid.uuid4().hex[:8], 16)
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_bytes(path: Path, data: bytes) -> None:
@@ -95,7 +87,7 @@ def write_tensors(
 ) -> None:
     """Write CPU tensors as a new safetensors file and fsync it."""
     save_file(dict(tensors), path, metadata=dict(metadata) if metadata else None)
-    _fsync_file(path)
+    fsync_dir(path)
 
 
 def temp_name(kind: str, name: str, token: int | None = None) -> str:

@@ -30,16 +30,34 @@ from toolkit.loop._run import Event, Plugin, plugin_factory
 from toolkit.plugins._shared import metric_entry
 from toolkit.step._state import TrainState
 
-__all__ = ["checkpoints"]
+__all__ = ["SIGNAL_EVERY", "checkpoints"]
 
 _SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+SIGNAL_EVERY = 10  # data-parallel ranks agree on a received signal every this many updates
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """The plugin's arguments, checked."""
+
+    root: Path
+    every: int | None
+    per_epoch: bool
+    at_end: bool
+    rules: Retention
+    resume: Any
+    signals: tuple[int, ...]
+    exit_code: int | None
+    restore_best: bool
+    objects: Mapping[str, Any] | None
+    background: bool
+    on_error: str
 
 
 @dataclasses.dataclass(slots=True)
 class _Run:
     """What the plugin remembers during one run."""
 
-    folder: Path
     saved_step: int | None = None  # the step of the newest checkpoint written or loaded
     signum: int | None = None  # set by the signal handler: only a flag, nothing else
     handlers: dict[int, Any] = dataclasses.field(default_factory=dict)
@@ -47,47 +65,64 @@ class _Run:
     group: Group | None = None  # the data-parallel group that saves together, if any
     lead: bool = True  # rank 0 of the group (or no group): writes the pointer, prunes
     epoch_due: bool = False  # per_epoch: an epoch ended inside an accumulation window
+    steps: int = 0  # "step" events seen: the ranks agree on signals every SIGNAL_EVERY
 
 
-def _shared_signal(run_: _Run) -> None:
+def _share_signal(config: _Config, run_: _Run) -> None:
     """Give every rank of the group the highest signal any rank received."""
-    run_.signum = max_over_ranks(run_.signum or 0, run_.group) or None
-
-
-def _name(step: int) -> str:
-    return f"step_{step:06d}"
+    if run_.group is not None and config.signals:
+        run_.signum = max_over_ranks(run_.signum or 0, run_.group) or None
 
 
 def _check(
-    folder: Any, every: Any, resume: Any, signals: Any, exit_code: Any, on_error: Any
+    folder: Any,
+    every: Any,
+    resume: Any,
+    signals: Any,
+    exit_code: Any,
+    on_error: Any,
+    flags: dict[str, Any],
 ) -> None:
+    who = "checkpoints"
     if not isinstance(folder, (str, os.PathLike)):
         raise TypeError(
-            f"checkpoints: folder must be a path (str or os.PathLike); got {type(folder).__name__}."
+            f"{who}: expected folder as a path (str or os.PathLike), got {type(folder).__name__}."
         )
     if every is not None:
-        check_count("checkpoints", "every", every, 1, "applied updates between saves, or None")
-    if not (resume is None or resume == "latest" or isinstance(resume, (str, os.PathLike))):
+        check_count(who, "every", every, 1, "applied updates between saves, or None")
+    if not (resume is None or isinstance(resume, (str, os.PathLike))):
         raise TypeError(
-            f"checkpoints: resume must be 'latest', a checkpoint folder or None; got {resume!r}."
+            f"{who}: resume must be 'latest', a checkpoint folder or None; got {resume!r}."
         )
     if isinstance(signals, (str, bytes)) or not all(
         isinstance(s, int) and not isinstance(s, bool) for s in signals
     ):
         raise TypeError(
-            f"checkpoints: signals must be a sequence of signal numbers, e.g. "
+            f"{who}: signals must be a sequence of signal numbers, e.g. "
             f"(signal.SIGTERM, signal.SIGUSR1); got {signals!r}."
         )
-    if exit_code is not None and (isinstance(exit_code, bool) or not isinstance(exit_code, int)):
-        raise TypeError(f"checkpoints: exit_code must be an int or None; got {exit_code!r}.")
+    if exit_code is not None and type(exit_code) is not int:
+        raise TypeError(f"{who}: exit_code must be an int or None; got {exit_code!r}.")
     if on_error not in ("raise", "warn"):
-        raise ValueError(f"checkpoints: on_error must be 'raise' or 'warn'; got {on_error!r}.")
+        raise ValueError(f"{who}: on_error must be 'raise' or 'warn'; got {on_error!r}.")
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{who}: {name} must be True or False; got {value!r}.")
 
 
 def _rules(
-    keep_last: int, keep_every: int | None, keep_steps: Sequence[int], keep_best: Any
+    keep_last: int,
+    keep_every: int | None,
+    keep_steps: Sequence[int],
+    keep_best: Any,
+    restore_best: bool,
 ) -> Retention:
     if keep_best is None:
+        if restore_best:
+            raise ValueError(
+                "checkpoints: restore_best=True needs keep_best=(metric, mode, count) to know "
+                "which checkpoint is best; got keep_best=None."
+            )
         return Retention(keep_last, keep_every, tuple(keep_steps))
     if not (isinstance(keep_best, (tuple, list)) and len(keep_best) == 3):
         raise TypeError(
@@ -108,6 +143,169 @@ def _fresh_metrics(state: TrainState) -> dict[str, float]:
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     metrics[f"{name}/{key}"] = float(value)
     return metrics
+
+
+def _failed(config: _Config, error: BaseException) -> None:
+    if config.on_error == "raise":
+        raise error
+    warnings.warn(
+        f"checkpoints: a save failed and training goes on (on_error='warn'): {error}",
+        RuntimeWarning,
+        stacklevel=5,
+    )
+
+
+def _finish(config: _Config, run_: _Run) -> None:
+    """Wait for a background save; then the pointer and retention (only after success)."""
+    if run_.writing is None:
+        return
+    writing, run_.writing = run_.writing, None
+    try:
+        path = writing.result()
+    except Exception as error:
+        _failed(config, error)
+        return
+    write_pointer(config.root, path)
+    prune_checkpoints(config.root, config.rules)
+
+
+def _save(config: _Config, run_: _Run, state: TrainState, data: Any) -> None:
+    if run_.saved_step == state.step:
+        return
+    _finish(config, run_)
+    path = config.root / f"step_{state.step:06d}"
+    state = state.replace(data_state=position(data, state.data_state))
+    options = {"objects": config.objects, "metrics": _fresh_metrics(state), "rules": config.rules}
+    try:
+        if config.background:
+            run_.writing = save_in_background(state, path, **options)
+        else:
+            save_checkpoint(state, path, **options)
+    except Exception as error:
+        _failed(config, error)
+        return
+    run_.saved_step = state.step
+    if not config.background:
+        problem = None
+        try:
+            if run_.lead:
+                write_pointer(config.root, path)
+                prune_checkpoints(config.root, config.rules)
+        except Exception as caught:
+            problem = caught
+        agree(problem, run_.group, "checkpoints")
+
+
+def _install(config: _Config, run_: _Run) -> None:
+    if threading.current_thread() is not threading.main_thread():
+        names = [signal.Signals(s).name for s in config.signals]
+        warnings.warn(
+            "checkpoints: run() is not on the main thread, where Python delivers signals; "
+            f"{names} keep their handlers.",
+            RuntimeWarning,
+            stacklevel=5,
+        )
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        run_.signum = signum  # only a flag: the loop acts on it between updates
+
+    for signum in config.signals:
+        run_.handlers[signum] = signal.signal(signum, handler)
+
+
+def _resumed(config: _Config, run_: _Run, state: TrainState) -> TrainState:
+    root = config.root
+    if config.resume == "latest":
+        found = load_latest(root, like=state, objects=config.objects)
+        if found is not None:
+            state = found[0]
+            run_.saved_step = state.step
+    elif config.resume is not None:
+        state = load_checkpoint(config.resume, like=state, objects=config.objects)
+    elif list_checkpoints(root):
+        names = ", ".join(i.path.name for i in list_checkpoints(root)[-3:])
+        raise ValueError(
+            f"checkpoints: {str(root)!r} already holds checkpoints ({names}) and resume=None; "
+            "pass resume='latest' to continue from them, or use an empty folder."
+        )
+    return state
+
+
+def _start(config: _Config, event: Event) -> tuple[_Run, TrainState]:
+    group = group_of(event.state.model)
+    if group is not None and config.background:
+        raise ValueError(
+            "checkpoints: expected background=False with a data-parallel model (DDP or FSDP2), "
+            "whose ranks save together; got background=True."
+        )
+    if event.state.optimizer is not None:  # refuse what no save could name, before training
+        parameter_names(event.state.model, event.state.optimizer)
+    run_ = _Run(group=group, lead=rank_of(group)[0] == 0)
+    _install(config, run_)
+    error = None
+    try:
+        if run_.lead:  # one rank cleans; the others wait for it in agree()
+            config.root.mkdir(parents=True, exist_ok=True)
+            clean_temporaries(config.root)
+    except Exception as caught:
+        error = caught
+    agree(error, group, "checkpoints")
+    state = _resumed(config, run_, event.state)
+    _share_signal(config, run_)
+    if run_.signum is not None:  # a signal while starting: stop before any update
+        state = _stop(config, run_, state, event.loop.data)
+    return run_, state
+
+
+def _stop(config: _Config, run_: _Run, state: TrainState, data: Any) -> TrainState:
+    assert run_.signum is not None
+    _save(config, run_, state, data)
+    name = signal.Signals(run_.signum).name
+    return state.replace(
+        stop=f"checkpoints: {name} received; saved step {state.step} in {str(config.root)!r}"
+    )
+
+
+def _on_step(config: _Config, run_: _Run, event: Event) -> TrainState | None:
+    state, out = event.state, event.out
+    due = run_.epoch_due or (config.every is not None and state.step % config.every == 0)
+    if out is not None and out.updated and due:
+        run_.epoch_due = False
+        _save(config, run_, state, event.loop.data)
+    run_.steps += 1
+    if run_.steps % SIGNAL_EVERY == 0:
+        _share_signal(config, run_)
+    if run_.signum is not None and (run_.group is None or run_.steps % SIGNAL_EVERY == 0):
+        return _stop(config, run_, state, event.loop.data)
+    return None
+
+
+def _end(config: _Config, run_: _Run, event: Event) -> TrainState | None:
+    state: TrainState | None = None
+    try:
+        if event.error is None:
+            _share_signal(config, run_)  # a signal after the last update: all save, or none
+            if event.state.window.micro_step:
+                # Its gradients are in no state dict, and its batches are counted as seen.
+                warnings.warn(
+                    f"checkpoints: the run ended with an open accumulation window "
+                    f"({event.state.window.micro_step} micro-batches), which no checkpoint "
+                    f"can hold; the newest checkpoint stays step {run_.saved_step}.",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+            elif run_.signum is not None or config.at_end:
+                _save(config, run_, event.state, event.loop.data)
+        _finish(config, run_)
+        if event.error is None and config.restore_best and run_.signum is None:
+            state = _restore_best(config.root, config.rules, event.state)
+    finally:
+        for signum, old in run_.handlers.items():
+            signal.signal(signum, old)
+    if run_.signum is not None:
+        raise SystemExit(128 + run_.signum if config.exit_code is None else config.exit_code)
+    return state
 
 
 @plugin_factory(order=80)
@@ -165,8 +363,9 @@ def checkpoints(
     ranks write their shards; every rank keeps its own RNG states); the pointer and pruning
     are rank 0's; ``resume="latest"`` loads the checkpoint rank 0 picked, on every rank. A
     signal delivered to one rank only stops every rank after the same update, with one
-    checkpoint: at each ``"step"`` the ranks all-reduce the flag (one small all-reduce per
-    update, only when ``signals`` is not empty), and once more at ``"start"`` and ``"end"``.
+    checkpoint: every ``SIGNAL_EVERY`` (10) updates the ranks all-reduce the flag (one small
+    all-reduce, only when ``signals`` is not empty; every rank checks at the same updates,
+    so all stop after the same one), and once more at ``"start"`` and ``"end"``.
     The folder must be on a file system every rank sees. ``background=True`` is refused
     there.
 
@@ -228,204 +427,46 @@ def checkpoints(
         >>> again.step  # resumed at 6, trained 2 more
         8
     """
-    _check(folder, every, resume, signals, exit_code, on_error)
-    rules = _rules(keep_last, keep_every, keep_steps, keep_best)
-    if restore_best and not rules.keep_best:
-        raise ValueError(
-            "checkpoints: restore_best=True needs keep_best=(metric, mode, count) to know "
-            "which checkpoint is best; got keep_best=None."
-        )
-    for name, value in (
-        ("at_end", at_end),
-        ("per_epoch", per_epoch),
-        ("restore_best", restore_best),
-        ("background", background),
-    ):
-        if not isinstance(value, bool):
-            raise TypeError(f"checkpoints: {name} must be True or False; got {value!r}.")
-    root = Path(folder)
-    chosen_signals = tuple(signals)
+    flags = {
+        "at_end": at_end,
+        "per_epoch": per_epoch,
+        "restore_best": restore_best,
+        "background": background,
+    }
+    _check(folder, every, resume, signals, exit_code, on_error, flags)
+    rules = _rules(keep_last, keep_every, keep_steps, keep_best, restore_best)
+    config = _Config(
+        Path(folder),
+        every,
+        per_epoch,
+        at_end,
+        rules,
+        resume,
+        tuple(signals),
+        exit_code,
+        restore_best,
+        objects,
+        background,
+        on_error,
+    )
     live: dict[str, _Run] = {}  # one run at a time
 
-    def finish(run_: _Run) -> None:
-        """Wait for a background save; then the pointer and retention (only after success)."""
-        if run_.writing is None:
-            return
-        writing, run_.writing = run_.writing, None
-        try:
-            path = writing.result()
-        except Exception as error:
-            failed(error)
-            return
-        write_pointer(root, path)
-        prune_checkpoints(root, rules)
-
-    def failed(error: BaseException) -> None:
-        if on_error == "raise":
-            raise error
-        warnings.warn(
-            f"checkpoints: a save failed and training goes on (on_error='warn'): {error}",
-            RuntimeWarning,
-            stacklevel=4,
-        )
-
-    def save(run_: _Run, state: TrainState, data: Any) -> None:
-        if run_.saved_step == state.step:
-            return
-        finish(run_)
-        path = root / _name(state.step)
-        state = state.replace(data_state=position(data, state.data_state))
-        metrics = _fresh_metrics(state)
-        try:
-            if background:
-                run_.writing = save_in_background(
-                    state, path, objects=objects, metrics=metrics, rules=rules
-                )
-            else:
-                save_checkpoint(state, path, objects=objects, metrics=metrics, rules=rules)
-        except Exception as error:
-            failed(error)
-            return
-        run_.saved_step = state.step
-        if not background:
-            problem = None
-            try:
-                if run_.lead:
-                    write_pointer(root, path)
-                    prune_checkpoints(root, rules)
-            except Exception as caught:
-                problem = caught
-            agree(problem, run_.group, "checkpoints")
-
-    def start(event: Event) -> TrainState:
-        group = group_of(event.state.model)
-        if group is not None and background:
-            raise ValueError(
-                "checkpoints: background=True with a data-parallel model (DDP or FSDP2): its "
-                "ranks save together, which a background thread cannot do on the training's "
-                "process group; use background=False."
-            )
-        if event.state.optimizer is not None:  # refuse what no save could name, before training
-            parameter_names(event.state.model, event.state.optimizer)
-        run_ = live["run"] = _Run(root, group=group, lead=rank_of(group)[0] == 0)
-        install(run_)
-        error = None
-        try:
-            if run_.lead:  # one rank cleans; the others wait for it in agree()
-                root.mkdir(parents=True, exist_ok=True)
-                clean_temporaries(root)
-        except Exception as caught:
-            error = caught
-        agree(error, group, "checkpoints")
-        state = event.state
-        if resume == "latest":
-            found = load_latest(root, like=state, objects=objects)
-            if found is not None:
-                state, _ = found
-                run_.saved_step = state.step
-        elif resume is not None:
-            state = load_checkpoint(resume, like=state, objects=objects)
-        else:
-            existing = list_checkpoints(root)
-            if existing:
-                raise ValueError(
-                    f"checkpoints: {str(root)!r} already holds checkpoints "
-                    f"({', '.join(i.path.name for i in existing[-3:])}) and resume=None; pass "
-                    "resume='latest' to continue from them, or use an empty folder."
-                )
-        if run_.group is not None and chosen_signals:
-            _shared_signal(run_)
-        if run_.signum is not None:  # a signal while starting: stop before any update
-            return stop(run_, state, event.loop.data)
-        return state
-
-    def stop(run_: _Run, state: TrainState, data: Any) -> TrainState:
-        assert run_.signum is not None
-        save(run_, state, data)
-        name = signal.Signals(run_.signum).name
-        return state.replace(
-            stop=f"checkpoints: {name} received; saved step {state.step} in {str(root)!r}"
-        )
-
-    def install(run_: _Run) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            warnings.warn(
-                "checkpoints: run() is not on the main thread, where Python delivers signals; "
-                f"{[signal.Signals(s).name for s in chosen_signals]} keep their handlers.",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-            return
-
-        def handler(signum: int, frame: Any) -> None:
-            run_.signum = signum  # only a flag: the loop acts on it between updates
-
-        for signum in chosen_signals:
-            run_.handlers[signum] = signal.signal(signum, handler)
-
-    def end(event: Event) -> TrainState | None:
-        run_ = live.pop("run")
-        state: TrainState | None = None
-        try:
-            if event.error is None and run_.group is not None and chosen_signals:
-                _shared_signal(run_)  # a signal after the last update: all save, or none
-            if event.error is None:
-                if event.state.window.micro_step:
-                    # Its gradients are in no state dict, and its batches are counted as
-                    # seen: a checkpoint now would lose them on resume.
-                    warnings.warn(
-                        f"checkpoints: the run ended with an open accumulation window "
-                        f"({event.state.window.micro_step} micro-batches), which no "
-                        f"checkpoint can hold; the newest checkpoint stays step "
-                        f"{run_.saved_step}.",
-                        RuntimeWarning,
-                        stacklevel=3,
-                    )
-                elif run_.signum is not None or at_end:
-                    save(run_, event.state, event.loop.data)
-                finish(run_)
-                if restore_best and run_.signum is None:
-                    state = _restore_best(root, rules, event.state)
-            else:
-                finish(run_)
-        finally:
-            for signum, old in run_.handlers.items():
-                signal.signal(signum, old)
-        if run_.signum is not None:
-            raise SystemExit(128 + run_.signum if exit_code is None else exit_code)
-        return state
-
     def plugin(event: Event) -> TrainState | None:
-        kind = event.kind
-        if kind == "step":
-            run_ = live.get("run")
-            if run_ is None:
-                return None
-            state = event.state
-            out = event.out
-            if (
-                out is not None
-                and out.updated
-                and (run_.epoch_due or (every is not None and state.step % every == 0))
-            ):
-                run_.epoch_due = False
-                save(run_, state, event.loop.data)
-            if run_.group is not None and chosen_signals:
-                _shared_signal(run_)
-            if run_.signum is not None:
-                return stop(run_, state, event.loop.data)
+        run_ = live.get("run")
+        if event.kind == "restore":
+            live["run"], state = _start(config, event)
+            return state
+        if run_ is None:
             return None
-        if kind == "epoch_end" and per_epoch and "run" in live:
-            run_ = live["run"]
+        if event.kind == "step":
+            return _on_step(config, run_, event)
+        if event.kind == "epoch_end" and per_epoch:
             if event.state.window.micro_step:  # its gradients fit in no checkpoint
                 run_.epoch_due = True
             else:
-                save(run_, event.state, event.loop.data)
-            return None
-        if kind == "restore":
-            return start(event)
-        if kind == "end" and "run" in live:
-            return end(event)
+                _save(config, run_, event.state, event.loop.data)
+        if event.kind == "end":
+            return _end(config, live.pop("run"), event)
         return None
 
     return plugin
