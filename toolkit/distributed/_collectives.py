@@ -8,28 +8,30 @@ step's per-update flags are on the model's device already; only the rare agreeme
 tensors (checkpoints, signals) then pay a tiny copy and a host sync each. DDP's carrier is
 the one exception by nature: its flags ride on DDP's own gradient bucket, on DDP's device.
 
-**What crosses ranks, and what it costs** (collectives beyond DDP's or FSDP2's own):
+**What crosses ranks, and what it costs** (beyond DDP's or FSDP2's own collectives). Each is
+a few numbers, so its cost is one collective's latency and the host sync that reads it:
 
-================================  ===============================================  ========
-When                              What                                             Count
-================================  ===============================================  ========
-per micro-batch                   nothing                                          0
-per update, DDP (toolkit's hook)  loss sum, skips, skips² on the first gradient    0
-                                  bucket (:class:`Carrier`)
-per update, otherwise (FSDP2,     the verdict's flags and the skip range, MAX, a   1
-own DDP hook, bf16 or fp16        few floats (:func:`all_reduce_`)
-grads, transform_grads)
-per update with target counts     the window's count total, float64 SUM            1
-per run                           data lengths (:func:`check_even`), 2 int64       1
-per checkpoint (save or load)     :func:`agree` per phase (one int64 per rank),    2 to 5
-                                  a token (:func:`broadcast_int`), the latest
-                                  folder's name (:func:`broadcast_text`)
-per failed agreement              the lowest failing rank's error, as text         2
-per publish (log_metrics,         the sums and counts, float64 SUM                 1
-evaluate)                         (:func:`sum_over_ranks`)
-signals (checkpoints plugin)      the highest signal number, int64 MAX             1 every
-                                  (:func:`max_over_ranks`)                         N updates
-================================  ===============================================  ========
+==================  ==============================================================  ==========
+When                What                                                            Count
+==================  ==============================================================  ==========
+per micro-batch     nothing                                                         0
+per update, DDP     loss sum, skips and skips² on DDP's first gradient bucket       0
+                    (:class:`Carrier`)
+per update, else    the verdict's flags and skip range, MAX (:func:`all_reduce_`)   1
+                    under FSDP2, a DDP hook of the user's, bf16/fp16 grads,
+                    transform_grads
+per update, counts  the window's target count total, float64 SUM                    1
+per run             the ranks' data lengths, 2 int64 (:func:`check_even`)           1
+per checkpoint      one int64 per rank per phase (:func:`agree`), a token           a few
+                    (:func:`broadcast_int`), the latest folder's name
+                    (:func:`broadcast_text`)
+on a failure        the lowest failing rank's error, as text                        2
+per publish         metric or evaluation sums and counts, float64 SUM               1
+                    (:func:`sum_over_ranks`)
+signals             the highest signal number, int64 MAX (:func:`max_over_ranks`)   1 per 10
+                                                                                    updates,
+                                                                                    start, end
+==================  ==============================================================  ==========
 
 Nothing is pickled: every exchange is a tensor.
 """
