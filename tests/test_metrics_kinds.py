@@ -151,8 +151,8 @@ def test_sinks_start_at_the_step_the_run_resumes_from(tmp_path: Path) -> None:
     # The entry made at the run's first update is published (it is not from an earlier run).
     assert started == [0] and [s for s, m in rows if "val/score" in m] == [1]
     rows.clear()
-    # log_metrics before checkpoints: it sees the restored state at the first update, and
-    # the restored val entry of step 1 is not published again.
+    # checkpoints restores at "restore", before every "start": log_metrics starts its sinks
+    # at the resumed step, and the restored val entry of step 1 is not published again.
     load = checkpoints(tmp_path / "ckpt", every=4, at_end=False)
     run(
         step,
@@ -264,9 +264,9 @@ def test_mfu_is_the_achieved_share_of_the_peak(options: dict, expected: float) -
     now = [0.0]
     rows, _, sink = recorder()
 
-    def timed(o: StepOutput) -> tuple[StepOutput, float, float]:
+    def timed(o: StepOutput) -> StepOutput:
         now[0] += 2.0
-        return o, 0.0, 0.0
+        return o
 
     outs = [
         out(1.0, count=c, samples=8, updated=u)
