@@ -394,7 +394,7 @@ def test_log_metrics_refuses_one_sink_listed_twice(tmp_path) -> None:
     from toolkit.plugins import jsonl, log_metrics
 
     sink = jsonl(tmp_path / "m.jsonl")
-    with pytest.raises(ValueError, match=r"sinks\[1\] is the same sink as an earlier one"):
+    with pytest.raises(ValueError, match=r"sinks\[1\] must be listed once"):
         log_metrics(every=1, sinks=[sink, sink])
     log_metrics(every=1, sinks=[sink, jsonl(tmp_path / "other.jsonl")])  # distinct: fine
 
@@ -403,5 +403,5 @@ def test_log_images_refuses_one_sink_listed_twice(tmp_path) -> None:
     from toolkit.plugins import log_images, png_dir
 
     sink = png_dir(tmp_path / "images")
-    with pytest.raises(ValueError, match=r"log_images: sinks\[1\] is the same sink as an"):
+    with pytest.raises(ValueError, match=r"log_images: sinks\[1\] must be listed once"):
         log_images(lambda state: {}, every=1, sinks=[sink, sink])

@@ -31,47 +31,50 @@ def _duration(seconds: float) -> str:
     return f"{seconds * 1e3:.3g}ms" if seconds < 1 else f"{seconds:.3g}s"
 
 
-def _check(
-    every: Any,
-    warmup: Any,
-    console: Any,
-    clock: Any,
-    show: Any,
-    counts: Any,
-    min_interval: Any,
-    records: Any,
-    times: Any,
-) -> None:
-    if not isinstance(show, tuple) or not all(isinstance(name, str) for name in show):
-        raise TypeError(
-            f"progress: show must be a sequence of state.extras entry names, e.g. ('val',); "
-            f"got {show!r}."
-        )
-    if not isinstance(records, tuple) or not all(isinstance(name, str) for name in records):
-        raise TypeError(
-            f"progress: records must be a sequence of the loss function's record names "
-            f"(flattened with '/'), e.g. ('accuracy',); got {records!r}."
-        )
-    if not isinstance(times, bool):
-        raise TypeError(f"progress: times must be True or False; got {times!r}.")
-    if not isinstance(counts, str) or not counts:
-        raise TypeError(f"progress: counts must be a non-empty str, e.g. 'tokens'; got {counts!r}.")
-    check_count("progress", "every", every, 1, "updates between refreshes")
-    check_count("progress", "warmup", warmup, 0, "updates left out of the ETA")
-    number = isinstance(min_interval, (int, float)) and not isinstance(min_interval, bool)
-    if not (number and min_interval >= 0):
-        raise ValueError(
-            f"progress: min_interval must be a number of seconds >= 0; got {min_interval!r}."
-        )
-    if console is not None and not isinstance(console, rich.console.Console):
-        raise TypeError(
-            f"progress: console must be a rich.console.Console or None; got "
-            f"{type(console).__name__}."
-        )
-    if not callable(clock):
-        raise TypeError(
-            f"progress: clock must be a function returning seconds; got {type(clock).__name__}."
-        )
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    """progress's arguments, checked."""
+
+    every: int
+    warmup: int
+    console: rich.console.Console | None
+    clock: Callable[[], float]
+    show: tuple[str, ...]
+    counts: str
+    min_interval: float
+    records: tuple[str, ...]
+    times: bool
+
+    def __post_init__(self) -> None:
+        for name, names in (("show", self.show), ("records", self.records)):
+            if not isinstance(names, tuple) or not all(isinstance(n, str) for n in names):
+                what = "state.extras entry" if name == "show" else "the loss function's record"
+                raise TypeError(
+                    f"progress: {name} must be a sequence of {what} names; got {names!r}."
+                )
+        if not isinstance(self.times, bool):
+            raise TypeError(f"progress: times must be True or False; got {self.times!r}.")
+        if not isinstance(self.counts, str) or not self.counts:
+            raise TypeError(
+                f"progress: counts must be a non-empty str, e.g. 'tokens'; got {self.counts!r}."
+            )
+        check_count("progress", "every", self.every, 1, "updates between refreshes")
+        check_count("progress", "warmup", self.warmup, 0, "updates left out of the ETA")
+        interval = self.min_interval
+        if (
+            isinstance(interval, bool)
+            or not isinstance(interval, (int, float))
+            or not interval >= 0
+        ):
+            raise ValueError(
+                f"progress: min_interval must be a number of seconds >= 0; got {interval!r}."
+            )
+        if self.console is not None and not isinstance(self.console, rich.console.Console):
+            got = type(self.console).__name__
+            raise TypeError(f"progress: console must be a rich.console.Console or None; got {got}.")
+        if not callable(self.clock):
+            got = type(self.clock).__name__
+            raise TypeError(f"progress: clock must be a function returning seconds; got {got}.")
 
 
 @plugin_factory(order=90)
@@ -187,134 +190,36 @@ def progress(
         step 2/4 | loss 0.5 | lr 0.00e+00 | above_2 0 | 4 samples/s | eta 0:00:02
         step 4/4 | loss 2.5 | lr 0.00e+00 | above_2 0.5 | 8 samples/s | eta 0:00:00
     """
-    # A tuple before checking, so that a generator is not used up by the check.
-    shown_entries = (
-        tuple(show) if isinstance(show, Iterable) and not isinstance(show, str) else show
+    # Tuples before checking, so that a generator is not used up by the check.
+    options = _Options(
+        every,
+        warmup,
+        console,
+        clock,
+        _names(show),
+        counts,
+        min_interval,
+        _names(records),
+        times,
     )
-    shown_records = (
-        tuple(records)
-        if isinstance(records, Iterable) and not isinstance(records, str)
-        else records
-    )
-    _check(every, warmup, console, clock, shown_entries, counts, min_interval, shown_records, times)
-    chosen = frozenset(shown_records)
     memory = _Memory()
-
-    def flatten(record: Any) -> dict[str, Any]:
-        return flat_scalars(record, chosen, "progress")
-
-    def start(event: Event) -> None:
-        shown = console if console is not None else rich.get_console()
-        now = clock()
-        step = event.state.step
-        memory.console, memory.total, memory.lr = shown, event.loop.total_steps, None
-        memory.warm_step = step + warmup if warmup else -1
-        memory.warm_from, memory.warm_at = step + warmup, now if warmup == 0 else None
-        memory.last_time, memory.shown_step = now, step
-        if shown.is_terminal:
-            memory.bar = rich.progress.Progress(
-                rich.progress.TextColumn("{task.fields[head]}"),
-                rich.progress.BarColumn(),
-                rich.progress.TextColumn("{task.fields[info]}"),
-                console=shown,
-                auto_refresh=False,  # redrawn at refreshes only: no thread competing with training
-            )
-            memory.task = memory.bar.add_task(
-                "train", total=memory.total, completed=step, head=_head(step, memory.total), info=""
-            )
-            memory.bar.start()
-
-    def refresh(state: TrainState, now: float, open_window: Sequence[StepOutput] = ()) -> None:
-        windows = len(memory.windows)
-        interval = Interval()
-        # The one host sync of a refresh.
-        read(interval, memory.windows, open_window, flatten if chosen else None)
-        memory.windows.clear()
-        if interval.lr is not None:
-            memory.lr = interval.lr
-        elapsed, memory.last_time = now - memory.last_time, now
-        parts = []
-        total, weight = interval.sums["loss"]
-        if weight:
-            parts.append(f"loss {total / weight:.4g}")
-        if memory.lr is not None:
-            parts.append(f"lr {float(memory.lr):.2e}")
-        if interval.norms:
-            parts.append(f"grad_norm {interval.norm_total / interval.norms:.3g}")
-        for name in shown_records:
-            total, weight = interval.sums.get(name, (0.0, 0))
-            if weight:
-                parts.append(f"{name} {total / weight:.4g}")
-        if elapsed > 0 and interval.samples is not None:
-            parts.append(f"{_rate(interval.samples / elapsed)} samples/s")
-        if elapsed > 0 and interval.targets is not None:
-            parts.append(f"{_rate(interval.targets / elapsed)} {counts}/s")
-        if times and windows:
-            parts.append(f"data {_duration(memory.data_time / windows)}")
-            parts.append(f"step {_duration(memory.step_time / windows)}")
-        memory.data_time = memory.step_time = 0.0
-        for entry_name in shown_entries:
-            parsed = metric_entry(state.extras.get(entry_name))
-            if parsed is not None:
-                for name, value in parsed[1].items():
-                    if isinstance(value, (int, float)):
-                        parts.append(f"{entry_name}/{name} {value:.4g}")
-        eta = _eta(memory, now, state.step)
-        if eta is not None:
-            parts.append(f"eta {eta}")
-        memory.shown_step = state.step
-        display(state.step, " | ".join(parts))
-
-    def display(step: int, info: str) -> None:
-        head = _head(step, memory.total)
-        if memory.bar is None:
-            # A plain line straight to the console's file: rendering it through rich would
-            # cost ~100x more, for nothing to style in a log.
-            file = memory.console.file  # type: ignore[union-attr]
-            file.write(f"{head} | {info}\n" if info else f"{head}\n")
-            file.flush()
-        else:
-            memory.bar.update(memory.task, completed=step, head=head, info=info)
-            memory.bar.refresh()
-
-    def warm_up(event: Event) -> None:
-        """Start the ETA clock after the update that ends the warm-up."""
-        if event.state.step == memory.warm_step and event.out.updated:  # type: ignore[union-attr]
-            memory.warm_at, memory.warm_step = clock(), -1
 
     def plugin(event: Event) -> None:
         kind = event.kind
         if kind == "step":
             if memory.console is not None:  # None off rank 0 and outside a run
-                memory.windows.append(event.outs)
-                if times:
-                    memory.data_time += event.data_time
-                    memory.step_time += event.step_time
-                if memory.warm_step >= 0:
-                    warm_up(event)
-                if due(event, every):
-                    now = clock()
-                    if now - memory.last_time >= min_interval:
-                        refresh(event.state, now)
+                _step(memory, options, event)
         elif kind == "start":
-            stop()
+            _stop(memory)
             if is_rank_zero():
-                start(event)
+                _start(memory, options, event)
         elif kind == "end" and memory.console is not None:
             try:
                 if event.error is None and event.state.step != memory.shown_step:
-                    refresh(event.state, clock(), event.outs)
+                    _refresh(memory, options, event.state, options.clock(), event.outs)
             finally:
-                stop()
+                _stop(memory)
         return None
-
-    def stop() -> None:
-        memory.windows.clear()
-        memory.data_time = memory.step_time = 0.0
-        memory.console = None
-        bar, memory.bar = memory.bar, None
-        if bar is not None:
-            bar.stop()
 
     return plugin
 
@@ -338,6 +243,111 @@ class _Memory:
     shown_step: int = 0  # state.step of the last line
     bar: rich.progress.Progress | None = None
     task: Any = None
+
+
+def _start(memory: _Memory, options: _Options, event: Event) -> None:
+    shown = options.console if options.console is not None else rich.get_console()
+    now, step, warmup = options.clock(), event.state.step, options.warmup
+    memory.console, memory.total, memory.lr = shown, event.loop.total_steps, None
+    memory.warm_step = step + warmup if warmup else -1
+    memory.warm_from, memory.warm_at = step + warmup, now if warmup == 0 else None
+    memory.last_time, memory.shown_step = now, step
+    if shown.is_terminal:
+        memory.bar = rich.progress.Progress(
+            rich.progress.TextColumn("{task.fields[head]}"),
+            rich.progress.BarColumn(),
+            rich.progress.TextColumn("{task.fields[info]}"),
+            console=shown,
+            auto_refresh=False,  # redrawn at refreshes only: no thread competing with training
+        )
+        head = _head(step, memory.total)
+        memory.task = memory.bar.add_task(
+            "train", total=memory.total, completed=step, head=head, info=""
+        )
+        memory.bar.start()
+
+
+def _step(memory: _Memory, options: _Options, event: Event) -> None:
+    memory.windows.append(event.outs)
+    if options.times:
+        memory.data_time += event.data_time
+        memory.step_time += event.step_time
+    # Start the ETA clock after the update that ends the warm-up.
+    if memory.warm_step == event.state.step and event.out.updated:  # type: ignore[union-attr]
+        memory.warm_at, memory.warm_step = options.clock(), -1
+    if due(event, options.every):
+        now = options.clock()
+        if now - memory.last_time >= options.min_interval:
+            _refresh(memory, options, event.state, now)
+
+
+def _refresh(
+    memory: _Memory,
+    options: _Options,
+    state: TrainState,
+    now: float,
+    open_window: Sequence[StepOutput] = (),
+) -> None:
+    windows, interval = len(memory.windows), Interval()
+    chosen = frozenset(options.records)
+    flatten = (lambda record: flat_scalars(record, chosen, "progress")) if chosen else None
+    read(interval, memory.windows, open_window, flatten)  # the one host sync of a refresh
+    memory.windows.clear()
+    memory.lr = interval.lr if interval.lr is not None else memory.lr
+    elapsed, memory.last_time = now - memory.last_time, now
+    parts = []
+    for name in ("loss", *options.records):
+        total, weight = interval.sums.get(name, (0.0, 0))
+        if weight:
+            parts.append(f"{name} {total / weight:.4g}")
+        if name == "loss" and memory.lr is not None:
+            parts.append(f"lr {float(memory.lr):.2e}")
+        if name == "loss" and interval.norms:
+            parts.append(f"grad_norm {interval.norm_total / interval.norms:.3g}")
+    if elapsed > 0 and interval.samples is not None:
+        parts.append(f"{_rate(interval.samples / elapsed)} samples/s")
+    if elapsed > 0 and interval.targets is not None:
+        parts.append(f"{_rate(interval.targets / elapsed)} {options.counts}/s")
+    if options.times and windows:
+        parts.append(f"data {_duration(memory.data_time / windows)}")
+        parts.append(f"step {_duration(memory.step_time / windows)}")
+    memory.data_time = memory.step_time = 0.0
+    for entry_name in options.show:
+        parsed = metric_entry(state.extras.get(entry_name))
+        for name, value in parsed[1].items() if parsed is not None else ():
+            if isinstance(value, (int, float)):
+                parts.append(f"{entry_name}/{name} {value:.4g}")
+    eta = _eta(memory, now, state.step)
+    if eta is not None:
+        parts.append(f"eta {eta}")
+    memory.shown_step = state.step
+    _display(memory, state.step, " | ".join(parts))
+
+
+def _display(memory: _Memory, step: int, info: str) -> None:
+    head = _head(step, memory.total)
+    if memory.bar is None:
+        # A plain line straight to the console's file: rendering it through rich would cost
+        # ~100x more, for nothing to style in a log.
+        file = memory.console.file  # type: ignore[union-attr]
+        file.write(f"{head} | {info}\n" if info else f"{head}\n")
+        file.flush()
+    else:
+        memory.bar.update(memory.task, completed=step, head=head, info=info)
+        memory.bar.refresh()
+
+
+def _stop(memory: _Memory) -> None:
+    memory.windows.clear()
+    memory.data_time = memory.step_time = 0.0
+    memory.console = None
+    bar, memory.bar = memory.bar, None
+    if bar is not None:
+        bar.stop()
+
+
+def _names(names: Any) -> Any:
+    return tuple(names) if isinstance(names, Iterable) and not isinstance(names, str) else names
 
 
 def _head(step: int, total: int | None) -> str:
