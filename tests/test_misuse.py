@@ -87,7 +87,7 @@ def test_an_optimizer_over_another_model_is_refused_when_the_state_is_built() ->
     model, other = _model(), torch.nn.Linear(3, 1)
     message = (
         "TrainState.optimizer: none of its 2 parameters belongs to the model, so training "
-        "would never change the model; build it over this model's parameters"
+        "would never change the model."
     )
     with pytest.raises(ValueError, match=re.escape(message)):
         TrainState(model=model, optimizer=torch.optim.SGD(other.parameters(), lr=0.1))

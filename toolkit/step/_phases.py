@@ -28,6 +28,7 @@ __all__ = [
     "NonFiniteError",
     "Verdict",
     "decide",
+    "reported",
     "skip_range",
 ]
 
@@ -207,43 +208,16 @@ class GuardConfig:
     max_retries: int
     on_exhaust: OnExhaust = "raise"
 
-    def judge(
-        self,
-        counters: GuardState,
-        nonfinite: bool,
-        overflow: bool,
-        applied_updates: int,
-        window_loss: torch.Tensor | None,
-        grad_norm: torch.Tensor | None,
-    ) -> tuple[GuardState, bool, NonFiniteError | None]:
-        """Update the counters for one closed window.
-
-        Returns them, whether to apply the window, and the error to raise once the step has
-        thrown the window away (``on_exhaust="raise"`` with the retries used up), or None.
-        """
-        if not nonfinite:
-            if overflow:  # the scaler's business: neither a failure nor a success
-                return counters, False, None
-            return counters._replace(notfinite_count=0), True, None
-        counters = counters._replace(
-            notfinite_count=counters.notfinite_count + 1,
-            total_notfinite=counters.total_notfinite + 1,
-        )
-        if counters.notfinite_count <= self.max_retries or self.on_exhaust == "skip":
-            return counters, False, None
-        if self.on_exhaust == "accept":
-            return counters, True, None
+    def exhausted(
+        self, counters: GuardState, loss: torch.Tensor | None, norm: torch.Tensor | None, step: int
+    ) -> NonFiniteError:
+        """The error once ``on_exhaust="raise"`` has no retry left."""
         n, total = counters.notfinite_count, counters.total_notfinite
-        return (
-            counters,
-            False,
-            NonFiniteError(
-                f"guard_nonfinite: {n} consecutive accumulation windows had a non-finite loss or "
-                f"gradient (max_retries={self.max_retries}; {total} rejected in total); the last: "
-                f"summed loss {_show(window_loss)}, gradient norm {_show(grad_norm)}, after "
-                f"{applied_updates} updates. Check the data and the learning rate, or pass "
-                "on_exhaust='skip'."
-            ),
+        return NonFiniteError(
+            f"guard_nonfinite: {n} consecutive accumulation windows had a non-finite loss or "
+            f"gradient (max_retries={self.max_retries}; {total} rejected in total); the last: "
+            f"summed loss {_show(loss)}, gradient norm {_show(norm)}, after {step} updates. "
+            "Check the data and the learning rate, or pass on_exhaust='skip'."
         )
 
 
@@ -308,6 +282,14 @@ def decide(
     bits = torch.stack([flag.to(device, torch.float32) for flag in flags.values()])
     code = int((bits * _flag_weights(device)[: len(bits)]).sum().item())  # the sync
     return Verdict(**{name: bool(code >> i & 1) for i, name in enumerate(flags)})
+
+
+def reported(verdict: Verdict, empty: bool) -> Verdict:
+    """The verdict as a step reports it: each window has one reason not to be applied."""
+    empty = empty or verdict.empty
+    nonfinite = verdict.nonfinite and not empty  # no targets: 0/0 gradients are no failure
+    overflow = verdict.overflow and not nonfinite  # a non-finite loss is the guard's to report
+    return verdict._replace(nonfinite=nonfinite, overflow=overflow, empty=empty)
 
 
 def _overflows(

@@ -12,7 +12,6 @@ from typing import Any, NamedTuple
 import torch
 
 from toolkit.distributed._collectives import (
-    Carrier,
     all_reduce_,
     carrier_of,
     data_parallel_group,
@@ -28,6 +27,7 @@ from toolkit.step._phases import (
     GuardConfig,
     Verdict,
     decide,
+    reported,
     skip_range,
 )
 from toolkit.step._state import GuardState, TrainState, WindowState
@@ -254,7 +254,7 @@ class Step:
             scaler = state.scaler
         sync = sync_kind(state.model)  # "none", "ddp" or "fsdp2"
         closes = close or state.window.micro_step + 1 == k
-        window, out, carrier = self._micro_batch(state, batch, k, closes, scaler, sync)
+        window, out = self._micro_batch(state, batch, k, closes, scaler, sync)
         if window is None:  # skipped: the window does not advance
             if sync == "none":
                 return state, out
@@ -262,7 +262,7 @@ class Step:
             window = state.window._replace(skipped=state.window.skipped + 1)
         if out.skipped or not closes:
             return _successor(state, window=window), out
-        return self._close(state, window, out, scaler, carrier, sync)
+        return self._close(state, window, out, scaler, sync)
 
     def _micro_batch(
         self,
@@ -272,10 +272,9 @@ class Step:
         closes: bool,
         scaler: torch.amp.GradScaler | None,
         sync: str,
-    ) -> tuple[WindowState | None, StepOutput, Carrier | None]:
-        """Phases 1-3: the advanced window (None when skipped), the output, DDP's carrier."""
+    ) -> tuple[WindowState | None, StepOutput]:
+        """Phases 1-3: the advanced window (None when skipped) and the output."""
         model, optimizer, window = state.model, state.optimizer, state.window
-        carrier = None
         # (3) gradients are synced on the window's closing micro-batch only
         no_sync = None if closes else suppress_grad_sync(model, sync)
         with no_sync or contextlib.nullcontext():
@@ -287,7 +286,7 @@ class Step:
                 else:
                     result = self.loss_fn(model, batch)
             if result is None:
-                return None, _SKIPPED, None
+                return None, _SKIPPED
             loss, count, records = _parse(result)
             # 2. loss normalisation: 1/k, or a sum whose gradients phase 5 divides
             if window.micro_step and (count is None) != (window.count is None):
@@ -304,7 +303,7 @@ class Step:
             (scaler.scale(objective) if scaler is not None else objective).backward()
         shown = loss.detach() if count is None else loss.detach() / count
         out = StepOutput(shown, records, count, _leading_dim(batch), updated=False, closed=False)
-        return window, out, carrier
+        return window, out
 
     def _close(
         self,
@@ -312,24 +311,17 @@ class Step:
         window: WindowState,
         out: StepOutput,
         scaler: torch.amp.GradScaler | None,
-        carrier: Carrier | None,
         sync: str,
     ) -> tuple[TrainState, StepOutput]:
         """Phases 4-11, once per window, whose gradients are complete (and synced)."""
         optimizer, transforms, clipping, guard = (
-            state.optimizer,
-            self.grad_transforms,
-            self.clipping,
-            self.guard,
-        )
+            state.optimizer, self.grad_transforms, self.clipping, self.guard
+        )  # fmt: skip
         k, short = window.length, window.micro_step != window.length  # short: close=True
         # The data-parallel group, over which counts are summed and verdicts agreed.
         group = None if sync == "none" else data_parallel_group(state.model)
-        params: list[torch.Tensor] = []
-        grads: list[torch.Tensor] = []
-        if window.count is not None or short or transforms or clipping or guard:
-            params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-            grads = [p.grad for p in params]
+        needs_grads = window.count is not None or short or transforms or clipping or guard
+        params, grads = _with_grads(optimizer) if needs_grads else ([], [])
         # 4. unscale, exactly once
         if scaler is not None:
             scaler.unscale_(optimizer)
@@ -350,15 +342,17 @@ class Step:
             grad_norm = clip_norm = torch.nn.utils.get_total_norm(grads, norm_type)
             if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor; clipping takes it so
                 grad_norm = grad_norm.full_tensor()
-        verdict = Verdict(empty=empty)
+        verdict = Verdict()
         if guard is not None or scaler is not None or group is not None:
-            min_scale = self.amp.min_scale if self.amp is not None else 0.0
+            # DDP: the ranks' flags that rode on the gradient all-reduce, if they did.
+            carrier = carrier_of(state.model) if sync == "ddp" and transforms is None else None
             carried = carrier.receive() if carrier is not None else None
+            min_scale = self.amp.min_scale if self.amp is not None else 0.0
             verdict = decide(
                 guard, scaler, min_scale, optimizer, window, grad_norm, total, group, carried
             )
-            verdict = verdict._replace(empty=empty or verdict.empty)
-        verdict, apply, counters, failure = self._judge(state, window, verdict, grad_norm, group)
+        verdict = reported(verdict, empty)
+        apply, counters, failure = self._judge(state, window, verdict, grad_norm, group)
         lr = optimizer.param_groups[0]["lr"]
         if apply:
             # 7. clip, by norm (with the norm of phase 6) and/or by value
@@ -405,26 +399,34 @@ class Step:
         verdict: Verdict,
         grad_norm: torch.Tensor | None,
         group: Any,
-    ) -> tuple[Verdict, bool, GuardState, Exception | None]:
-        """Phase 6's outcome: the verdict as reported, whether to apply, counters, an error."""
-        empty = verdict.empty
-        nonfinite = verdict.nonfinite and not empty  # no targets: 0/0 gradients, no failure
-        overflow = verdict.overflow and not nonfinite  # a non-finite loss is the guard's
-        verdict = verdict._replace(nonfinite=nonfinite, overflow=overflow)
-        apply = not (nonfinite or overflow or empty or verdict.negative)
-        counters = state.guard
-        if overflow:
-            counters = counters._replace(total_overflow=counters.total_overflow + 1)
+    ) -> tuple[bool, GuardState, Exception | None]:
+        """Phase 6's outcome: whether to apply the window, the counters, an error to raise."""
+        guard, counters = self.guard, state.guard
+        apply = not (verdict.nonfinite or verdict.overflow or verdict.empty or verdict.negative)
         failure: Exception | None = _negative_total(window.count) if verdict.negative else None
-        if self.guard is not None and (nonfinite or counters.notfinite_count):
-            counters, apply, failure = self.guard.judge(
-                counters, nonfinite, overflow or empty, state.step, window.loss, grad_norm
-            )
+        if verdict.overflow:  # the scaler's business: neither a failure nor a success
+            counters = counters._replace(total_overflow=counters.total_overflow + 1)
+        elif verdict.nonfinite:  # rejected: retried, skipped, accepted or raised
+            assert guard is not None
+            n, total = counters.notfinite_count + 1, counters.total_notfinite + 1
+            counters = counters._replace(notfinite_count=n, total_notfinite=total)
+            if n > guard.max_retries and guard.on_exhaust != "skip":
+                apply = guard.on_exhaust == "accept"
+                if not apply:
+                    failure = guard.exhausted(counters, window.loss, grad_norm, state.step)
+        elif guard is not None and not verdict.empty:  # a finite window ends a series
+            counters = counters._replace(notfinite_count=0)
         if verdict.uneven:  # a bug in the loss function or the data, not a numerical accident
             # On the error path only: one more small all-reduce, for the message.
             fewest, most = skip_range(window.skipped, group, state.optimizer)
             apply, failure = False, _uneven_skips(window.skipped, fewest, most)
-        return verdict, apply, counters, failure
+        return apply, counters, failure
+
+
+def _with_grads(optimizer: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The optimizer's parameters that have a gradient, and their gradients."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    return params, [p.grad for p in params]
 
 
 def _advanced(
