@@ -190,3 +190,22 @@ def test_the_rule_puts_nccl_groups_on_the_current_cuda_device(
     monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     assert _collectives._device(None) == torch.device(device)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_under_a_real_nccl_group_every_collective_runs() -> None:
+    from toolkit.distributed import process_group
+
+    c = _collectives
+    with process_group() as launch:  # on CUDA: nccl alone, no CPU backend
+        group = dist.group.WORLD
+        assert (launch.backend, c._device(group)) == ("nccl", launch.device)
+        c.agree(None, group, "who")
+        with pytest.raises(OSError, match="disk full"):
+            c.agree(OSError(errno.ENOSPC, "disk full"), group, "who")
+        assert c.broadcast_int(42, group) == 42
+        assert c.broadcast_text("é", group) == "é"
+        assert c.max_over_ranks(7, group) == 7
+        c.check_even(5, group)
+        flags = c.all_reduce_(torch.tensor([1.0, 0.0]), dist.ReduceOp.MAX, group)
+        assert (flags.tolist(), flags.device.type) == ([1.0, 0.0], "cpu")
