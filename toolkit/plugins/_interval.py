@@ -162,7 +162,7 @@ def combine(kind: str, a: Any, b: Any) -> Any:
 def _reduce_into(into: dict[str, Any], key: str, kind: str, values: Sequence[Any]) -> None:
     if kind == "sum":
         floats = any(isinstance(v, float) for v in values)
-        got: Any = _fsum(values) if floats else sum(values)
+        got: Any = _fsum(list(values)) if floats else sum(values)
     elif any(v != v for v in values):
         got = math.nan
     else:
@@ -196,8 +196,7 @@ def _flatten(
         elif isinstance(value, (int, float)) or (
             isinstance(value, torch.Tensor) and value.numel() == 1
         ):
-            tensor = isinstance(value, torch.Tensor)
-            into[name] = value.detach().reshape(()) if tensor else value
+            into[name] = value.detach().reshape(()) if isinstance(value, torch.Tensor) else value
         elif chosen is not None and name in chosen:  # a chosen record that is no scalar
             got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value)
             fix = "Reduce it first (.mean(), .sum()) or leave it out of records=."
