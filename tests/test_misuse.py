@@ -153,7 +153,7 @@ def _counted(count):
         ("8", TypeError, "LossSum.count: expected a number >= 0 or a one-element tensor; got str"),
         (True, TypeError, "LossSum.count: expected a number >= 0 or a one-element tensor"),
         (torch.tensor([3, 4]), TypeError, "got a torch.int64 tensor of shape (2,)"),
-        (torch.tensor(2.0j), TypeError, "one-element real tensor; got a torch.complex64"),
+        (torch.tensor(2.0j), TypeError, "one-element tensor; got a torch.complex64 tensor"),
     ],
 )
 def test_a_bad_count_is_refused_before_backward(count, error: type, message: str) -> None:

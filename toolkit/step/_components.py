@@ -46,10 +46,7 @@ def check_objects(objects: Any, who: str) -> dict[str, Any]:
     for name, obj in objects.items():
         if not isinstance(name, str) or not name:
             raise TypeError(f"{who}: objects keys must be non-empty strings; got {name!r}.")
-        if not (
-            callable(getattr(obj, "state_dict", None))
-            and callable(getattr(obj, "load_state_dict", None))
-        ):
+        if not all(callable(getattr(obj, m, None)) for m in ("state_dict", "load_state_dict")):
             raise TypeError(
                 f"{who}: objects[{name!r}] ({type(obj).__name__}) has no state_dict() and "
                 "load_state_dict() methods; pass objects that have both (a stateful "

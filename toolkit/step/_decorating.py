@@ -266,13 +266,9 @@ def clip(
     *, max_norm: _Bound = ..., max_value: _Bound = ..., norm_type: float = ...
 ) -> Decorator: ...
 def clip(
-    step: Step | None = None,
-    /,
-    *,
-    max_norm: _Bound = None,
-    max_value: _Bound = None,
+    step: Step | None = None, /, *, max_norm: _Bound = None, max_value: _Bound = None,
     norm_type: float = 2.0,
-) -> Step | Decorator:
+) -> Step | Decorator:  # fmt: skip
     """Clip gradients once per update (phase 7), after unscaling and count normalisation.
 
     By norm with ``torch.nn.utils.clip_grad_norm_`` semantics; by value, clamping each

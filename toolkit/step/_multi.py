@@ -55,9 +55,6 @@ class MultiOptimizer:
         ([0.1, 0.001], True)
     """
 
-    __slots__ = ("optimizers",)
-    optimizers: tuple[torch.optim.Optimizer, ...]
-
     def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
         _check_optimizers(optimizers)
         self.optimizers = tuple(optimizers)
@@ -276,11 +273,6 @@ class MultiScheduler:
         >>> a.step(); b.step(); both.step(); both.get_last_lr()
         [0.5, 0.2]
     """
-
-    __slots__ = ("per_epoch", "per_update", "schedulers")
-    schedulers: tuple[Any, ...]
-    per_update: tuple[Any, ...]
-    per_epoch: tuple[PerEpoch, ...]
 
     def __init__(self, *schedulers: Any) -> None:
         if not schedulers:

@@ -235,7 +235,7 @@ class Verdict(NamedTuple):
 def decide(
     guard: GuardConfig | None,
     scaler: torch.amp.GradScaler | None,
-    min_scale: float,
+    amp: AmpConfig | None,
     optimizer: torch.optim.Optimizer,
     window: WindowState,
     grad_norm: torch.Tensor | None,
@@ -261,11 +261,12 @@ def decide(
         assert loss is not None and grad_norm is not None
         flags["nonfinite"] = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
     elif scaler is not None:
-        if guard is not None:  # under fp16 only the loss counts: bad gradients overflow
+        if guard is not None and loss is not None:  # under fp16 only the loss counts
             flags["nonfinite"] = ~torch.isfinite(loss)
         found, scale = _overflows(scaler, optimizer)
         flags["overflow"] = found > 0
-        flags["collapsed"] = (found > 0) & (scale * scaler.get_backoff_factor() < min_scale)
+        floor = amp.min_scale if amp is not None else 0.0
+        flags["collapsed"] = (found > 0) & (scale * scaler.get_backoff_factor() < floor)
     if total is not None:
         flags["empty"], flags["negative"] = total == 0, total < 0
     if group is not None and carried is None:

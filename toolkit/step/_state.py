@@ -240,7 +240,9 @@ def _optimizer(state: TrainState) -> None:
     # parameter means the optimizer steps another model: training would change nothing.
     own = {id(p) for p in state.model.parameters()}
     several = isinstance(optimizer, MultiOptimizer)
-    for i, one in enumerate(optimizer.optimizers if several else (optimizer,)):
+    for i, one in enumerate(
+        optimizer.optimizers if isinstance(optimizer, MultiOptimizer) else (optimizer,)
+    ):
         params = [p for group in one.param_groups for p in group["params"]]
         if not any(id(p) in own for p in params):
             which = f"optimizer[{i}]" if several else "optimizer"

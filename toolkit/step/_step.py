@@ -115,6 +115,7 @@ class StepOutput(NamedTuple):
 # Schedulers the step leaves alone: a ReduceLROnPlateau needs a metric (validate steps it),
 # a per_epoch one is run()'s to step at each epoch's end.
 _NOT_PER_UPDATE = (torch.optim.lr_scheduler.ReduceLROnPlateau, PerEpoch)
+Scaler = torch.amp.GradScaler | None
 _NO_RECORDS: Mapping[str, Any] = types.MappingProxyType({})  # shared, so read-only
 _SKIPPED = StepOutput(None, _NO_RECORDS, None, None, updated=False, closed=False, skipped=True)
 
@@ -129,10 +130,7 @@ def _leading_dim(batch: Any) -> int | None:
         elif isinstance(batch, Mapping) and batch:
             batch = next(iter(batch.values()))
         elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-            fields = dataclasses.fields(batch)
-            if not fields:
-                return None
-            batch = getattr(batch, fields[0].name)
+            batch = [getattr(batch, field.name) for field in dataclasses.fields(batch)]
         else:
             return None
 
@@ -169,17 +167,14 @@ def _parse(result: Any) -> tuple[torch.Tensor, torch.Tensor | float | None, Mapp
 
 def _checked_count(count: Any) -> torch.Tensor | float:
     """A LossSum count as a number >= 0 or a one-element real tensor (checked at the close)."""
-    if isinstance(count, torch.Tensor):
-        if count.numel() != 1 or count.is_complex() or count.dtype is torch.bool:
-            raise TypeError(
-                f"LossSum.count: expected a number or a one-element real tensor; got a "
-                f"{count.dtype} tensor of shape {tuple(count.shape)}."
-            )
+    tensor = isinstance(count, torch.Tensor)
+    if tensor and count.numel() == 1 and not count.is_complex() and count.dtype != torch.bool:
         return count.detach().reshape(())
-    if isinstance(count, bool) or not isinstance(count, (int, float)):
+    if tensor or isinstance(count, bool) or not isinstance(count, (int, float)):
+        got = f"{type(count).__name__} {count!r:.40}"
+        got = f"a {count.dtype} tensor of shape {tuple(count.shape)}" if tensor else got
         raise TypeError(
-            f"LossSum.count: expected a number >= 0 or a one-element tensor; got "
-            f"{type(count).__name__} {count!r:.40}."
+            f"LossSum.count: expected a number >= 0 or a one-element tensor; got {got}."
         )
     if not 0 <= count < float("inf"):
         raise ValueError(
@@ -265,13 +260,7 @@ class Step:
         return self._close(state, window, out, scaler, sync)
 
     def _micro_batch(
-        self,
-        state: TrainState,
-        batch: Any,
-        k: int,
-        closes: bool,
-        scaler: torch.amp.GradScaler | None,
-        sync: str,
+        self, state: TrainState, batch: Any, k: int, closes: bool, scaler: Scaler, sync: str
     ) -> tuple[WindowState | None, StepOutput]:
         """Phases 1-3: the advanced window (None when skipped) and the output."""
         model, optimizer, window = state.model, state.optimizer, state.window
@@ -279,8 +268,7 @@ class Step:
         no_sync = None if closes else suppress_grad_sync(model, sync)
         with no_sync or contextlib.nullcontext():
             # 1. forward, under autocast
-            amp = self.amp.autocast(optimizer) if self.amp else contextlib.nullcontext()
-            with amp:
+            with self.amp.autocast(optimizer) if self.amp else contextlib.nullcontext():
                 if self._with_step:  # loss_fn(model, batch, step=...) reads the update number
                     result = self.loss_fn(model, batch, step=state.step)
                 else:
@@ -306,17 +294,11 @@ class Step:
         return window, out
 
     def _close(
-        self,
-        state: TrainState,
-        window: WindowState,
-        out: StepOutput,
-        scaler: torch.amp.GradScaler | None,
-        sync: str,
+        self, state: TrainState, window: WindowState, out: StepOutput, scaler: Scaler, sync: str
     ) -> tuple[TrainState, StepOutput]:
         """Phases 4-11, once per window, whose gradients are complete (and synced)."""
-        optimizer, transforms, clipping, guard = (
-            state.optimizer, self.grad_transforms, self.clipping, self.guard
-        )  # fmt: skip
+        optimizer, transforms = state.optimizer, self.grad_transforms
+        clipping, guard = self.clipping, self.guard
         k, short = window.length, window.micro_step != window.length  # short: close=True
         # The data-parallel group, over which counts are summed and verdicts agreed.
         group = None if sync == "none" else data_parallel_group(state.model)
@@ -347,9 +329,8 @@ class Step:
             # DDP: the ranks' flags that rode on the gradient all-reduce, if they did.
             carrier = carrier_of(state.model) if sync == "ddp" and transforms is None else None
             carried = carrier.receive() if carrier is not None else None
-            min_scale = self.amp.min_scale if self.amp is not None else 0.0
             verdict = decide(
-                guard, scaler, min_scale, optimizer, window, grad_norm, total, group, carried
+                guard, scaler, self.amp, optimizer, window, grad_norm, total, group, carried
             )
         verdict = reported(verdict, empty)
         apply, counters, failure = self._judge(state, window, verdict, grad_norm, group)
@@ -393,12 +374,7 @@ class Step:
         )
 
     def _judge(
-        self,
-        state: TrainState,
-        window: WindowState,
-        verdict: Verdict,
-        grad_norm: torch.Tensor | None,
-        group: Any,
+        self, state: TrainState, window: WindowState, verdict: Verdict, norm: Any, group: Any
     ) -> tuple[bool, GuardState, Exception | None]:
         """Phase 6's outcome: whether to apply the window, the counters, an error to raise."""
         guard, counters = self.guard, state.guard
@@ -413,7 +389,7 @@ class Step:
             if n > guard.max_retries and guard.on_exhaust != "skip":
                 apply = guard.on_exhaust == "accept"
                 if not apply:
-                    failure = guard.exhausted(counters, window.loss, grad_norm, state.step)
+                    failure = guard.exhausted(counters, window.loss, norm, state.step)
         elif guard is not None and not verdict.empty:  # a finite window ends a series
             counters = counters._replace(notfinite_count=0)
         if verdict.uneven:  # a bug in the loss function or the data, not a numerical accident
@@ -510,8 +486,7 @@ def _other_window(window: WindowState, k: int) -> ValueError:
     return ValueError(
         f"the state's accumulation window was opened by a step of micro_batches="
         f"{window.length} and holds {window.micro_step} micro-batch(es); this step has "
-        f"micro_batches={k}, so the window would never close as it should. Change steps "
-        "at an update boundary (state.window.micro_step == 0)."
+        f"micro_batches={k}, so the window would never close as it should."
     )
 
 
@@ -529,8 +504,7 @@ def _negative_total(total: Any) -> ValueError:
     shown = "" if isinstance(total, torch.Tensor) else f" ({total:g})"
     return ValueError(
         f"loss_fn reported a negative total target count{shown} for the window, which would "
-        "turn the update into gradient ascent; the window was thrown away. Return "
-        "LossSum(total, count) with count >= 0."
+        "turn the update into gradient ascent; the window was thrown away."
     )
 
 
