@@ -6,7 +6,7 @@ import warnings
 
 from toolkit._checks import check_count, check_key
 from toolkit.loop._run import Event, Plugin, plugin_factory
-from toolkit.plugins._shared import better, check_mode, claim, metric_entry
+from toolkit.plugins._shared import EarlyStopEntry, better, check_mode, claim, metric_entry
 from toolkit.step._state import TrainState
 
 __all__ = ["early_stop"]
@@ -34,7 +34,7 @@ def early_stop(
     ``state.extras[key]`` (``{"metric", "seen_step", "best", "best_step", "bad"}``), so a
     resumed run keeps them. The plugin claims ``key`` at ``"start"``: a second
     ``early_stop`` (say on another metric) needs its own ``key=``, or the run is refused
-    before training. Put it after ``validate`` in the plugin list.
+    before training.
 
     When a run that did not raise ends and ``state.extras`` never got a ``NAME`` entry, the
     plugin warns once at ``"end"`` (a ``RuntimeWarning`` naming the entries that exist) and
@@ -123,9 +123,11 @@ def early_stop(
                 "{'step': ..., 'metrics': {...}} as validate writes), e.g. early_stop('val/loss')."
             )
         step, metrics = parsed
-        counters = state.extras.get(key)
-        if counters is None or counters.get("metric") != metric:
-            counters = dict(metric=metric, seen_step=None, best=None, best_step=None, bad=0)
+        counters: EarlyStopEntry | None = state.extras.get(key)
+        if counters is None or counters["metric"] != metric:
+            counters = EarlyStopEntry(
+                metric=metric, seen_step=None, best=None, best_step=None, bad=0
+            )
         if step == counters["seen_step"]:
             return None
         if sub not in metrics:
@@ -135,10 +137,9 @@ def early_stop(
             )
         value = float(metrics[sub])
         if better(value, counters["best"], mode, margin):
-            counters = {**counters, "best": value, "best_step": step, "bad": 0}
+            counters = {**counters, "best": value, "best_step": step, "bad": 0, "seen_step": step}
         else:
-            counters = {**counters, "bad": counters["bad"] + 1}
-        counters["seen_step"] = step
+            counters = {**counters, "bad": counters["bad"] + 1, "seen_step": step}
         state = state.replace(extras={**state.extras, key: counters})
         if counters["bad"] >= patience:
             best = counters["best"]

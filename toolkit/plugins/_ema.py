@@ -12,7 +12,7 @@ import torch
 from toolkit._checks import check_count, check_key
 from toolkit._unwrap import unwrap
 from toolkit.loop._run import Event, Plugin, plugin_factory
-from toolkit.plugins._shared import claim, due
+from toolkit.plugins._shared import EmaEntry, claim, due
 from toolkit.step._state import TrainState
 
 __all__ = ["ema", "ema_model"]
@@ -28,11 +28,10 @@ def _check_args(decay: Any, warmup: Any, every: Any, buffers: Any, key: Any) -> 
     check_key("ema", key)
 
 
-def _snapshot(model: torch.nn.Module, buffers: bool) -> dict[str, Any]:
-    with torch.no_grad():
-        params = {name: p.detach().clone() for name, p in model.named_parameters()}
-        bufs = {name: b.detach().clone() for name, b in model.named_buffers()} if buffers else {}
-    return {"params": params, "buffers": bufs}
+def _snapshot(model: torch.nn.Module, buffers: bool) -> tuple[dict[str, torch.Tensor], ...]:
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    bufs = {name: b.detach().clone() for name, b in model.named_buffers()} if buffers else {}
+    return params, bufs
 
 
 def _check_names(kind: str, held: Mapping[str, Any], live: Mapping[str, Any], key: str) -> None:
@@ -96,8 +95,8 @@ def ema(
     weights' device and dtype and are updated in place with fused ``torch._foreach_lerp_``
     kernels, without a host sync. On ``"start"`` the entry is created from the current
     weights when absent; an entry already in the state (from an earlier run) is kept,
-    checked against the model and moved to the weights' device. Put ``ema`` before
-    ``validate`` when validation should see the new average. The plugin claims ``key`` for
+    checked against the model and moved to the weights' device. ema runs before
+    ``validate``, which so evaluates the new average. The plugin claims ``key`` for
     the run at ``"start"``: a second ``ema()`` under the same key, or another plugin keeping
     that ``state.extras`` key (e.g. ``validate(key="ema")``), is refused before training;
     give each its own ``key=``.
@@ -140,7 +139,8 @@ def ema(
 
     def fresh(state: TrainState) -> TrainState:
         """The state with a new average: a copy of the current weights."""
-        entry = {"step": state.step, "num_updates": 0, **_snapshot(unwrap(state.model), buffers)}
+        params, bufs = _snapshot(unwrap(state.model), buffers)
+        entry = EmaEntry(step=state.step, num_updates=0, params=params, buffers=bufs)
         return state.replace(extras={**state.extras, key: entry})
 
     def plugin(event: Event) -> TrainState | None:

@@ -9,7 +9,7 @@ import torch
 
 from toolkit._checks import check_count, check_key
 from toolkit.loop._run import Event, Plugin, plugin_factory
-from toolkit.plugins._shared import claim, due
+from toolkit.plugins._shared import MetricsEntry, claim, due
 from toolkit.step._state import TrainState
 
 __all__ = ["peak_memory"]
@@ -91,7 +91,7 @@ def peak_memory(every: int = 10, *, key: str = "memory") -> Plugin:
             torch.cuda.reset_peak_memory_stats(device)
         else:
             peak = _peak_rss_gib()
-        entry = {"step": state.step, "metrics": {"peak_gib": peak}}
+        entry = MetricsEntry(step=state.step, metrics={"peak_gib": peak})
         return state.replace(extras={**state.extras, key: entry})
 
     return plugin
