@@ -8,8 +8,8 @@ that answer to the ``lazy`` device (TorchScript's lazy tensors: not the CPU, and
 values). ``all_reduce`` and ``broadcast`` are wrapped: each notes a tensor that is not on
 that device, then reduces a CPU copy over gloo and copies the result back. A collective that
 builds its tensor on the CPU whatever the rule says is named in the report (checked: with
-``device=`` removed from ``broadcast_int`` the test fails, naming every entry point that
-broadcasts).
+``device=`` removed from ``broadcast_int``, ``agree`` or ``max_over_ranks``, or
+``all_reduce_`` reducing where the tensor is, the test fails and names the entry points).
 """
 
 from __future__ import annotations
@@ -90,13 +90,10 @@ def _carried(rank: int, group: Any, lazy: torch.device) -> list[Any]:
 
 
 def _entry_points(rank: int, lazy: torch.device) -> dict[str, Callable[[], Any]]:
-    from toolkit.step._phases import skip_range, skips_differ
-
     group = dist.group.WORLD
     c = _collectives
     mine = OSError(errno.ENOSPC, "disk full") if rank == 1 else None
-    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)  # a CPU model
-    flags = torch.tensor([float(rank), -float(rank)])
+    flags = torch.tensor([float(rank), -float(rank)])  # as the step's, on a CPU model
     on_group = torch.tensor([float(rank)], device=lazy)
     return {
         "agree": lambda: c.agree(None, group, "who"),
@@ -111,8 +108,6 @@ def _entry_points(rank: int, lazy: torch.device) -> dict[str, Callable[[], Any]]
         "all_reduce_ keeps the tensor": lambda: (
             c.all_reduce_(on_group, dist.ReduceOp.SUM) is on_group
         ),
-        "the step's skips_differ": lambda: skips_differ(rank, group, optimizer),
-        "the step's skip_range": lambda: skip_range(rank, group, optimizer),
         "the DDP carrier's hook": lambda: _carried(rank, group, lazy),
     }
 
@@ -149,8 +144,6 @@ EXPECTED = {
     "check_even": None,
     "all_reduce_, a CPU model's flags": [[1.0, 0.0], "cpu"],
     "all_reduce_ keeps the tensor": True,
-    "the step's skips_differ": True,
-    "the step's skip_range": [0, 1],
     "the DDP carrier's hook": [[3.0, 4.0], [3.0, 1.0, 1.0]],
 }
 
