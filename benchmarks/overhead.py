@@ -296,7 +296,7 @@ def main() -> None:
     parser.add_argument(
         "--compiled",
         action="store_true",
-        help="also a torch.compile'd transformer and its eager pair (compiles: ~2 minutes)",
+        help="also a torch.compile'd transformer and its eager pair (slow: ~10 minutes)",
     )
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -305,7 +305,8 @@ def main() -> None:
         f"{args.rounds} rounds x {args.updates} updates (run() rows: {RUN_ROUNDS * args.rounds} "
         f"x {args.updates}), median CPU time per update\n"
     )
-    # The transformer rows take ~50 ms an update: a tenth of the rounds, 3 updates each.
+    # The transformer rows take about 1-2 s an update on one shared core: a tenth of the
+    # rounds (at least 3), 3 updates each; some 10 minutes with the compile.
     passes = [
         one_pass(args.rounds, args.updates)
         + (transformer_rows(max(args.rounds // 10, 3), 3) if args.compiled else [])
