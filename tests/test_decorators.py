@@ -68,7 +68,7 @@ def test_decorating_something_else_than_a_step() -> None:
         clip(_loss, max_norm=1.0)
     with pytest.raises(TypeError, match="got float 1.0. Pass options by keyword"):
         clip(1.0)  # type: ignore[call-overload]
-    with pytest.raises(TypeError, match="got a Step, expected a loss function"):
+    with pytest.raises(TypeError, match="got a Step .a Step is decorated directly"):
         make_step(make_step(_loss))
     with pytest.raises(TypeError, match="expected a callable loss_fn"):
         make_step(3)

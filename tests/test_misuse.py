@@ -244,7 +244,7 @@ def test_a_skipped_batch_returns_the_same_state_which_stays_usable() -> None:
         ("epoch", 1.0, TypeError, "TrainState.epoch: expected an int >= 0; got 1.0."),
         ("batches_seen", True, TypeError, "TrainState.batches_seen: expected an int >= 0"),
         ("extras", None, TypeError, "TrainState.extras: expected a mapping; got NoneType."),
-        ("stop", True, TypeError, "TrainState.stop: expected None or a reason string; got True"),
+        ("stop", True, TypeError, "TrainState.stop: expected None or a reason string; got bool."),
         ("window", (0, None), TypeError, "TrainState.window: expected a WindowState; got tuple"),
         ("scaler", "fp16", TypeError, "TrainState.scaler: expected a torch.amp.GradScaler or"),
     ],

@@ -275,14 +275,6 @@ def _scheduler(state: TrainState) -> None:
             )
 
 
-def _scaler(state: TrainState) -> None:
-    if state.scaler is not None and not isinstance(state.scaler, torch.amp.GradScaler):
-        raise TypeError(
-            f"TrainState.scaler: expected a torch.amp.GradScaler or None; got "
-            f"{type(state.scaler).__name__}."
-        )
-
-
 def _counters(state: TrainState) -> None:
     for name in ("step", "epoch", "batches_seen"):
         value = getattr(state, name)
@@ -292,17 +284,22 @@ def _counters(state: TrainState) -> None:
             raise ValueError(f"TrainState.{name}: expected an int >= 0; got {value!r}.")
 
 
-def _bookkeeping(state: TrainState) -> None:
-    for name, kind in (("window", WindowState), ("guard", GuardState)):
+# The other fields' kinds, and how a message names them.
+_KINDS: dict[str, tuple[Any, str]] = {
+    "scaler": ((torch.amp.GradScaler, type(None)), "a torch.amp.GradScaler or None"),
+    "window": (WindowState, "a WindowState"),
+    "guard": (GuardState, "a GuardState"),
+    "stop": ((str, type(None)), "None or a reason string"),
+    "extras": (Mapping, "a mapping"),
+    "data_state": (Mapping, "a mapping"),
+}
+
+
+def _kinds(state: TrainState) -> None:
+    for name, (kind, expected) in _KINDS.items():
         if not isinstance(getattr(state, name), kind):
             got = type(getattr(state, name)).__name__
-            raise TypeError(f"TrainState.{name}: expected a {kind.__name__}; got {got}.")
-    if state.stop is not None and not isinstance(state.stop, str):
-        raise TypeError(f"TrainState.stop: expected None or a reason string; got {state.stop!r}.")
-    for name in ("extras", "data_state"):
-        if not isinstance(getattr(state, name), Mapping):
-            got = type(getattr(state, name)).__name__
-            raise TypeError(f"TrainState.{name}: expected a mapping; got {got}.")
+            raise TypeError(f"TrainState.{name}: expected {expected}; got {got}.")
 
 
 # Each check and the fields it reads: replace() runs it when one of them changes.
@@ -310,7 +307,6 @@ _FIELD_CHECKS = {
     _model: {"model"},
     _optimizer: {"model", "optimizer"},
     _scheduler: {"optimizer", "scheduler"},
-    _scaler: {"scaler"},
     _counters: {"step", "epoch", "batches_seen"},
-    _bookkeeping: {"window", "guard", "stop", "extras", "data_state"},
+    _kinds: set(_KINDS),
 }

@@ -493,10 +493,9 @@ def _other_window(window: WindowState, k: int) -> ValueError:
 def _uneven_skips(skipped: int, fewest: int, most: int) -> ValueError:
     return ValueError(
         "loss_fn returned None on some ranks of the data-parallel group but not on others "
-        f"within one accumulation window (from {fewest} to {most} skipped micro-batches; "
-        f"this rank skipped {skipped}), so the ranks' gradient all-reduces would pair up "
-        "wrongly; the window was thrown away. Skip a batch on every rank alike, or return a "
-        "zero loss instead of None (loss * 0, or LossSum(total * 0, 0))."
+        f"within one accumulation window (from {fewest} to {most} skipped micro-batches; this "
+        f"rank skipped {skipped}); the window was thrown away. Skip a batch on every rank "
+        "alike, or return a zero loss instead of None (loss * 0, or LossSum(total * 0, 0))."
     )
 
 
@@ -569,13 +568,9 @@ def make_step(loss_fn: Callable[..., Any]) -> Step:
         >>> state.step, out.updated, out.samples
         (1, True, 8)
     """
-    if not callable(loss_fn):
+    if not callable(loss_fn) or isinstance(loss_fn, Step):
         raise TypeError(
-            f"make_step: expected a callable loss_fn(model, batch); got {type(loss_fn).__name__}."
-        )
-    if isinstance(loss_fn, Step):
-        raise TypeError(
-            "make_step: got a Step, expected a loss function. A Step is already a train step; "
-            "decorate it directly instead of wrapping it again."
+            f"make_step: expected a callable loss_fn(model, batch); got a "
+            f"{type(loss_fn).__name__} (a Step is decorated directly, not wrapped again)."
         )
     return Step(loss_fn)
