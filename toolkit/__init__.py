@@ -9,16 +9,18 @@ from toolkit.checkpoints._save import save_checkpoint
 from toolkit.distributed._collectives import data_parallel_group, set_data_parallel_group
 from toolkit.loop._evaluate import evaluate
 from toolkit.loop._run import Event, LoopInfo, run
-from toolkit.step._accumulation import accumulate
-from toolkit.step._amp import amp_wrap
-from toolkit.step._clipping import clip
-from toolkit.step._decorating import compose
-from toolkit.step._guards import guard_nonfinite
+from toolkit.step._decorating import (
+    accumulate,
+    amp_wrap,
+    clip,
+    compose,
+    guard_nonfinite,
+    transform_grads,
+)
 from toolkit.step._multi import MultiOptimizer, MultiScheduler, PerEpoch, per_epoch
 from toolkit.step._phases import LossScaleError, NonFiniteError
 from toolkit.step._state import GuardState, TrainState, WindowState
 from toolkit.step._step import LossSum, Step, StepOutput, make_step
-from toolkit.step._transforms import transform_grads
 
 __version__ = "0.1.0"
 
