@@ -203,9 +203,9 @@ def main() -> None:
     plugins = [
         validate(eval_bf16, val_loader, every=every, at_end=True),
         progress(every=every // 2, counts="tokens"),
-        # mode="w" (existing="replace"): a fresh run empties the file (the default refuses one
-        # that holds lines); a run resumed from a checkpoint would continue it.
-        log_metrics(every=10, sinks=[jsonl(metrics_path, mode="w")]),
+        # existing="replace": a fresh run empties the file (the default refuses one that
+        # holds lines); a run resumed from a checkpoint would continue it.
+        log_metrics(every=10, sinks=[jsonl(metrics_path, existing="replace")]),
     ]
     print(
         f"{sum(p.numel() for p in model.parameters())} parameters, vocabulary {len(itos)}, "

@@ -150,7 +150,7 @@ def main() -> None:
 
     every = 10 if args.quick else 50
     plugins = [
-        # ema before validate: the EMA evaluation sees the average after this update.
+        # In any order: run() calls ema, then validate, then the logs and checkpoints.
         ema(decay=0.995),
         validate(eval_fn, val_loader, every=every, per_epoch=True, at_end=True),
         validate(
@@ -165,11 +165,10 @@ def main() -> None:
         # patience counts evaluations (every `every` updates and at each epoch end).
         early_stop("val/loss", patience=10),
         peak_memory(every=every),
-        # progress and log_metrics last, so they show what the plugins above produced.
         progress(every=every, show=("val", "val_ema", "memory")),
-        # mode="w" (existing="replace"): a fresh run empties the file (the default refuses one
-        # that holds lines); a run resumed from a checkpoint would continue it.
-        log_metrics(every=10, sinks=[jsonl(metrics_path, mode="w")]),
+        # existing="replace": a fresh run empties the file (the default refuses one that
+        # holds lines); a run resumed from a checkpoint would continue it.
+        log_metrics(every=10, sinks=[jsonl(metrics_path, existing="replace")]),
     ]
     started = time.perf_counter()
     state = run(step, state, train_loader, epochs=epochs, plugins=plugins)
