@@ -231,15 +231,11 @@ def load_latest(
 ) -> tuple[TrainState, Path] | None:
     """Load the newest checkpoint of ``root`` that is intact, falling back past damaged ones.
 
-    Newest first (by step), each candidate is loaded with :func:`load_checkpoint`, which
-    verifies every checksum once; a damaged one is skipped with a warning that names its
-    files. A checkpoint that does not fit the template is *not* skipped: that error is
-    raised, since an older checkpoint would not fit either.
-
-    With a data-parallel template (DDP or FSDP2), every rank of its group calls this and
-    all load the same checkpoint: rank 0 picks the newest intact one (checking every
-    checksum) and sends its name to the others, so ranks cannot disagree even while a
-    save is being pruned or a file is damaged; an error is raised on every rank.
+    Rank 0 (or this process alone) picks the newest checkpoint whose every checksum is
+    right (damaged ones are skipped with a warning naming their files) and sends its name
+    to the other ranks of a data-parallel template, so that all load the same one. A
+    checkpoint that does not fit the template is *not* skipped: that error is raised,
+    since an older checkpoint would not fit either.
 
     Args:
         root: the folder of checkpoints.

@@ -77,7 +77,7 @@ def optimizer_state(model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
     parameter_names(model, optimizer)  # the clear error for a stray tensor
     optimizers = _optimizers(optimizer)
     had = {id(p) for o in optimizers for p in o.state}
-    state = get_optimizer_state_dict(unwrap(model), optimizers)
+    state: dict[str, Any] = dict(get_optimizer_state_dict(unwrap(model), optimizers))
     # Own code: for an optimizer without state, get_optimizer_state_dict makes zero state
     # (one step at lr=0); a save must not change the run, so that state is dropped again.
     names = {id(p): name for name, p in unwrap(model).named_parameters()}

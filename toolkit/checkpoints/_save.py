@@ -76,7 +76,8 @@ def _snapshot(state: TrainState, objects: dict[str, Any], copy: bool) -> _Snapsh
     sharded = is_sharded(state.model)
     shards: dict[str, torch.Tensor] = {}
     external = is_dtensor if sharded else None
-    trees, classes = {}, {}
+    trees: dict[str, Any] = {}
+    classes: dict[str, Any] = {}
 
     def add(name: str, tree: Any, owner: Any = None, outside: Any = external) -> None:
         document, tensors = encode(tree, name, copy=copy, external=outside)

@@ -175,7 +175,11 @@ def _save(config: _Config, run_: _Run, state: TrainState, data: Any) -> None:
     _finish(config, run_)
     path = config.root / f"step_{state.step:06d}"
     state = state.replace(data_state=position(data, state.data_state))
-    options = {"objects": config.objects, "metrics": _fresh_metrics(state), "rules": config.rules}
+    options: dict[str, Any] = {
+        "objects": config.objects,
+        "metrics": _fresh_metrics(state),
+        "rules": config.rules,
+    }
     try:
         if config.background:
             run_.writing = save_in_background(state, path, **options)
