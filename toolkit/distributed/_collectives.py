@@ -400,16 +400,6 @@ def _zeros(device: torch.device, size: int) -> torch.Tensor:
     return torch.zeros(size, device=device)
 
 
-def skips_differ_carried(sums: list[float], world: int) -> bool:
-    """Whether the ranks skipped different numbers of micro-batches, from the carried sums.
-
-    ``sums`` is ``[loss, sum of skipped, sum of skipped**2]`` over the ``world`` ranks: the
-    counts are all equal exactly when ``sum**2 == world * sum of squares``.
-    """
-    _, skips, squares = sums
-    return skips * skips != world * squares
-
-
 # Per DDP model: its carrier, or None where a carrier cannot be installed.
 _CARRIERS: weakref.WeakKeyDictionary[torch.nn.Module, Carrier | None] = weakref.WeakKeyDictionary()
 
