@@ -68,10 +68,10 @@ def read(
     """Add ``windows`` (each ending with its closing output) to ``interval``: one host read.
 
     ``flatten`` turns a micro-batch's records into flat ones (log_metrics); without it
-    records are not read (progress). ``kinds`` maps a record (or ``"loss"``,
-    ``"grad_norm"``) to ``"sum"``, ``"max"`` or ``"min"``: it goes to ``interval.reduced``
-    instead of the weighted means. The 0-d tensors ``also`` are read in the same host read;
-    their values are returned.
+    records are not read (progress). ``kinds`` maps a record (or ``"grad_norm"``) to
+    ``"sum"``, ``"max"`` or ``"min"``: it goes to ``interval.reduced`` instead of the
+    weighted means. The 0-d tensors ``also`` are read in the same host read; their values
+    are returned.
     """
     # Each field is taken out of all outputs at once (zip), not by a python loop per field:
     # python steps per output show in the overhead of a refresh every few updates.
@@ -82,70 +82,50 @@ def read(
         outs = chain.from_iterable(windows)
     fields = _fields(chain(outs, open_window))
     if any(fields.skipped):  # outputs without a loss are left out
-        rows = [row for row, skipped in zip(zip(*fields), fields.skipped) if not skipped]
-        fields = _fields(map(StepOutput._make, rows))
+        fields = _fields(row for row, skipped in zip(zip(*fields), fields.skipped) if not skipped)
     counts, samples = fields.count, fields.samples
     # counts[0], then `==` on the tuple: `None in counts` would compare every tensor with
     # None, which costs ~20 us each.
     counted = bool(counts) and (counts[0] is not None or counts != _nones(len(counts)))
     try:
         sized: int | None = sum(samples)
-        numbers: Sequence[Any] = samples
     except TypeError:  # some micro-batches have no sample count
-        known = [s for s in samples if s is not None]
-        sized = sum(known) if known else None
-        numbers = [1 if s is None else s for s in samples]
+        sized = sum(known) if (known := [s for s in samples if s is not None]) else None
+        samples = tuple(1 if s is None else s for s in samples)
+    weights: Sequence[Any] | Column = Column(samples, None, tensors=False)
     if counted:
-        weights: Sequence[Any] | Column = [
-            (c if c.ndim == 0 else c.reshape(())) if isinstance(c, torch.Tensor)
-            else c if c is not None else 1 if s is None else s
-            for c, s in zip(counts, samples)
-        ]  # fmt: skip
-    else:
-        weights = Column(numbers, None, tensors=False)
-    cols: dict[Any, Column] = {}
-    if flatten is not None and any(fields.records):
-        cols = columns([flatten(r) for r in fields.records])
+        weights = [c.reshape(()) if isinstance(c, torch.Tensor) else s if c is None else c
+                   for c, s in zip(counts, samples)]  # fmt: skip
+    cols = columns([flatten(r) for r in fields.records]) if flatten and any(fields.records) else {}
     cols["loss"] = Column(fields.loss, None, tensors=True)  # skipped ones are out
+    other = {key: cols.pop(key).values for key in kinds if key in cols}
     applied = list(compress(closing.lr, closing.updated))
     norms = [n for n in compress(closing.grad_norm, closing.updated) if n is not None]
-    lr = applied[-1] if applied else None
-    lr_tensor = [lr.reshape(())] if isinstance(lr, torch.Tensor) else []
-    extra: list[torch.Tensor] = [*norms, *lr_tensor, *also]
-    # Records of another kind than the mean: their tensors ride along in the same read.
-    other = {key: cols.pop(key) for key in kinds if key in cols} if kinds else {}
-    other_tensors = [[v for v in c.values if isinstance(v, torch.Tensor)] for c in other.values()]
-    for ts in other_tensors:
-        extra += ts
-    got = weighted_sums(cols, weights, extra)
-
-    sums = interval.sums
+    if norms and "grad_norm" in kinds:
+        other["grad_norm"] = norms
+    # Every tensor rides in the one host read: norms, the last LR, ``also``, other kinds.
+    parts = [norms, applied[-1:], also, *other.values()]
+    tensors = [t.reshape(()) for p in parts for t in p if isinstance(t, torch.Tensor)]
+    got = weighted_sums(cols, weights, tensors)
+    host = iter(got.also)
+    norms, lr, returned, *others = (
+        [next(host) if isinstance(v, torch.Tensor) else v for v in part] for part in parts
+    )
     for key, (total, weight) in got.sums.items():
-        before = sums.get(key)
-        sums[key] = (total, weight) if before is None else (before[0] + total, before[1] + weight)
+        before = interval.sums.get(key, (0.0, 0.0))
+        interval.sums[key] = (before[0] + total, before[1] + weight)
     if counted:
         targets = sum([w for w, c in zip(got.weights, counts) if c is not None])
         interval.targets = targets + (interval.targets or 0.0)
     if sized is not None and samples:
         interval.samples = sized + (interval.samples or 0)
-    host_norms = got.also[: len(norms)]
-    if norms:
-        interval.norm_total += sum(host_norms)
-        interval.norms += len(norms)
-        if "grad_norm" in kinds:
-            _reduce_into(interval.reduced, "grad_norm", kinds["grad_norm"], host_norms)
-    if applied:
-        interval.lr = got.also[len(norms)] if lr_tensor else lr
-        interval.updates += len(applied)
+    interval.norm_total += sum(norms)
+    interval.norms += len(norms)
+    interval.lr = lr[0] if lr else interval.lr
+    interval.updates += len(applied)
     interval.nonfinite += sum(closing.nonfinite)
     interval.overflow += sum(closing.overflow)
-    start = len(norms) + len(lr_tensor)
-    returned = got.also[start : start + len(also)]
-    taken = iter(got.also[start + len(also) :])
-    for (key, column), ts in zip(other.items(), other_tensors):
-        values = column.values
-        if ts:
-            values = [next(taken) if isinstance(v, torch.Tensor) else v for v in values]
+    for (key, _), values in zip(other.items(), others):
         _reduce_into(interval.reduced, key, kinds[key], values)
     return returned
 
@@ -160,15 +140,10 @@ def combine(kind: str, a: Any, b: Any) -> Any:
 
 
 def _reduce_into(into: dict[str, Any], key: str, kind: str, values: Sequence[Any]) -> None:
-    if kind == "sum":
-        floats = any(isinstance(v, float) for v in values)
-        got: Any = _fsum(list(values)) if floats else sum(values)
-    elif any(v != v for v in values):
-        got = math.nan
-    else:
-        got = max(values) if kind == "max" else min(values)
-    before = into.get(key)
-    into[key] = got if before is None else combine(kind, before, got)
+    values = [into[key], *values] if key in into else list(values)
+    if kind == "sum" and any(isinstance(v, float) for v in values):
+        values = [_fsum(values)]  # exact, as the weighted sums are
+    into[key] = functools.reduce(functools.partial(combine, kind), values)
 
 
 def flat_scalars(
