@@ -293,7 +293,7 @@ def test_the_data_iterator_is_closed_when_a_resumed_epoch_skips_batches() -> Non
 
     with (
         pytest.raises(KeyboardInterrupt),  # resumed: the source's own iterator is closed
-        pytest.warns(RuntimeWarning, match="resuming a Source, which has no way to skip"),
+        pytest.warns(RuntimeWarning, match="resuming a Source: its first 2 batches"),
     ):
         run(_step(), state, Source(), max_steps=4, plugins=[boom])
     assert closed == [True, True]
@@ -320,7 +320,7 @@ def test_worker_pool_is_shut_down_on_exit() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "data", "error", "message"),
     [
-        ({}, [1], ValueError, "give max_steps (optimizer updates) and/or epochs"),
+        ({}, [1], ValueError, "give max_steps and/or epochs; got neither"),
         ({"max_steps": -1}, [1], ValueError, "max_steps must be an int >= 0; got -1"),
         ({"epochs": 1.5}, [1], ValueError, "epochs must be an int >= 0; got 1.5"),
         ({"epochs": 1}, iter([1]), ValueError, "needs data that can be iterated again"),

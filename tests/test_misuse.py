@@ -362,31 +362,30 @@ def test_windows_spanning_passes_are_progress_not_a_stall() -> None:
         (
             {"data": {"x": X}},
             TypeError,
-            "run: data must be an iterable of batches (a DataLoader, a list of batches, a "
-            "generator); got dict, which iterates over its keys. To train on one batch n "
-            "times, pass [batch] * n.",
+            "run: data must be an iterable of batches (a DataLoader, a list); got dict; to "
+            "train on one batch n times, pass [batch] * n.",
         ),
         ({"state": {"model": 1}}, TypeError, "run: state must be a TrainState; got dict."),
         (
             {"plugins": None},
             TypeError,
-            "run: plugins must be a list of plugin functions; got NoneType. Wrap it in a list",
+            "run: plugins must be a list of plugins; got NoneType; pass [plugin].",
         ),
         (
             {"plugins": progress()},
             TypeError,
-            "run: plugins must be a list of plugin functions; got a single plugin.",
+            "run: plugins must be a list of plugins; got a single plugin; pass [plugin].",
         ),
         (
             {"plugins": ["progress"]},
             TypeError,
-            "run: plugins[0] is a str 'progress'; expected a plugin function plugin(event)",
+            "run: plugins[0] must be a plugin, plugin(event); got str ('progress'); build it",
         ),
         (
             {"plugins": [progress]},
             TypeError,
-            "run: plugins[0] is the plugin factory progress itself; call it to build the "
-            "plugin: plugins=[progress(...)].",
+            "run: plugins[0] must be a plugin, plugin(event); got an uncalled plugin factory "
+            "(<function progress",
         ),
     ],
 )

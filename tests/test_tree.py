@@ -430,7 +430,7 @@ def test_permutation_invariance(
 
 
 def test_weights_of_the_wrong_length() -> None:
-    with pytest.raises(ValueError, match=r"got 2 weights for 3 records; expected one weight"):
+    with pytest.raises(ValueError, match=r"got 2 weights for 3 records; expected one each"):
         key_average([{"a": 1}] * 3, weights=[1, 2])
 
 
@@ -440,9 +440,13 @@ def test_weights_of_the_wrong_length() -> None:
         ([1, -1], ValueError, r"weights\[1\] is -1; expected a finite number >= 0"),
         ([1, torch.tensor(math.nan)], ValueError, r"weights\[1\] is nan; expected a finite"),
         ([1, math.inf], ValueError, r"weights\[1\] is inf"),
-        ([1, "2"], TypeError, r"weights\[1\] is a str; expected a real number or a 0-d"),
+        (
+            [1, "2"],
+            TypeError,
+            r"weights\[1\] is a str \('2'\); expected a number >= 0 or a one-element real",
+        ),
         ([1, torch.ones(2)], TypeError, r"weights\[1\] is a torch.float32 tensor of shape \(2,\)"),
-        ([1, True], TypeError, r"weights\[1\] is a bool; expected a real number or a 0-d real"),
+        ([1, True], TypeError, r"weights\[1\] is a bool \(True\); expected a number >= 0"),
         ([1, torch.tensor(True)], TypeError, r"weights\[1\] is a torch.bool tensor of shape \(\)"),
         (3, TypeError, r"weights is a int; expected a sequence of numbers or 0-d tensors"),
         (torch.tensor(1.0), TypeError, r"weights is a Tensor of shape \(\); expected a sequence"),
@@ -488,7 +492,7 @@ def test_mapping_in_one_record_and_value_in_another() -> None:
 def test_records_that_are_not_a_sequence_of_mappings() -> None:
     with pytest.raises(
         TypeError,
-        match=r"expected a sequence of records, got a single dict; pass key_average\(\[record\]\)",
+        match=r"got a dict; for one record, pass key_average\(\[record\]\)",
     ):
         key_average({"loss": 1.0})  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"records\[1\] is a list; expected a mapping"):

@@ -173,9 +173,7 @@ def test_close_true_closes_a_window_of_one() -> None:
 
 def test_partial_window_refuses_unknown_values_and_steps_without_close() -> None:
     step = make_step(_mse)
-    with pytest.raises(
-        ValueError, match="partial_window must be 'carry', 'epoch' or 'end'; got 'last'"
-    ):
+    with pytest.raises(ValueError, match="partial_window must be one of .*; got 'last'"):
         run(step, _state(_model()), _data(2), epochs=1, partial_window="last")  # type: ignore[arg-type]
 
     def wrapper(state, batch):

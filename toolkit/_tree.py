@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from toolkit._checks import check
 from toolkit.step._weighted import columns, weighted_sums
 
 __all__ = ["key_average", "map_nested_tensor"]
@@ -66,7 +67,7 @@ def map_nested_tensor(fn: Callable[[torch.Tensor], Any], tree: T) -> T:
         return _map(fn, tree)
     except RecursionError:
         # Found only once the recursion failed: the common, acyclic call pays nothing for it.
-        cycle = _find_cycle(tree, _children)
+        cycle = _find_cycle(tree)
         if cycle is None:
             raise  # deep but acyclic, or fn itself recursed too deep
         raise ValueError(
@@ -119,7 +120,8 @@ def _map(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
 
 
 def _children(node: Any) -> list[tuple[str, Any]] | None:
-    """The containers' children that :func:`_map` recurses into, each with its path suffix."""
+    """The children that :func:`_map` (and, of mappings, :func:`key_average`) recurses into,
+    each with its path suffix."""
     if isinstance(node, Mapping):
         return [(f"[{key!r}]", value) for key, value in node.items()]
     if isinstance(node, (tuple, list)):
@@ -129,16 +131,7 @@ def _children(node: Any) -> list[tuple[str, Any]] | None:
     return None
 
 
-def _mapping_children(node: Any) -> list[tuple[str, Any]] | None:
-    """The children :func:`key_average` recurses into: a mapping's values."""
-    if isinstance(node, Mapping):
-        return [(f"[{key!r}]", value) for key, value in node.items()]
-    return None
-
-
-def _find_cycle(
-    tree: Any, children: Callable[[Any], list[tuple[str, Any]] | None], name: str = "tree"
-) -> tuple[str, str] | None:
+def _find_cycle(tree: Any, name: str = "tree") -> tuple[str, str] | None:
     """``(path, ancestor's path)`` of the first reference back to an enclosing container.
 
     An explicit stack rather than recursion: it runs after a RecursionError.
@@ -150,7 +143,7 @@ def _find_cycle(
         if leaving:
             del on_path[id(node)]
             continue
-        kids = children(node)
+        kids = _children(node)
         if kids is None:
             continue
         on_path[id(node)] = path
@@ -220,18 +213,19 @@ def key_average(
         >>> key_average([{"x": float("nan")}, {"x": 1.0}], exclude_nan=True)
         {'x': 1.0}
     """
-    if isinstance(records, (Mapping, str, bytes)):
+    if not isinstance(records, Iterable) or isinstance(records, (Mapping, str, bytes)):
         raise TypeError(
-            f"key_average: expected a sequence of records, got a single "
-            f"{type(records).__name__}; pass key_average([record])."
+            f"key_average: records must be a sequence of mappings; got a {type(records).__name__}"
+            "; for one record, pass key_average([record])."
         )
-    if not isinstance(records, Iterable):
-        raise TypeError(
-            f"key_average: records must be a sequence of mappings; got a "
-            f"{type(records).__name__}. Pass e.g. key_average([out.records for out in outs])."
-        )
-    if not isinstance(exclude_nan, bool):
-        raise TypeError(f"key_average: exclude_nan must be True or False; got {exclude_nan!r}.")
+    check(
+        isinstance(exclude_nan, bool),
+        "key_average",
+        "exclude_nan",
+        "True or False",
+        exclude_nan,
+        error=TypeError,
+    )
     records = list(records)
     weight_list = [1] * len(records) if weights is None else _check_weights(weights, len(records))
     # Every path, in pre-order (a parent before its children): whether it holds a mapping,
@@ -249,7 +243,7 @@ def key_average(
             _collect(record, (), index, kinds, flat[-1])
         except RecursionError:
             # Looked for only once the recursion failed: acyclic records pay nothing for it.
-            cycle = _find_cycle(record, _mapping_children, f"records[{index}]")
+            cycle = _find_cycle(record, f"records[{index}]")
             if cycle is None:
                 raise
             raise ValueError(
@@ -258,7 +252,7 @@ def key_average(
             ) from None
     reduced = weighted_sums(columns(flat), weight_list, exclude_nan=exclude_nan)
     if weights is not None:
-        _check_weight_values(reduced.weights)
+        check_weight_values("key_average", lambda i: f"weights[{i}]", reduced.weights)
     result: dict[Hashable, Any] = {}
     for path, (nested, _) in kinds.items():
         parent = result
@@ -308,45 +302,45 @@ def _collect(
         leaves[path] = value
 
 
-def _check_weights(weights: Iterable[Any], count: int) -> list[Any]:
+def _check_weights(weights: Any, count: int) -> list[Any]:
     # A 1-d tensor iterates into 0-d tensors, which are fine; a 0-d one cannot be iterated.
-    if (
-        isinstance(weights, (Mapping, str, bytes))
-        or not isinstance(weights, Iterable)
-        or (isinstance(weights, torch.Tensor) and weights.ndim != 1)
-    ):
+    iterable = isinstance(weights, Iterable) and not isinstance(weights, (Mapping, str, bytes))
+    if not iterable or getattr(weights, "ndim", 1) != 1:
         raise TypeError(
             f"key_average: weights is a {type(weights).__name__}{_shape(weights)}; expected "
             "a sequence of numbers or 0-d tensors, one per record."
         )
-    weight_list = list(weights)
+    weight_list = [check_weight("key_average", f"weights[{i}]", w) for i, w in enumerate(weights)]
     if len(weight_list) != count:
         raise ValueError(
-            f"key_average: got {len(weight_list)} weights for {count} records; expected one "
-            "weight per record (or weights=None)."
+            f"key_average: got {len(weight_list)} weights for {count} records; expected one each."
         )
-    for position, weight in enumerate(weight_list):
-        if isinstance(weight, torch.Tensor):
-            valid = weight.ndim == 0 and not weight.is_complex() and weight.dtype != torch.bool
-            kind = f"{weight.dtype} tensor{_shape(weight)}"
-        else:
-            # True/False are Reals to Python, but as a weight they are a mix-up (a mask?).
-            valid = isinstance(weight, numbers.Real) and not isinstance(weight, bool)
-            kind = type(weight).__name__
-        if not valid:
-            raise TypeError(
-                f"key_average: weights[{position}] is a {kind}; expected a real number or a "
-                "0-d real tensor (e.g. the record's sample count)."
-            )
     return weight_list
 
 
-def _check_weight_values(weights: Sequence[Any]) -> None:
-    for position, weight in enumerate(weights):
+def check_weight(who: str, name: str, weight: Any, fix: str = "") -> Any:
+    """``weight`` (0-d if a tensor); TypeError unless a real number or a one-element real tensor.
+
+    Its value is checked by :func:`check_weight_values` once read (one host sync for all).
+    """
+    if isinstance(weight, torch.Tensor):
+        ok = weight.numel() == 1 and not weight.is_complex() and weight.dtype != torch.bool
+        got = f"a {weight.dtype} tensor of shape {tuple(weight.shape)}"
+    else:  # True/False are Reals to Python, but as a weight they are a mix-up (a mask?)
+        ok = isinstance(weight, numbers.Real) and not isinstance(weight, bool)
+        got = f"a {type(weight).__name__} ({weight!r:.40})"
+    if not ok:
+        raise TypeError(
+            f"{who}: {name} is {got}; expected a number >= 0 or a one-element real tensor{fix}."
+        )
+    return weight.reshape(()) if isinstance(weight, torch.Tensor) else weight
+
+
+def check_weight_values(who: str, name: Callable[[int], str], weights: Sequence[Any]) -> None:
+    """ValueError unless every weight (read back) is a finite number >= 0."""
+    for i, weight in enumerate(weights):
         if not (math.isfinite(weight) and weight >= 0):
-            raise ValueError(
-                f"key_average: weights[{position}] is {weight!r}; expected a finite number >= 0."
-            )
+            raise ValueError(f"{who}: {name(i)} is {weight!r}; expected a finite number >= 0.")
 
 
 def _shape(value: Any) -> str:

@@ -54,9 +54,7 @@ def position(data: Any, data_state: Any) -> dict[str, Any]:
     Taken when a checkpoint is written: the source's position moves with every batch, so
     run() does not record it per batch.
     """
-    if not is_stateful(data):
-        return dict(data_state)
-    return {**data_state, "loader": data.state_dict()}
+    return {**data_state, "loader": data.state_dict()} if is_stateful(data) else dict(data_state)
 
 
 def snapshot(data: Any) -> dict[str, Any]:
@@ -87,9 +85,8 @@ def unseen(data: Any, seen: int, snap: Any) -> tuple[Iterator[Any], str | None]:
         if _skippable(data):
             loader, skipper = _skipping_copy(data, seen)
             iterator = iter(loader)  # draws the base seed, as the original pass did
-            skipper.prime()  # then the sampler's permutation, and skips `seen` index batches
-            why = _persistent(data) or _unless_snapshot(snap)
-            return iterator, why
+            skipper.rest()  # then the sampler's permutation, and skips `seen` index batches
+            return iterator, _persistent(data) or _unless_snapshot(snap)
         # Nothing to skip with: the seen batches are read again and dropped, under the
         # pass's own starting randomness.
         iterator = iter(data)
@@ -103,30 +100,21 @@ def unseen(data: Any, seen: int, snap: Any) -> tuple[Iterator[Any], str | None]:
 class _SkipFirst:
     """A batch sampler yielding ``inner``'s index batches after the first ``n``.
 
-    Its iterator is lazy, as samplers are (a RandomSampler draws its permutation at the first
-    ``next``); :meth:`prime` makes it draw and skip now, under the randomness of the pass.
+    Lazy, as samplers are (a RandomSampler draws its permutation at the first ``next``);
+    :meth:`rest` draws and skips now, under the randomness of the pass, and only once (with
+    worker processes the DataLoader starts iterating inside ``iter()``).
     """
 
     def __init__(self, inner: Any, n: int) -> None:
-        self.inner, self.n = inner, n
-        self._iterator: Iterator[Any] | None = None
-        self._primed = False
+        self.inner, self.n, self._rest = inner, n, None
 
-    def prime(self) -> None:
-        # Once: with worker processes the DataLoader starts this iterator inside iter(),
-        # and a second inner iterator would draw another permutation from the generator.
-        if not self._primed:
-            self._primed = True
-            self._iterator = iter(self.inner)
-            for _ in range(self.n):
-                if next(self._iterator, None) is None:
-                    break
+    def rest(self) -> list[Any]:
+        if self._rest is None:
+            self._rest = list(itertools.islice(self.inner, self.n, None))
+        return self._rest
 
     def __iter__(self) -> Iterator[Any]:
-        self.prime()
-        iterator, self._iterator = self._iterator, iter(())
-        assert iterator is not None
-        yield from iterator
+        yield from self.rest()
 
     def __len__(self) -> int:
         return max(len(self.inner) - self.n, 0)
@@ -170,13 +158,10 @@ def _unless_snapshot(snap: Any) -> str | None:
 
 
 def _reads_again(data: Any, seen: int) -> str:
-    what = (
-        "a one-shot iterator"
-        if isinstance(data, Iterator)
-        else "a DataLoader over an IterableDataset"
-        if isinstance(data, DataLoader)
-        else f"a {type(data).__name__}"
-    )
+    what = f"a {type(data).__name__}"
+    if isinstance(data, (Iterator, DataLoader)):
+        iterable = "a DataLoader over an IterableDataset"
+        what = "a one-shot iterator" if isinstance(data, Iterator) else iterable
     return (
         f"resuming {what}: its first {seen} batches of this pass were read again and dropped; "
         "a DataLoader over a map-style dataset, a list or a StatefulDataLoader skips them unread"

@@ -12,7 +12,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, NamedTuple, TypeVar
 
-from toolkit._checks import check_count
+from toolkit._checks import check_count, check_one_of
 from toolkit.distributed._collectives import check_even, data_parallel_group
 from toolkit.loop._data import batches_per_epoch, is_stateful, snapshot, unseen
 from toolkit.step._multi import epoch_schedulers
@@ -170,45 +170,29 @@ def _validate(
     if not isinstance(state, TrainState):
         raise TypeError(f"run: state must be a TrainState; got {type(state).__name__}.")
     if max_steps is None and epochs is None:
-        raise ValueError(
-            "run: give max_steps (optimizer updates) and/or epochs (passes over the data); "
-            "got neither, so the run would never end."
-        )
+        raise ValueError("run: give max_steps and/or epochs; got neither, so it would never end.")
     for name, value in (("max_steps", max_steps), ("epochs", epochs)):
         if value is not None:
             check_count("run", name, value, 0)
     if not isinstance(data, Iterable) or isinstance(data, (Mapping, str, bytes)):
         raise TypeError(
-            f"run: data must be an iterable of batches (a DataLoader, a list of batches, a "
-            f"generator); got {type(data).__name__}"
-            + (", which iterates over its keys" if isinstance(data, Mapping) else "")
-            + ". To train on one batch n times, pass [batch] * n."
+            f"run: data must be an iterable of batches (a DataLoader, a list); got "
+            f"{type(data).__name__}; to train on one batch n times, pass [batch] * n."
         )
-    _check_plugins(plugins)
     if epochs is not None and isinstance(data, Iterator):
         raise ValueError(
-            f"run: epochs={epochs} needs data that can be iterated again; got a one-shot "
-            f"iterator ({type(data).__name__}). Pass the DataLoader itself, or use max_steps."
+            f"run: epochs needs data that can be iterated again; got a one-shot "
+            f"{type(data).__name__}; pass the DataLoader itself, or use max_steps."
         )
-
-
-def _check_plugins(plugins: Any) -> None:
     if callable(plugins) or not isinstance(plugins, Sequence) or isinstance(plugins, str):
-        given = "a single plugin" if callable(plugins) else f"{type(plugins).__name__}"
-        raise TypeError(
-            f"run: plugins must be a list of plugin functions; got {given}. Wrap it in a "
-            "list, plugins=[progress()], or pass [] for none."
-        )
+        got = "a single plugin" if callable(plugins) else type(plugins).__name__
+        raise TypeError(f"run: plugins must be a list of plugins; got {got}; pass [plugin].")
     for i, plugin in enumerate(plugins):
-        if plugin in FACTORIES:
+        if plugin in FACTORIES or not callable(plugin):
+            got = "an uncalled plugin factory" if plugin in FACTORIES else type(plugin).__name__
             raise TypeError(
-                f"run: plugins[{i}] is the plugin factory {plugin.__name__} itself; call it "
-                f"to build the plugin: plugins=[{plugin.__name__}(...)]."
-            )
-        if not callable(plugin):
-            raise TypeError(
-                f"run: plugins[{i}] is a {type(plugin).__name__} {plugin!r:.40}; expected a "
-                "plugin function plugin(event), such as progress() from toolkit.plugins."
+                f"run: plugins[{i}] must be a plugin, plugin(event); got {got} ({plugin!r:.40}); "
+                "build it first: plugins=[progress()]."
             )
 
 
@@ -233,10 +217,6 @@ def plugin_factory(order: int) -> Callable[[F], F]:
         return build  # type: ignore[return-value]
 
     return mark
-
-
-def _ordered(plugins: Sequence[Plugin]) -> list[Plugin]:
-    return sorted(plugins, key=lambda plugin: getattr(plugin, "order", USER_ORDER))
 
 
 def _call(plugins: Sequence[Plugin], event: Event) -> TrainState:
@@ -354,7 +334,7 @@ def run(
         (6, 2)
     """
     _validate(state, data, max_steps, epochs, plugins)
-    plugins = _ordered(plugins)
+    plugins = sorted(plugins, key=lambda plugin: getattr(plugin, "order", USER_ORDER))
     _check_partial(step, partial_window)
     accumulation = getattr(step, "accumulation", None)
     k = accumulation.micro_batches if accumulation is not None else 1
@@ -457,7 +437,8 @@ def _pass(
             state, out = step(state, batch, close=last) if flush else step(state, batch)
             t2 = clock()
             if type(out) is not StepOutput:
-                raise _bad_step_return(state, out)
+                got = f"({type(state).__name__}, {type(out).__name__})"
+                raise TypeError(f"run: the step returned {got}; expected (TrainState, StepOutput).")
             accepted += not out.skipped
             window.add(batch, out, t1 - t0, t2 - t1)
             # Plugins see updates, not micro-batches: nothing they read (state.step, the LR,
@@ -514,10 +495,7 @@ def _with_last(
 
 
 def _check_partial(step: Any, partial_window: Any) -> None:
-    if partial_window not in ("carry", "epoch", "end"):
-        raise ValueError(
-            f"run: partial_window must be 'carry', 'epoch' or 'end'; got {partial_window!r}."
-        )
+    check_one_of("run", "partial_window", partial_window, ("carry", "epoch", "end"))
     if partial_window == "carry":
         return
     try:
@@ -526,14 +504,9 @@ def _check_partial(step: Any, partial_window: Any) -> None:
         takes_close = False
     if not takes_close:
         raise TypeError(
-            f"run: partial_window={partial_window!r} needs step(state, batch, close=...); this "
-            f"step ({type(step).__name__}) takes no close= argument. Pass a step of make_step."
+            f"run: partial_window={partial_window!r} needs step(state, batch, close=...); got a "
+            f"{type(step).__name__} without close=; pass a step of make_step."
         )
-
-
-def _bad_step_return(state: Any, out: Any) -> TypeError:
-    got = f"({type(state).__name__}, {type(out).__name__})"
-    return TypeError(f"run: the step returned {got}; expected (TrainState, StepOutput).")
 
 
 def _no_progress(state: TrainState, batches: int, epochs: int | None) -> bool:
