@@ -252,7 +252,7 @@ def key_average(
             ) from None
     reduced = weighted_sums(columns(flat), weight_list, exclude_nan=exclude_nan)
     if weights is not None:
-        check_weight_values("key_average", lambda i: f"weights[{i}]", reduced.weights)
+        check_weight_values("key_average", "weights[{}]", reduced.weights)
     result: dict[Hashable, Any] = {}
     for path, (nested, _) in kinds.items():
         parent = result
@@ -336,11 +336,14 @@ def check_weight(who: str, name: str, weight: Any, fix: str = "") -> Any:
     return weight.reshape(()) if isinstance(weight, torch.Tensor) else weight
 
 
-def check_weight_values(who: str, name: Callable[[int], str], weights: Sequence[Any]) -> None:
-    """ValueError unless every weight (read back) is a finite number >= 0."""
-    for i, weight in enumerate(weights):
+def check_weight_values(who: str, name: str, weights: Sequence[Any], start: int = 0) -> None:
+    """ValueError unless every weight (read back) is a finite number >= 0; ``name.format(i)``
+    names weight ``i`` (counted from ``start``)."""
+    for i, weight in enumerate(weights, start):
         if not (math.isfinite(weight) and weight >= 0):
-            raise ValueError(f"{who}: {name(i)} is {weight!r}; expected a finite number >= 0.")
+            raise ValueError(
+                f"{who}: {name.format(i)} is {weight!r}; expected a finite number >= 0."
+            )
 
 
 def _shape(value: Any) -> str:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-import numbers
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
+from toolkit._tree import check_weight, check_weight_values
 from toolkit.distributed._collectives import data_parallel_group, sum_over_ranks
 from toolkit.step._state import TrainState
 from toolkit.step._step import _leading_dim
@@ -85,35 +85,6 @@ def _bad_result(result: Any, why: str, who: str) -> TypeError:
     )
 
 
-def _bad_weight(index: int, weight: Any, who: str) -> ValueError:
-    data = "validation data" if who == "validate" else "data"
-    return ValueError(
-        f"{who}: the count eval_fn returned for batch {index} of the {data} is {weight!r}; "
-        "expected a finite number >= 0."
-    )
-
-
-def _check_count(index: int, count: Any, who: str) -> Any:
-    """The batch's count, 0-d; its type checked now, its value now for a python number."""
-    tensor = isinstance(count, torch.Tensor)
-    if tensor:
-        bad = count.numel() != 1 or count.is_complex() or count.dtype == torch.bool
-        got = f"a {count.dtype} tensor of shape {tuple(count.shape)}"
-    else:
-        bad = isinstance(count, bool) or not isinstance(count, numbers.Real)
-        got = f"a {type(count).__name__} ({count!r:.40})"
-    if bad:
-        raise TypeError(
-            f"{who}: the count eval_fn returned for batch {index} is {got}; expected a number "
-            ">= 0 or a one-element real tensor, e.g. (metrics, mask.sum())."
-        )
-    if tensor:  # its value is checked after the one read at the end of the evaluation
-        return count.reshape(())
-    if not (math.isfinite(count) and count >= 0):
-        raise _bad_weight(index, count, who)
-    return count
-
-
 def _parse(result: Any, batch: Any, index: int, who: str) -> tuple[Mapping[str, Any], Any]:
     """``eval_fn``'s metrics (tensors made 0-d, views copied) and the batch's weight."""
     metrics, count = result if isinstance(result, tuple) and len(result) == 2 else (result, 1)
@@ -136,7 +107,16 @@ def _parse(result: Any, batch: Any, index: int, who: str) -> tuple[Mapping[str, 
     if result is metrics:
         samples = _leading_dim(batch)
         return flat, 1 if samples is None else samples
-    return flat, _check_count(index, count, who)
+    fix = ", e.g. (metrics, mask.sum())"
+    count = check_weight(who, f"the count eval_fn returned for batch {index}", count, fix)
+    if not isinstance(count, torch.Tensor):  # refused now, before the next batch
+        check_weight_values(who, _count_name(who), [count], index)
+    return flat, count
+
+
+def _count_name(who: str) -> str:
+    data = "validation data" if who == "validate" else "data"
+    return "the count eval_fn returned for batch {} of the " + data
 
 
 def _evaluate(
@@ -178,9 +158,7 @@ def _evaluate(
             f"{who}: the {'validation ' if who == 'validate' else ''}data yielded no batches; "
             "pass a non-empty, re-iterable source (a DataLoader, a list of batches)."
         )
-    for index, weight in enumerate(reduced.weights):
-        if not (math.isfinite(weight) and weight >= 0):  # only tensor counts can fail here
-            raise _bad_weight(index, weight, who)
+    check_weight_values(who, _count_name(who), reduced.weights)
     sums, _ = sum_over_ranks(who, reduced.sums, group=data_parallel_group(model))  # type: ignore[arg-type]
     if sums and not any(weight for _, weight in sums.values()):
         warnings.warn(
