@@ -155,41 +155,31 @@ class _Lazy:
         if self.target is not None and self.started == step:
             self.users += 1  # a second plugin sharing this sink: nothing to do again
             return
-        self.shut_now()
+        self.users = 1
+        self.close()  # what an earlier start opened
         self.prepare(step, not self.prepared)
         self.prepared, self.started, self.users = True, step, 1
         self.target = self.open()
 
     def opened(self) -> Any:
-        if self.target is None:
-            if not self.prepared:  # written without a start: a fresh run
-                self.prepare(0, True)
-                self.prepared = True
+        if not self.prepared:  # written without a start: a fresh run
+            self.start(0)
+        elif self.target is None:  # written after a close: reopened
             self.target = self.open()
         return self.target
 
-    def write(self, step: int, metrics: dict[str, float]) -> None:
-        if self.put is not None:
-            self.put(self.opened(), step, metrics)
-
-    def images(self, step: int, images: dict[str, Any]) -> None:
-        if self.put_images is not None:
-            self.put_images(self.opened(), step, images)
-
     def close(self) -> None:
-        self.users -= 1
-        if self.users <= 0:
-            self.users = 0
-            self.shut_now()
-
-    def shut_now(self) -> None:
-        target, self.target = self.target, None
-        if target is not None:
+        self.users = max(self.users - 1, 0)
+        target = self.target
+        if not self.users and target is not None:
+            self.target = None
             self.shut(target)
 
     def sink(self) -> Sink:
-        images = _no_images if self.put_images is None else self.images
-        return Sink(self.write, self.close, self.start, images)
+        put, put_images = self.put, self.put_images
+        write = (lambda step, m: put(self.opened(), step, m)) if put else (lambda step, m: None)
+        images = _no_images if put_images is None else lambda s, i: put_images(self.opened(), s, i)
+        return Sink(write, self.close, self.start, images)
 
 
 # The jsonl sink holding each file (resolved path) in this process: a second sink on the
@@ -255,15 +245,13 @@ def jsonl(path: str | os.PathLike[str], *, existing: str = "refuse") -> Sink:
         path: the file, e.g. ``"runs/exp1/metrics.jsonl"``.
         existing: ``"refuse"`` (default), ``"replace"`` or ``"append"``: what a fresh run
             does with a non-empty file.
-        mode: the older spelling: ``"w"`` is ``existing="replace"``, ``"a"`` is
-            ``existing="append"``; give ``existing`` or ``mode``, not both.
 
     Returns:
         A :class:`Sink`.
 
     Raises:
         TypeError: when ``path`` is not a str or path-like.
-        ValueError: when ``existing`` or ``mode`` is not one of its values, or both given.
+        ValueError: when ``existing`` is not one of its values.
         IsADirectoryError: when ``path`` is an existing directory.
         FileExistsError: at a fresh start into a non-empty file with ``existing="refuse"``.
         NotADirectoryError, PermissionError: at start, when a parent is a file or the
@@ -415,32 +403,32 @@ def tensorboard(log_dir: str | os.PathLike[str], *, existing: str = "refuse") ->
     return _Lazy(prepare, open_writer, lambda w: w.close(), put, put_images).sink()
 
 
-_MODES = ("online", "offline", "disabled", "shared")
-_RESUME = ("allow", "never", "must", "auto", True, False)
+_CHOICES = {
+    "mode": ("online", "offline", "disabled", "shared"),
+    "resume": ("allow", "never", "must", "auto", True, False),
+}
+_TEXTS = ("entity", "project", "id", "name", "notes", "group", "job_type")
 RUN_FILE = "toolkit-run.json"  # in <dir>/wandb/: {"id": the run's id, "step": last logged}
 
 
 def _check_wandb(init: Any, kwargs: dict[str, Any]) -> None:
     """What wandb.init would refuse (or silently work around) later, checked now."""
-    try:
-        params = inspect.signature(init).parameters
-    except (TypeError, ValueError):  # not introspectable: wandb.init checks at start
-        params = {}  # type: ignore[assignment]
-    if params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+    params = inspect.signature(init).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
         unknown = sorted(set(kwargs) - set(params))
         fix = f"It takes {sorted(params)}."
         check(not unknown, "wandb", "each argument", "one of wandb.init", unknown, fix, TypeError)
-    for name in ("entity", "project", "id", "name", "notes", "group", "job_type"):
-        value = kwargs.get(name)
-        check(value is None or isinstance(value, str), "wandb", name, "a str", value, "", TypeError)
-    if kwargs.get("dir") is not None:
-        check_path("wandb", "dir", kwargs["dir"])
-    for name, choices in (("mode", _MODES), ("resume", _RESUME)):
-        if kwargs.get(name) is not None:
-            check_one_of("wandb", name, kwargs[name], choices)
-    tags = kwargs.get("tags")
-    ok = tags is None or (isinstance(tags, (list, tuple)) and all(isinstance(t, str) for t in tags))
-    check(ok, "wandb", "tags", "a list of str, e.g. ['baseline']", tags, "", TypeError)
+    for name, value in kwargs.items():
+        if name == "dir" and value is not None:
+            check_path("wandb", "dir", value)
+        elif name in _CHOICES and value is not None:
+            check_one_of("wandb", name, value, _CHOICES[name])
+        elif name == "tags" and value is not None:
+            ok = isinstance(value, (list, tuple)) and all(isinstance(t, str) for t in value)
+            check(ok, "wandb", "tags", "a list of str, e.g. ['baseline']", value, "", TypeError)
+        elif name in _TEXTS:
+            ok = value is None or isinstance(value, str)
+            check(ok, "wandb", name, "a str", value, "", TypeError)
 
 
 def wandb(**init_kwargs: Any) -> Sink:
