@@ -154,13 +154,13 @@ def test_the_newest_by_step_ties_are_all_kept() -> None:
     [
         ({"keep_last": -1}, "Retention: keep_last must be an int >= 0; got -1."),
         ({"keep_best": True}, "Retention: keep_best must be an int >= 0; got True."),
-        ({"keep_every": 0}, "Retention: keep_every must be an int >= 1 or None; got 0."),
+        ({"keep_every": 0}, "Retention: keep_every must be an int >= 1 (or None); got 0."),
         ({"keep_steps": "10"}, "Retention: keep_steps must be a sequence of ints; got '10'."),
-        ({"mode": "lowest"}, "Retention: mode must be 'min' or 'max'; got 'lowest'."),
+        ({"mode": "lowest"}, "Retention: mode must be one of ['min', 'max']; got 'lowest'."),
         (
             {"keep_best": 2},
-            "Retention: keep_best=2 needs metric='<name>', the manifest metric "
-            "to rank by (e.g. 'val/loss'); got None.",
+            "Retention: metric must be the manifest metric to rank by (e.g. 'val/loss') "
+            "with keep_best=2; got None.",
         ),
     ],
 )

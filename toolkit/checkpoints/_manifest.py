@@ -168,63 +168,55 @@ def _parsed(folder: Path) -> dict[str, Any]:
     return document
 
 
+def _fields(document: dict[str, Any]) -> dict[str, Any] | None:
+    """The Manifest fields of a parsed document, or None when it is not of that shape."""
+    try:
+        files, metrics = document["files"], decode(document["metrics"], {}, "metrics")
+        fields = {
+            "step": document["step"],
+            "time": float(document["time"]),
+            "metrics": {key: float(value) for key, value in metrics.items()},
+            "rules": document.get("rules"),
+            "files": files,
+            "classes": document.get("classes") or {},
+            "aliases": document.get("aliases") or {},
+            "sharded": bool(document.get("sharded")),
+            "world_size": int(document.get("world_size", 1)),
+        }
+    except (TreeError, KeyError, TypeError, AttributeError, ValueError):
+        return None
+    numbers = all(type(value) in (int, float) for value in metrics.values())
+    entries = all(
+        isinstance(e, dict) and type(e.get("size")) is int and isinstance(e.get(CHECKSUM), str)
+        for e in files.values()
+    )
+    step = fields["step"]
+    return fields if numbers and entries and type(step) is int and step >= 0 else None
+
+
 def read_manifest(folder: str | os.PathLike[str]) -> Manifest:
     """Parse and check ``folder/manifest.json`` (not the files it lists).
 
     Raises:
-        DamagedCheckpointError: the manifest is missing, unreadable or inconsistent.
+        DamagedCheckpointError: the manifest is missing, unreadable or not of its shape.
         ValueError: it is another format, or another version than this toolkit reads.
     """
     folder = Path(folder)
     path = folder / MANIFEST
     document = _parsed(folder)
-    problems = []
-    step, time_, files = document.get("step"), document.get("time"), document.get("files")
-    if type(step) is not int or step < 0:
-        problems.append(f"{path}: 'step' is {step!r}, not an int >= 0")
-    if type(time_) not in (int, float):
-        problems.append(f"{path}: 'time' is {time_!r}, not a number")
-    if not isinstance(files, dict):
-        problems.append(f"{path}: 'files' is not an object")
-        files = {}
-    for name, entry in files.items():
-        if _bad_name(name):
-            problems.append(
-                f"{path}: lists {name!r}, not a .json/.safetensors name in the folder "
-                f"(or in its {SHARDS}/ sub-folder)"
-            )
-        elif not (
-            isinstance(entry, dict)
-            and type(entry.get("size")) is int
-            and isinstance(entry.get(CHECKSUM), str)
-        ):
-            problems.append(f"{path}: entry of {name!r} lacks an int 'size' or a '{CHECKSUM}'")
-    try:
-        metrics = decode(document.get("metrics"), {}, "metrics")
-        metrics = (
-            {k: float(v) for k, v in metrics.items() if type(v) in (int, float)}
-            if isinstance(metrics, dict)
-            else None
-        )
-    except (TreeError, KeyError, TypeError, AttributeError):
-        metrics = None
-    if metrics is None or metrics.keys() != (document.get("metrics") or {}).keys():
-        problems.append(f"{path}: 'metrics' is not an object of numbers")
+    files = document.get("files")
+    problems = [
+        f"{path}: lists {name!r}, not a .json/.safetensors name in the folder (or in its "
+        f"{SHARDS}/ sub-folder)"
+        for name in (files if isinstance(files, dict) else {})
+        if _bad_name(name)
+    ]
+    fields = _fields(document) if isinstance(files, dict) else None
+    if fields is None:
+        problems.append(f"{path}: not a manifest (step, time, files or metrics malformed)")
     if problems:
         raise DamagedCheckpointError(folder, problems)
-    assert isinstance(step, int) and metrics is not None
-    return Manifest(
-        path=folder,
-        step=step,
-        time=float(time_),  # type: ignore[arg-type]
-        metrics=metrics,
-        rules=document.get("rules"),
-        files=files,
-        classes=document.get("classes") or {},
-        aliases=document.get("aliases") or {},
-        sharded=bool(document.get("sharded")),
-        world_size=int(document.get("world_size", 1)),
-    )
+    return Manifest(path=folder, **fields)  # type: ignore[arg-type]
 
 
 def file_problems(manifest: Manifest, *, checksums: bool = True) -> list[str]:

@@ -14,6 +14,8 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from toolkit._checks import check, check_count, check_one_of
+
 __all__ = ["RULE_NAMES", "Retention", "retain", "retention_from_document"]
 
 RULE_NAMES = ("newest", "keep_last", "keep_every", "keep_steps", "keep_best")
@@ -48,28 +50,21 @@ class Retention:
     mode: str = "min"
 
     def __post_init__(self) -> None:
-        for name in ("keep_last", "keep_best"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"Retention: {name} must be an int >= 0; got {value!r}.")
-        every = self.keep_every
-        if every is not None and (
-            isinstance(every, bool) or not isinstance(every, int) or every < 1
-        ):
-            raise ValueError(f"Retention: keep_every must be an int >= 1 or None; got {every!r}.")
+        who = "Retention"
+        check_count(who, "keep_last", self.keep_last, 0)
+        check_count(who, "keep_best", self.keep_best, 0)
+        if self.keep_every is not None:
+            check_count(who, "keep_every", self.keep_every, 1, "or None")
         steps = self.keep_steps
-        if isinstance(steps, (str, bytes)) or not all(
-            isinstance(s, int) and not isinstance(s, bool) for s in steps
-        ):
-            raise ValueError(f"Retention: keep_steps must be a sequence of ints; got {steps!r}.")
+        ints = all(isinstance(s, int) and not isinstance(s, bool) for s in steps)
+        check(ints and not isinstance(steps, str), who, "keep_steps", "a sequence of ints", steps)
         object.__setattr__(self, "keep_steps", tuple(sorted(set(steps))))
-        if self.mode not in ("min", "max"):
-            raise ValueError(f"Retention: mode must be 'min' or 'max'; got {self.mode!r}.")
-        if self.keep_best and not (isinstance(self.metric, str) and self.metric):
-            raise ValueError(
-                f"Retention: keep_best={self.keep_best} needs metric='<name>', the manifest "
-                f"metric to rank by (e.g. 'val/loss'); got {self.metric!r}."
-            )
+        check_one_of(who, "mode", self.mode, ("min", "max"))
+        named = not self.keep_best or (isinstance(self.metric, str) and bool(self.metric))
+        expected = (
+            f"the manifest metric to rank by (e.g. 'val/loss') with keep_best={self.keep_best}"
+        )
+        check(named, who, "metric", expected, self.metric)
 
     def to_document(self) -> dict[str, Any]:
         """The rules as a JSON object (as recorded in each manifest)."""
@@ -89,14 +84,7 @@ class Retention:
 
 def retention_from_document(document: Mapping[str, Any]) -> Retention:
     """The :class:`Retention` a manifest recorded (unknown keys are an error)."""
-    fields = {f.name for f in dataclasses.fields(Retention)}
-    unknown = set(document) - fields
-    if unknown:
-        raise ValueError(f"Retention: unknown rule(s) {sorted(unknown)} in a manifest.")
-    values = dict(document)
-    if "keep_steps" in values:
-        values["keep_steps"] = tuple(values["keep_steps"])
-    return Retention(**values)
+    return Retention(**{**document, "keep_steps": tuple(document.get("keep_steps", ()))})
 
 
 def retain(

@@ -12,7 +12,7 @@ DCP's own file format pickles its metadata (``.metadata``) and reads tensors wit
 ``torch.load``; this layout has neither: the reader (``HuggingFaceStorageReader``) builds
 DCP's metadata from the safetensors headers and reads slices with ``safetensors`` alone.
 It lists the folder, so a load first checks that ``sharded/`` holds exactly the files the
-manifest lists, each of the right size and checksum (see :func:`check_listing`).
+manifest lists, each of the right size and checksum (see :func:`._manifest.file_problems`).
 
 Loading goes through DCP too, into the template's own tensors, so a checkpoint written by
 any number of ranks loads into any other sharding, a DDP model or a plain one.
@@ -21,7 +21,6 @@ any number of ranks loads into any other sharding, a DDP model or a plain one.
 from __future__ import annotations
 
 import contextlib
-import os
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -31,7 +30,6 @@ import torch
 
 __all__ = [
     "SHARDS",
-    "check_listing",
     "is_dtensor",
     "is_sharded",
     "load_shards",
@@ -44,8 +42,6 @@ SHARDS = "sharded"  # the sub-folder of a checkpoint that holds DCP's files
 
 def is_dtensor(value: Any) -> bool:
     """True for a ``torch.distributed.tensor.DTensor`` (an FSDP2 shard)."""
-    if not isinstance(value, torch.Tensor) or type(value) in (torch.Tensor, torch.nn.Parameter):
-        return False
     from torch.distributed.tensor import DTensor
 
     return isinstance(value, DTensor)
@@ -110,20 +106,3 @@ def _alone(group: Any) -> Iterator[None]:
         if group is None:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
-
-
-def check_listing(folder: Path, listed: Mapping[str, Any]) -> list[str]:
-    """Files in ``folder/sharded`` the manifest does not list (the reader would open them)."""
-    names = {name for name in listed if name.startswith(f"{SHARDS}/")}
-    problems = []
-    try:
-        present = os.listdir(folder / SHARDS)
-    except OSError as error:
-        return [f"{folder / SHARDS}: unreadable ({error})"]
-    for name in sorted(present):
-        if f"{SHARDS}/{name}" not in names:
-            problems.append(
-                f"{folder / SHARDS / name}: not listed in the manifest (planted or left over); "
-                "remove it"
-            )
-    return problems

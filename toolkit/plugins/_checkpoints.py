@@ -12,7 +12,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from toolkit._checks import check_count
+from toolkit._checks import check, check_count, check_one_of, check_path
 from toolkit.checkpoints._folder import (
     clean_temporaries,
     list_checkpoints,
@@ -46,7 +46,7 @@ class _Config:
     at_end: bool
     rules: Retention
     resume: Any
-    signals: tuple[int, ...]
+    signals: Sequence[int]
     exit_code: int | None
     restore_best: bool
     objects: Mapping[str, Any] | None
@@ -74,62 +74,32 @@ def _share_signal(config: _Config, run_: _Run) -> None:
         run_.signum = max_over_ranks(run_.signum or 0, run_.group) or None
 
 
-def _check(
-    folder: Any,
-    every: Any,
-    resume: Any,
-    signals: Any,
-    exit_code: Any,
-    on_error: Any,
-    flags: dict[str, Any],
-) -> None:
-    who = "checkpoints"
-    if not isinstance(folder, (str, os.PathLike)):
-        raise TypeError(
-            f"{who}: expected folder as a path (str or os.PathLike), got {type(folder).__name__}."
-        )
+def _check(config: _Config) -> None:
+    who, every, resume, signals = "checkpoints", config.every, config.resume, config.signals
     if every is not None:
         check_count(who, "every", every, 1, "applied updates between saves, or None")
-    if not (resume is None or isinstance(resume, (str, os.PathLike))):
-        raise TypeError(
-            f"{who}: resume must be 'latest', a checkpoint folder or None; got {resume!r}."
-        )
-    if isinstance(signals, (str, bytes)) or not all(
-        isinstance(s, int) and not isinstance(s, bool) for s in signals
-    ):
-        raise TypeError(
-            f"{who}: signals must be a sequence of signal numbers, e.g. "
-            f"(signal.SIGTERM, signal.SIGUSR1); got {signals!r}."
-        )
-    if exit_code is not None and type(exit_code) is not int:
-        raise TypeError(f"{who}: exit_code must be an int or None; got {exit_code!r}.")
-    if on_error not in ("raise", "warn"):
-        raise ValueError(f"{who}: on_error must be 'raise' or 'warn'; got {on_error!r}.")
-    for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise TypeError(f"{who}: {name} must be True or False; got {value!r}.")
+    resumable = resume is None or isinstance(resume, (str, os.PathLike))
+    check(resumable, who, "resume", "'latest', a checkpoint folder or None", resume, "", TypeError)
+    numbers = all(isinstance(s, int) and not isinstance(s, bool) for s in signals)
+    example = "a sequence of signal numbers, e.g. (signal.SIGTERM, signal.SIGUSR1)"
+    check(numbers, who, "signals", example, signals, "", TypeError)
+    code = config.exit_code is None or type(config.exit_code) is int
+    check(code, who, "exit_code", "an int or None", config.exit_code, "", TypeError)
+    check_one_of(who, "on_error", config.on_error, ("raise", "warn"))
+    for name in ("per_epoch", "at_end", "restore_best", "background"):
+        value = getattr(config, name)
+        check(isinstance(value, bool), who, name, "True or False", value, "", TypeError)
 
 
 def _rules(
-    keep_last: int,
-    keep_every: int | None,
-    keep_steps: Sequence[int],
-    keep_best: Any,
-    restore_best: bool,
+    keep_last: int, keep_every: int | None, keep_steps: Sequence[int], keep_best: Any, best: bool
 ) -> Retention:
-    if keep_best is None:
-        if restore_best:
-            raise ValueError(
-                "checkpoints: restore_best=True needs keep_best=(metric, mode, count) to know "
-                "which checkpoint is best; got keep_best=None."
-            )
-        return Retention(keep_last, keep_every, tuple(keep_steps))
-    if not (isinstance(keep_best, (tuple, list)) and len(keep_best) == 3):
-        raise TypeError(
-            f"checkpoints: keep_best must be (metric, mode, count), e.g. ('val/loss', 'min', "
-            f"3); got {keep_best!r}."
-        )
-    metric, mode, count = keep_best
+    triple = isinstance(keep_best, (tuple, list)) and len(keep_best) == 3
+    if keep_best is not None or best:
+        example = "(metric, mode, count), e.g. ('val/loss', 'min', 3)"
+        fix = "restore_best=True picks the best checkpoint by it." if best else ""
+        check(triple, "checkpoints", "keep_best", example, keep_best, fix, TypeError)
+    metric, mode, count = keep_best or (None, "min", 0)
     return Retention(keep_last, keep_every, tuple(keep_steps), count, metric, mode)
 
 
@@ -431,28 +401,22 @@ def checkpoints(
         >>> again.step  # resumed at 6, trained 2 more
         8
     """
-    flags = {
-        "at_end": at_end,
-        "per_epoch": per_epoch,
-        "restore_best": restore_best,
-        "background": background,
-    }
-    _check(folder, every, resume, signals, exit_code, on_error, flags)
     rules = _rules(keep_last, keep_every, keep_steps, keep_best, restore_best)
     config = _Config(
-        Path(folder),
+        check_path("checkpoints", "folder", folder),
         every,
         per_epoch,
         at_end,
         rules,
         resume,
-        tuple(signals),
+        signals if isinstance(signals, (str, bytes)) else tuple(signals),
         exit_code,
         restore_best,
         objects,
         background,
         on_error,
     )
+    _check(config)
     live: dict[str, _Run] = {}  # one run at a time
 
     def plugin(event: Event) -> TrainState | None:
@@ -464,7 +428,7 @@ def checkpoints(
             return None
         if event.kind == "step":
             return _on_step(config, run_, event)
-        if event.kind == "epoch_end" and per_epoch:
+        if event.kind == "epoch_end" and config.per_epoch:
             if event.state.window.micro_step:  # its gradients fit in no checkpoint
                 run_.epoch_due = True
             else:
@@ -478,9 +442,10 @@ def checkpoints(
 
 def _restore_best(root: Path, rules: Retention, state: TrainState) -> TrainState:
     """The state with the best checkpoint's weights loaded into its model."""
-    infos = [i for i in list_checkpoints(root) if not i.problems and i.step is not None]
-    kept = retain(((i.path.name, i.step, i.metrics) for i in infos), rules)  # type: ignore[misc]
-    best = [i for i in infos if any(r.startswith("keep_best") for r in kept.get(i.path.name, ()))]
+    infos = {i.name: i for i in list_checkpoints(root) if i.intact and i.step is not None}
+    best_only = dataclasses.replace(rules, keep_best=1)
+    kept = retain(((i.name, i.step, i.metrics) for i in infos.values()), best_only)  # type: ignore[misc]
+    best = [name for name, why in kept.items() if "keep_best" in why]
     if not best:
         warnings.warn(
             f"checkpoints: restore_best found no checkpoint with {rules.metric!r} in "
@@ -489,8 +454,5 @@ def _restore_best(root: Path, rules: Retention, state: TrainState) -> TrainState
             stacklevel=4,
         )
         return state
-    sign = 1.0 if rules.mode == "min" else -1.0
-    metric = str(rules.metric)
-    chosen = min(best, key=lambda i: (sign * i.metrics[metric], -(i.step or 0)))
-    put_model(state.model, full_model(verified_manifest(chosen.path)))
+    put_model(state.model, full_model(verified_manifest(infos[best[0]].path)))
     return state
