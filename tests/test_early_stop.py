@@ -113,7 +113,7 @@ def test_early_stop_resume_keeps_counters():
         ({"patience": 0}, r"patience must be an int >= 1"),
         ({"min_delta": -1.0}, r"min_delta must be a number >= 0"),
         ({"min_delta": math.nan}, r"min_delta must be a number >= 0"),
-        ({"mode": "up"}, r"mode must be 'min'"),
+        ({"mode": "up"}, r"mode must be one of \['min', 'max'\]"),
         ({"key": ""}, r"early_stop: key must be a non-empty string"),
     ],
 )

@@ -77,7 +77,7 @@ def test_cuda_branch_with_fakes(monkeypatch):
     # not a real CUDA device.
     device = torch.device("cuda", 0)
     calls: list[tuple[str, torch.device]] = []
-    peaks = iter([3 * 2**30, 2**29])
+    peaks = iter([7 * 2**30, 3 * 2**30, 2**29])  # the first, before training, is dropped
 
     def max_memory_allocated(dev):
         calls.append(("max", dev))
@@ -92,8 +92,8 @@ def test_cuda_branch_with_fakes(monkeypatch):
     seen, spy = _records()
     run(_STEP, _state(), _DATA, max_steps=4, plugins=[peak_memory(every=2), spy])
     assert seen == [(2, 3.0), (4, 0.5)]
-    # Reset at start, then read-and-reset at each record.
-    assert calls == [("reset", device)] + [("max", device), ("reset", device)] * 2
+    # Read-and-reset at start (the reading dropped), then at each record.
+    assert calls == [("max", device), ("reset", device)] * 3
 
 
 def test_cuda_device_detection():

@@ -148,5 +148,5 @@ def test_bad_arguments(tmp_path, kwargs, error, match):
 
 
 def test_bad_out_dir():
-    with pytest.raises(TypeError, match=r"out_dir must be a path .* got int"):
+    with pytest.raises(TypeError, match=r"out_dir must be a path .* got 3"):
         profile(3)

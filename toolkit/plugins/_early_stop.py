@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import warnings
 
-from toolkit._checks import check_count, check_key
+from toolkit._checks import check, check_count, check_key, check_one_of
 from toolkit.loop._run import Event, Plugin, plugin_factory
-from toolkit.plugins._shared import EarlyStopEntry, better, check_mode, claim, metric_entry
+from toolkit.plugins._shared import EarlyStopEntry, better, claim, metric_entry
 from toolkit.step._state import TrainState
 
 __all__ = ["early_stop"]
@@ -81,42 +81,31 @@ def early_stop(
         >>> state.stop.startswith("early_stop: val/loss did not improve by more than 0 for 2")
         True
     """
-    if not isinstance(metric, str) or "/" not in metric:
-        raise ValueError(
-            f"early_stop: metric must be 'NAME/metric' (state.extras entry / metric in it), "
-            f"e.g. 'val/loss'; got {metric!r}."
-        )
+    ok = isinstance(metric, str) and "/" in metric
+    check(ok, "early_stop", "metric", "'NAME/metric' (an extras entry / its metric)", metric)
     name, _, sub = metric.partition("/")
-    check_count(
-        "early_stop", "patience", patience, 1, "evaluations without improvement before stopping"
-    )
-    if isinstance(min_delta, bool) or not isinstance(min_delta, (int, float)) or not min_delta >= 0:
-        raise ValueError(f"early_stop: min_delta must be a number >= 0; got {min_delta!r}.")
-    check_mode("early_stop", mode)
+    check_count("early_stop", "patience", patience, 1, "evaluations without improvement")
+    ok = isinstance(min_delta, (int, float)) and not isinstance(min_delta, bool)
+    check(ok and min_delta >= 0, "early_stop", "min_delta", "a number >= 0", min_delta)
+    check_one_of("early_stop", "mode", mode, ("min", "max"), " (is lower or higher better)")
     check_key("early_stop", key)
-    margin = float(min_delta)
 
     def plugin(event: Event) -> TrainState | None:
         state = event.state
-        if event.kind == "end":
-            if event.error is None and name not in state.extras:
-                warnings.warn(
-                    f"early_stop: state.extras never got a {name!r} entry to read {metric!r} "
-                    f"from during this run (entries: {sorted(state.extras)}), so it never "
-                    f"judged a score. Check the name, and that validate(..., key={name!r}) "
-                    "comes before early_stop in plugins and evaluates within the run (e.g. "
-                    "at_end=True).",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-            return None
         if event.kind == "start":
             claim(event, key, "early_stop")
+        if event.kind == "end" and event.error is None and name not in state.extras:
+            warnings.warn(
+                f"early_stop: state.extras never got a {name!r} entry to read {metric!r} "
+                f"from during this run (entries: {sorted(state.extras)}), so it never judged "
+                f"a score. Check the name, and that validate(..., key={name!r}) evaluates "
+                "within the run (e.g. at_end=True).",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        if event.kind in ("restore", "start", "end") or name not in state.extras:
             return None
-        entry = state.extras.get(name)
-        if entry is None:
-            return None
-        parsed = metric_entry(entry)
+        parsed = metric_entry(state.extras[name])
         if parsed is None:
             raise KeyError(
                 f"early_stop: state.extras[{name!r}] holds no metrics (expected an entry "
@@ -135,21 +124,23 @@ def early_stop(
                 f"early_stop: state.extras[{name!r}]['metrics'] has no {sub!r} (it has "
                 f"{sorted(metrics)}). Use early_stop('{name}/<one of them>')."
             )
-        value = float(metrics[sub])
-        if better(value, counters["best"], mode, margin):
-            counters = {**counters, "best": value, "best_step": step, "bad": 0, "seen_step": step}
-        else:
-            counters = {**counters, "bad": counters["bad"] + 1, "seen_step": step}
+        value, best = float(metrics[sub]), counters["best"]
+        improved = better(value, best, mode, min_delta)
+        counters = {
+            **counters,
+            "seen_step": step,
+            "best": value if improved else best,
+            "best_step": step if improved else counters["best_step"],
+            "bad": 0 if improved else counters["bad"] + 1,
+        }
         state = state.replace(extras={**state.extras, key: counters})
-        if counters["bad"] >= patience:
-            best = counters["best"]
-            best_text = f"{best:.4g}" if best is not None else "none"
-            reason = (
-                f"early_stop: {metric} did not improve by more than {margin:g} for "
-                f"{counters['bad']} evaluations (best {best_text} at step "
-                f"{counters['best_step']})"
-            )
-            state = state.replace(stop=reason)
-        return state
+        if counters["bad"] < patience:
+            return state
+        best_text = f"{counters['best']:.4g}" if counters["best"] is not None else "none"
+        reason = (
+            f"early_stop: {metric} did not improve by more than {min_delta:g} for "
+            f"{counters['bad']} evaluations (best {best_text} at step {counters['best_step']})"
+        )
+        return state.replace(stop=reason)
 
     return plugin

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from toolkit._checks import check_count, check_key
+from toolkit._checks import check, check_count, check_key
 from toolkit._unwrap import unwrap
 from toolkit.loop._run import Event, Plugin, plugin_factory
 from toolkit.plugins._shared import EmaEntry, claim, due
@@ -18,51 +17,38 @@ from toolkit.step._state import TrainState
 __all__ = ["ema", "ema_model"]
 
 
-def _check_args(decay: Any, warmup: Any, every: Any, buffers: Any, key: Any) -> None:
-    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 <= decay < 1:
-        raise ValueError(f"ema: decay must be a number in [0, 1), e.g. 0.999; got {decay!r}.")
-    check_count("ema", "every", every, 1, "applied updates between averages")
-    for name, value in (("warmup", warmup), ("buffers", buffers)):
-        if not isinstance(value, bool):
-            raise TypeError(f"ema: {name} must be True or False; got {value!r}.")
-    check_key("ema", key)
+def _placed(entry: Mapping[str, Any], model: torch.nn.Module, buffers: bool, key: str) -> dict:
+    """``entry`` with its tensors on the weights' devices and dtypes, once its names match."""
+    out = dict(entry)
+    for kind, live in (
+        ("params", dict(model.named_parameters())),
+        ("buffers", dict(model.named_buffers()) if buffers else {}),
+    ):
+        held = entry[kind]
+        if held.keys() != live.keys():
+            raise ValueError(
+                f"ema: state.extras[{key!r}][{kind!r}] does not match the model's {kind}: "
+                f"missing {sorted(live.keys() - held.keys())[:5]}, unexpected "
+                f"{sorted(held.keys() - live.keys())[:5]}. Resume with the same model and the "
+                f"same ema(buffers=...) option, or drop state.extras[{key!r}] to restart it."
+            )
+        # The average lives on the weights' device for the fused update.
+        out[kind] = {n: t.to(device=live[n].device, dtype=live[n].dtype) for n, t in held.items()}
+    return out
 
 
-def _snapshot(model: torch.nn.Module, buffers: bool) -> tuple[dict[str, torch.Tensor], ...]:
-    params = {name: p.detach().clone() for name, p in model.named_parameters()}
-    bufs = {name: b.detach().clone() for name, b in model.named_buffers()} if buffers else {}
-    return params, bufs
-
-
-def _check_names(kind: str, held: Mapping[str, Any], live: Mapping[str, Any], key: str) -> None:
-    if held.keys() == live.keys():
-        return
-    missing = sorted(live.keys() - held.keys())
-    extra = sorted(held.keys() - live.keys())
-    raise ValueError(
-        f"ema: state.extras[{key!r}][{kind!r}] does not match the model's {kind}: missing "
-        f"{missing[:5]}{'...' if len(missing) > 5 else ''}, unexpected "
-        f"{extra[:5]}{'...' if len(extra) > 5 else ''}. Resume with the same model and the "
-        f"same ema(buffers=...) option, or drop state.extras[{key!r}] to restart the average."
-    )
-
-
-def _adopt(entry: Mapping[str, Any], model: torch.nn.Module, buffers: bool, key: str) -> dict:
-    """Check an existing entry against the model; move its tensors next to the weights."""
-    live_params = dict(model.named_parameters())
-    live_bufs = dict(model.named_buffers()) if buffers else {}
-    _check_names("params", entry["params"], live_params, key)
-    _check_names("buffers", entry["buffers"], live_bufs, key)
-
-    def place(held: Mapping[str, torch.Tensor], live: Mapping[str, torch.Tensor]) -> dict:
-        # The average must live on the weights' device for the fused update.
-        return {n: t.to(device=live[n].device, dtype=live[n].dtype) for n, t in held.items()}
-
-    return {
-        **entry,
-        "params": place(entry["params"], live_params),
-        "buffers": place(entry["buffers"], live_bufs),
-    }
+def _lists(model: torch.nn.Module, entry: Mapping[str, Any], buffers: bool) -> tuple[list, ...]:
+    """The fused update's lists: averaged and live tensors, copied and source buffers."""
+    bare = unwrap(model)
+    averaged = [entry["params"][name] for name, _ in bare.named_parameters()]
+    live: list[torch.Tensor] = list(bare.parameters())
+    copied: list[torch.Tensor] = []  # integer buffers (counters) are copied
+    sources: list[torch.Tensor] = []
+    for name, b in bare.named_buffers() if buffers else ():
+        mean = b.is_floating_point() or b.is_complex()
+        (averaged if mean else copied).append(entry["buffers"][name])
+        (live if mean else sources).append(b)
+    return averaged, live, copied, sources
 
 
 @plugin_factory(order=10)
@@ -133,13 +119,19 @@ def ema(
         >>> ema_model(state).training
         False
     """
-    _check_args(decay, warmup, every, buffers, key)
-    decay = float(decay)
-    cache = _Lists()
+    number = isinstance(decay, (int, float)) and not isinstance(decay, bool)
+    check(number and 0 <= decay < 1, "ema", "decay", "a number in [0, 1), e.g. 0.999", decay)
+    check_count("ema", "every", every, 1, "applied updates between averages")
+    for name, value in (("warmup", warmup), ("buffers", buffers)):
+        check(isinstance(value, bool), "ema", name, "True or False", value, error=TypeError)
+    check_key("ema", key)
+    built: dict[str, Any] = {}  # the lists of the fused update, for one model and one entry
 
     def fresh(state: TrainState) -> TrainState:
         """The state with a new average: a copy of the current weights."""
-        params, bufs = _snapshot(unwrap(state.model), buffers)
+        bare = unwrap(state.model)
+        params = {name: p.detach().clone() for name, p in bare.named_parameters()}
+        bufs = {name: b.detach().clone() for name, b in bare.named_buffers()} if buffers else {}
         entry = EmaEntry(step=state.step, num_updates=0, params=params, buffers=bufs)
         return state.replace(extras={**state.extras, key: entry})
 
@@ -152,7 +144,7 @@ def ema(
             entry = state.extras.get(key)
             if entry is None:
                 return fresh(state)
-            entry = _adopt(entry, unwrap(state.model), buffers, key)
+            entry = _placed(entry, unwrap(state.model), buffers, key)
             return state.replace(extras={**state.extras, key: entry})
         if not due(event, every):
             return None
@@ -161,48 +153,20 @@ def ema(
             return fresh(state)
         n = entry["num_updates"]
         d = min(decay, (1 + n) / (10 + n)) if warmup else decay
-        cache.update(state.model, entry, buffers)
+        if built.get("model") is not state.model or built.get("params") is not entry["params"]:
+            lists = _lists(state.model, entry, buffers)
+            built.update(model=state.model, params=entry["params"], lists=lists)
+        averaged, live, copied, sources = built["lists"]
         with torch.no_grad():
-            if cache.averaged:
+            if averaged:
                 # lerp(ema, p, 1 - d) = d * ema + (1 - d) * p, one fused kernel per device/dtype.
-                torch._foreach_lerp_(cache.averaged, cache.live, 1.0 - d)
-            if cache.copied:
-                torch._foreach_copy_(cache.copied, cache.sources)
+                torch._foreach_lerp_(averaged, live, 1.0 - d)
+            if copied:
+                torch._foreach_copy_(copied, sources)
         new = {**entry, "step": state.step, "num_updates": n + 1}
         return state.replace(extras={**state.extras, key: new})
 
     return plugin
-
-
-@dataclasses.dataclass(slots=True)
-class _Lists:
-    """ema's memory: the tensor lists of the fused update, for one model and one entry."""
-
-    model: Any = None
-    params: Any = None  # the entry's "params" mapping the lists were built from
-    averaged: list[torch.Tensor] = dataclasses.field(default_factory=list)
-    live: list[torch.Tensor] = dataclasses.field(default_factory=list)
-    copied: list[torch.Tensor] = dataclasses.field(default_factory=list)  # integer buffers
-    sources: list[torch.Tensor] = dataclasses.field(default_factory=list)
-
-    def update(self, model: torch.nn.Module, entry: Mapping[str, Any], buffers: bool) -> None:
-        """Rebuild the lists when the model or the entry changed."""
-        if self.model is model and self.params is entry["params"]:
-            return
-        bare = unwrap(model)
-        params, held = entry["params"], entry["buffers"]
-        self.live = [p for _, p in bare.named_parameters()]
-        self.averaged = [params[name] for name, _ in bare.named_parameters()]
-        self.copied, self.sources = [], []
-        if buffers:
-            for name, b in bare.named_buffers():
-                if b.is_floating_point() or b.is_complex():
-                    self.live.append(b)
-                    self.averaged.append(held[name])
-                else:
-                    self.sources.append(b)
-                    self.copied.append(held[name])
-        self.model, self.params = model, entry["params"]
 
 
 def ema_model(state: TrainState, key: str = "ema") -> torch.nn.Module:
@@ -240,20 +204,10 @@ def ema_model(state: TrainState, key: str = "ema") -> torch.nn.Module:
             f"ema_model: state.extras has no {key!r} entry (keys: {sorted(state.extras)}); "
             f"add ema(key={key!r}) to run()'s plugins, or pass the key that ema() used."
         )
-    source = unwrap(state.model)
-    copy_ = copy.deepcopy(source)
-    params = dict(copy_.named_parameters())
-    bufs = dict(copy_.named_buffers())
-    _check_names("params", entry["params"], params, key)
-    unknown = sorted(entry["buffers"].keys() - bufs.keys())
-    if unknown:
-        raise ValueError(
-            f"ema_model: state.extras[{key!r}]['buffers'] has names the model lacks: "
-            f"{unknown[:5]}. The EMA was made for a different model."
-        )
+    averaged = copy.deepcopy(unwrap(state.model))
+    placed = _placed(entry, averaged, bool(entry["buffers"]), key)
+    tensors = dict(averaged.named_parameters()) | dict(averaged.named_buffers())
     with torch.no_grad():
-        for name, t in entry["params"].items():
-            params[name].copy_(t)
-        for name, t in entry["buffers"].items():
-            bufs[name].copy_(t)
-    return copy_.eval()
+        for name, t in (placed["params"] | placed["buffers"]).items():
+            tensors[name].copy_(t)
+    return averaged.eval()

@@ -14,20 +14,21 @@ from toolkit.step._state import TrainState
 
 __all__ = ["peak_memory"]
 
-_GIB = float(2**30)
-
 
 def _cuda_device(model: torch.nn.Module) -> torch.device | None:
     param = next(model.parameters(), None)
-    if param is not None and param.device.type == "cuda":
-        return param.device
-    return None
+    return param.device if param is not None and param.device.type == "cuda" else None
 
 
-def _peak_rss_gib() -> float:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    # Linux reports KiB, macOS bytes.
-    return peak / _GIB if sys.platform == "darwin" else peak / float(2**20)
+def _peak_gib(model: torch.nn.Module) -> float:
+    """The peak since the last call on the model's CUDA device (then reset), else the RSS."""
+    device = _cuda_device(model)
+    if device is not None:
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak / 2**30
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**30 if sys.platform == "darwin" else rss / 2**20  # bytes on macOS, else KiB
 
 
 @plugin_factory(order=20)
@@ -79,19 +80,10 @@ def peak_memory(every: int = 10, *, key: str = "memory") -> Plugin:
         state = event.state
         if event.kind == "start":
             claim(event, key, "peak_memory")
-            device = _cuda_device(state.model)
-            if device is not None:
-                torch.cuda.reset_peak_memory_stats(device)
-            return None
+            _peak_gib(state.model)  # resets the CUDA peak counter
         if not due(event, every):
             return None
-        device = _cuda_device(state.model)
-        if device is not None:
-            peak = torch.cuda.max_memory_allocated(device) / _GIB
-            torch.cuda.reset_peak_memory_stats(device)
-        else:
-            peak = _peak_rss_gib()
-        entry = MetricsEntry(step=state.step, metrics={"peak_gib": peak})
+        entry = MetricsEntry(step=state.step, metrics={"peak_gib": _peak_gib(state.model)})
         return state.replace(extras={**state.extras, key: entry})
 
     return plugin

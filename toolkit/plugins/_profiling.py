@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import warnings
-from pathlib import Path
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity
 
-from toolkit._checks import check_count
+from toolkit._checks import check, check_count, check_path
 from toolkit.distributed._collectives import is_rank_zero
 from toolkit.loop._run import Event, Plugin, plugin_factory
 from toolkit.step._state import TrainState
@@ -74,74 +73,55 @@ def profile(
         >>> names, "traceEvents" in trace
         (['trace_step4.json'], True)
     """
-    if not isinstance(out_dir, (str, os.PathLike)):
-        raise TypeError(
-            f"profile: out_dir must be a path (str or os.PathLike); got {type(out_dir).__name__}."
-        )
-    check_count("profile", "wait", wait, 0)
-    check_count("profile", "warmup", warmup, 0)
-    check_count("profile", "active", active, 1)
+    folder = check_path("profile", "out_dir", out_dir)
+    for name, value, least in (("wait", wait, 0), ("warmup", warmup, 0), ("active", active, 1)):
+        check_count("profile", name, value, least)
     check_count("profile", "repeat", repeat, 0)
-    if not isinstance(record_shapes, bool):
-        raise TypeError(f"profile: record_shapes must be True or False; got {record_shapes!r}.")
-    folder = Path(out_dir)
-    live = _Live()
+    ok = isinstance(record_shapes, bool)
+    check(ok, "profile", "record_shapes", "True or False", record_shapes, "", TypeError)
+    running: Any = None  # the profiler (one run at a time)
+    trace_step = 0  # the state.step its next trace is named after
+    cycles = repeat * (wait + warmup + active)
 
     def export(prof: torch.profiler.profile) -> None:
-        prof.export_chrome_trace(str(folder / f"trace_step{live.step}.json"))
+        prof.export_chrome_trace(str(folder / f"trace_step{trace_step}.json"))
 
     def plugin(event: Event) -> TrainState | None:
-        if event.kind == "start":
-            if not is_rank_zero():
-                return None
+        nonlocal running, trace_step
+        prof = running
+        if event.kind == "start" and is_rank_zero():
             folder.mkdir(parents=True, exist_ok=True)
-            activities = [ProfilerActivity.CPU]
-            if torch.cuda.is_available():
-                activities.append(ProfilerActivity.CUDA)
-            prof = torch.profiler.profile(
-                activities=activities,
+            cuda = [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+            running = torch.profiler.profile(
+                activities=[ProfilerActivity.CPU, *cuda],
                 schedule=torch.profiler.schedule(
                     wait=wait, warmup=warmup, active=active, repeat=repeat
                 ),
                 on_trace_ready=export,
                 record_shapes=record_shapes,
             )
-            live.prof, live.step = prof, event.state.step
-            prof.start()
-            return None
-        running = live.prof
-        if running is None:
-            return None
-        if event.out is not None and event.out.updated:
-            live.step = event.state.step
+            trace_step = event.state.step
+            running.start()
+        elif prof is not None and event.out is not None and event.out.updated:
+            trace_step = event.state.step
             try:
                 with warnings.catch_warnings():
                     # Each cycle is exported on its own, which is what this warning is about.
                     warnings.filterwarnings("ignore", message=_PER_CYCLE, category=UserWarning)
-                    running.step()
-                if repeat and running.step_num >= repeat * (wait + warmup + active):
+                    prof.step()
+                if repeat and prof.step_num >= cycles:
                     # Every cycle is written: stop now rather than pay a profiler step (tens
                     # of microseconds) per update for the rest of the run.
-                    running.stop()
-                    live.prof = None
+                    running = None
+                    prof.stop()
             except BaseException:
                 # A profiler that failed mid-transition crashes the process in stop() (torch
                 # 2.13); dropping it is the only safe way out.
-                live.prof = None
+                running = None
                 raise
-        elif event.kind == "end":
-            try:
-                running.stop()  # writes the window being recorded, if any
-            finally:
-                live.prof = None
+        elif prof is not None and event.kind == "end":
+            running = None
+            prof.stop()  # writes the window being recorded, if any
         return None
 
     return plugin
-
-
-@dataclasses.dataclass(slots=True)
-class _Live:
-    """profile's memory: the running profiler (one run at a time), the step of its trace."""
-
-    prof: torch.profiler.profile | None = None
-    step: int = 0

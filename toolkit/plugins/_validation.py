@@ -8,10 +8,10 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
-from toolkit._checks import check_count, check_key
+from toolkit._checks import check, check_count, check_key, check_one_of
 from toolkit.loop._evaluate import _evaluate, check_eval_fn
 from toolkit.loop._run import Event, Plugin, plugin_factory
-from toolkit.plugins._shared import ValidationEntry, better, check_mode, claim, due
+from toolkit.plugins._shared import ValidationEntry, better, claim, due
 from toolkit.step._state import TrainState
 
 __all__ = ["validate"]
@@ -33,6 +33,34 @@ def _plateau(state: TrainState, plateau_metric: str) -> ReduceLROnPlateau:
             "(other schedulers are stepped by the train step)."
         )
     return scheduler
+
+
+def _check_plateau(event: Event, plateau_metric: str | None, monitor: str, mode: str, me: str):
+    """At ``"start"``: a ReduceLROnPlateau in the state is stepped by exactly one validate."""
+    if plateau_metric is None:
+        scheduler = event.state.scheduler
+        if isinstance(scheduler, ReduceLROnPlateau) and _PLATEAU not in event.loop.claimed:
+            raise ValueError(
+                "validate: state.scheduler is a ReduceLROnPlateau, which the train step "
+                "leaves alone (it needs a metric), and no validate of this run steps it, so "
+                "the learning rate would never be reduced. Pass the metric to step it with, "
+                f"e.g. validate(..., plateau_metric={monitor!r})."
+            )
+        return
+    scheduler = _plateau(event.state, plateau_metric)
+    if plateau_metric == monitor and scheduler.mode != mode:
+        raise ValueError(
+            f"validate: plateau_metric={plateau_metric!r} is also the monitored metric, "
+            f"which validate treats as mode={mode!r} but state.scheduler (a "
+            f"ReduceLROnPlateau) as mode={scheduler.mode!r}; give both the same mode."
+        )
+    holder = event.loop.claimed.setdefault(_PLATEAU, me)
+    if holder != me:
+        raise ValueError(
+            f"{me}: state.scheduler, a ReduceLROnPlateau, is already stepped by {holder} in "
+            "this run; a second one would step it twice per evaluation. Give plateau_metric "
+            "to one validate."
+        )
 
 
 @plugin_factory(order=20)
@@ -155,71 +183,20 @@ def validate(
     check_eval_fn("validate", eval_fn)
     if every is not None:
         check_count("validate", "every", every, 1, "applied updates between evaluations, or None")
-    check_key("validate", key)
     if every is None and not per_epoch and not at_end:
         raise ValueError("validate: expected every=N, per_epoch=True and/or at_end=True; got none.")
-    check_mode("validate", mode)
-    if isinstance(data, Iterator):
-        got = type(data).__name__
-        raise ValueError(
-            f"validate: data must be re-iterable (a list); got a one-shot iterator ({got})."
-        )
-    if model is not None and not callable(model):
-        got = type(model).__name__
-        raise TypeError(f"validate: model must be a function state -> module or None; got {got}.")
-    if plateau_metric is not None and (not isinstance(plateau_metric, str) or not plateau_metric):
-        raise ValueError(
-            f"validate: plateau_metric must be the name of a metric eval_fn returns (e.g. "
-            f"'loss'), or None; got {plateau_metric!r}."
-        )
+    check_key("validate", key)
+    check_one_of("validate", "mode", mode, ("min", "max"), " (is lower or higher better)")
+    once = isinstance(data, Iterator)
+    check(not once, "validate", "data", "re-iterable (a list), not a one-shot iterator", data)
+    callable_ = model is None or callable(model)
+    check(
+        callable_, "validate", "model", "a function state -> module or None", model, "", TypeError
+    )
+    named = plateau_metric is None or (isinstance(plateau_metric, str) and bool(plateau_metric))
+    metric = "the name of a metric eval_fn returns, e.g. 'loss', or None"
+    check(named, "validate", "plateau_metric", metric, plateau_metric)
     me = f"validate(key={key!r}, plateau_metric={plateau_metric!r})"
-
-    def run_eval(state: TrainState) -> TrainState:
-        module = model(state) if model is not None else state.model
-        metrics = _evaluate(eval_fn, module, data, f" at step {state.step}")
-        for wanted, option in ((monitor, "monitor"), (plateau_metric, "plateau_metric")):
-            if wanted is not None and wanted not in metrics:
-                raise KeyError(
-                    f"validate: eval_fn returned no {wanted!r} metric for {option}, only "
-                    f"{sorted(metrics)}; pass {option}=<one of them>, or return {wanted!r}."
-                )
-        if plateau_metric is not None:
-            _plateau(state, plateau_metric).step(metrics[plateau_metric])
-        previous: ValidationEntry | None = state.extras.get(key)
-        best, best_step = (previous["best"], previous["best_step"]) if previous else (None, None)
-        if better(metrics[monitor], best, mode):
-            best, best_step = metrics[monitor], state.step
-        entry = ValidationEntry(
-            step=state.step, epoch=state.epoch, metrics=metrics, best=best, best_step=best_step
-        )
-        return state.replace(extras={**state.extras, key: entry})
-
-    def start(event: Event) -> None:
-        claim(event, key, "validate")
-        if plateau_metric is None:
-            scheduler = event.state.scheduler
-            if isinstance(scheduler, ReduceLROnPlateau) and _PLATEAU not in event.loop.claimed:
-                raise ValueError(
-                    "validate: state.scheduler is a ReduceLROnPlateau, which the train step "
-                    "leaves alone (it needs a metric), and no validate of this run steps it, so "
-                    "the learning rate would never be reduced. Pass the metric to step it with, "
-                    f"e.g. validate(..., plateau_metric={monitor!r})."
-                )
-            return
-        scheduler = _plateau(event.state, plateau_metric)
-        if plateau_metric == monitor and scheduler.mode != mode:
-            raise ValueError(
-                f"validate: plateau_metric={plateau_metric!r} is also the monitored metric, "
-                f"which validate treats as mode={mode!r} but state.scheduler (a "
-                f"ReduceLROnPlateau) as mode={scheduler.mode!r}; give both the same mode."
-            )
-        holder = event.loop.claimed.setdefault(_PLATEAU, me)
-        if holder != me:
-            raise ValueError(
-                f"{me}: state.scheduler, a ReduceLROnPlateau, is already stepped by {holder} in "
-                "this run; a second one would step it twice per evaluation. Give plateau_metric "
-                "to one validate."
-            )
 
     def plugin(event: Event) -> TrainState | None:
         kind, state = event.kind, event.state
@@ -230,20 +207,35 @@ def validate(
                 event.loop.claimed.setdefault(_PLATEAU, me)
             return None
         if kind == "start":
-            start(event)
+            claim(event, key, "validate")
+            _check_plateau(event, plateau_metric, monitor, mode, me)
             return None
         if kind == "step":
             due_now = every is not None and due(event, every)
+        elif kind == "end":
+            due_now = at_end and event.error is None
         else:
-            due_now = (
-                at_end and event.error is None
-                if kind == "end"
-                else per_epoch and kind == "epoch_end"
-            )
-        previous = state.extras.get(key)
+            due_now = per_epoch and kind == "epoch_end"
+        previous: ValidationEntry | None = state.extras.get(key)
         # Not twice for one step: the weights have not changed (an epoch ending on `every`).
         if not due_now or (previous is not None and previous["step"] == state.step):
             return None
-        return run_eval(state)
+        module = model(state) if model is not None else state.model
+        metrics = _evaluate(eval_fn, module, data, f" at step {state.step}")
+        for wanted, option in ((monitor, "monitor"), (plateau_metric, "plateau_metric")):
+            if wanted is not None and wanted not in metrics:
+                raise KeyError(
+                    f"validate: eval_fn returned no {wanted!r} metric for {option}, only "
+                    f"{sorted(metrics)}; pass {option}=<one of them>, or return {wanted!r}."
+                )
+        if plateau_metric is not None:
+            _plateau(state, plateau_metric).step(metrics[plateau_metric])
+        best, best_step = (previous["best"], previous["best_step"]) if previous else (None, None)
+        if better(metrics[monitor], best, mode):
+            best, best_step = metrics[monitor], state.step
+        entry = ValidationEntry(
+            step=state.step, epoch=state.epoch, metrics=metrics, best=best, best_step=best_step
+        )
+        return state.replace(extras={**state.extras, key: entry})
 
     return plugin
