@@ -15,23 +15,12 @@ from toolkit.checkpoints._retention import Retention, retain
 __all__ = ["main"]
 
 
-def _size(size: int) -> str:
-    if size < 1024:
-        return f"{size} B"
-    value = size / 1024
-    for unit in ("KiB", "MiB"):
-        if value < 1024:
-            return f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} GiB"
-
-
-def _rules(infos: Sequence[CheckpointInfo]) -> tuple[Retention | None, str]:
-    """The rules recorded by the newest checkpoint that recorded any, and its name."""
-    for info in reversed(infos):
-        if info.rules is not None:
-            return info.rules, info.name
-    return None, ""
+def _size(size: float) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if size < 1024:
+            return f"{size} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"
 
 
 def _kept_by(infos: Sequence[CheckpointInfo], rules: Retention | None) -> dict[str, str]:
@@ -45,16 +34,32 @@ def _kept_by(infos: Sequence[CheckpointInfo], rules: Retention | None) -> dict[s
     }
 
 
-def _table(rows: list[list[str]]) -> list[str]:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    right = {0}  # the step column
+def _row(c: CheckpointInfo, kept: dict[str, str]) -> list[str]:
+    saved = "-" if c.time is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.time))
+    metrics = ", ".join(f"{k}={v:.4g}" for k, v in sorted(c.metrics.items())) or "-"
+    size = "-" if c.step is None else _size(c.size)
+    step = "-" if c.step is None else str(c.step)
     return [
-        "  ".join(
-            cell.rjust(widths[i]) if i in right else cell.ljust(widths[i])
-            for i, cell in enumerate(row)
-        ).rstrip()
-        for row in rows
+        step,
+        c.name,
+        saved,
+        size,
+        metrics,
+        kept.get(c.name, "-"),
+        "ok" if c.intact else "DAMAGED",
     ]
+
+
+def _table(infos: Sequence[CheckpointInfo], rules: Retention | None) -> None:
+    kept = _kept_by(infos, rules)
+    rows = [["step", "name", "saved", "size", "metrics", "kept by", "check"]]
+    rows += [_row(c, kept) for c in infos]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for c, row in zip([None, *infos], rows):
+        cells = [row[0].rjust(widths[0])] + [cell.ljust(w) for cell, w in zip(row[1:], widths[1:])]
+        print("  ".join(cells).rstrip())
+        for problem in c.problems if c else ():
+            print(f"    {problem}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -105,38 +110,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         leftovers = sorted(
             p.name for p in root.iterdir() if p.name.startswith((".tmp-", ".old-", ".del-"))
         )
-    total = sum(c.size for c in infos)
     plural = "" if len(infos) == 1 else "s"
-    head = f"{root}: {len(infos)} checkpoint{plural}, {_size(total)}"
-    if pointer is not None:
-        head += f"; latest: {pointer.name}"
-    print(head)
-    rules, source = _rules(infos)
+    head = f"{root}: {len(infos)} checkpoint{plural}, {_size(sum(c.size for c in infos))}"
+    print(head + (f"; latest: {pointer.name}" if pointer is not None else ""))
+    rules, source = next(((c.rules, c.name) for c in reversed(infos) if c.rules), (None, ""))
     if rules is not None:
         print(f"retention (recorded by {source}): {rules.describe()}")
     checked = "manifests, sizes and checksums" if args.verify else "manifests and sizes"
     if infos:
-        kept = _kept_by(infos, rules)
-        rows = [["step", "name", "saved", "size", "metrics", "kept by", "check"]]
-        for c in infos:
-            saved = time.localtime(c.time) if c.time is not None else None
-            rows.append(
-                [
-                    "-" if c.step is None else str(c.step),
-                    c.name,
-                    "-" if saved is None else time.strftime("%Y-%m-%d %H:%M:%S", saved),
-                    "-" if c.step is None else _size(c.size),
-                    ", ".join(f"{k}={v:.4g}" for k, v in sorted(c.metrics.items())) or "-",
-                    kept.get(c.name, "-"),
-                    "ok" if c.intact else "DAMAGED",
-                ]
-            )
-        lines = _table(rows)
-        print(lines[0])
-        for c, line in zip(infos, lines[1:]):
-            print(line)
-            for problem in c.problems:
-                print(f"    {problem}")
+        _table(infos, rules)
     print(f"checked: {checked}" + ("" if args.verify else " (--verify also checks checksums)"))
     for name in leftovers:
         print(f"leftover of an interrupted save or prune: {name} (clean_temporaries removes it)")
