@@ -12,19 +12,6 @@ from toolkit.plugins._sinks import Sink, jsonl, png_dir, tensorboard, wandb
 from toolkit.plugins._validation import validate
 
 __all__ = [
-    "Sink",
-    "checkpoints",
-    "early_stop",
-    "ema",
-    "ema_model",
-    "jsonl",
-    "log_images",
-    "log_metrics",
-    "peak_memory",
-    "png_dir",
-    "profile",
-    "progress",
-    "tensorboard",
-    "validate",
-    "wandb",
-]
+    "Sink", "checkpoints", "early_stop", "ema", "ema_model", "jsonl", "log_images", "log_metrics",
+    "peak_memory", "png_dir", "profile", "progress", "tensorboard", "validate", "wandb",
+]  # fmt: skip

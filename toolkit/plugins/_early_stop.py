@@ -124,15 +124,11 @@ def early_stop(
                 f"early_stop: state.extras[{name!r}]['metrics'] has no {sub!r} (it has "
                 f"{sorted(metrics)}). Use early_stop('{name}/<one of them>')."
             )
-        value, best = float(metrics[sub]), counters["best"]
-        improved = better(value, best, mode, min_delta)
-        counters = {
-            **counters,
-            "seen_step": step,
-            "best": value if improved else best,
-            "best_step": step if improved else counters["best_step"],
-            "bad": 0 if improved else counters["bad"] + 1,
-        }
+        value = float(metrics[sub])
+        if better(value, counters["best"], mode, min_delta):
+            counters = {**counters, "best": value, "best_step": step, "bad": 0, "seen_step": step}
+        else:
+            counters = {**counters, "bad": counters["bad"] + 1, "seen_step": step}
         state = state.replace(extras={**state.extras, key: counters})
         if counters["bad"] < patience:
             return state

@@ -125,7 +125,6 @@ def ema(
     for name, value in (("warmup", warmup), ("buffers", buffers)):
         check(isinstance(value, bool), "ema", name, "True or False", value, error=TypeError)
     check_key("ema", key)
-    built: dict[str, Any] = {}  # the lists of the fused update, for one model and one entry
 
     def fresh(state: TrainState) -> TrainState:
         """The state with a new average: a copy of the current weights."""
@@ -153,10 +152,7 @@ def ema(
             return fresh(state)
         n = entry["num_updates"]
         d = min(decay, (1 + n) / (10 + n)) if warmup else decay
-        if built.get("model") is not state.model or built.get("params") is not entry["params"]:
-            lists = _lists(state.model, entry, buffers)
-            built.update(model=state.model, params=entry["params"], lists=lists)
-        averaged, live, copied, sources = built["lists"]
+        averaged, live, copied, sources = _lists(state.model, entry, buffers)
         with torch.no_grad():
             if averaged:
                 # lerp(ema, p, 1 - d) = d * ema + (1 - d) * p, one fused kernel per device/dtype.

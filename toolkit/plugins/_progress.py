@@ -12,7 +12,7 @@ import rich
 import rich.console
 import rich.progress
 
-from toolkit._checks import check_count
+from toolkit._checks import check, check_count
 from toolkit.distributed._collectives import is_rank_zero
 from toolkit.loop._run import Event, plugin_factory
 from toolkit.plugins._interval import Interval, flat_scalars, read
@@ -23,58 +23,33 @@ from toolkit.step._step import StepOutput
 __all__ = ["progress"]
 
 
-def _rate(value: float) -> str:
-    return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
-
-
-def _duration(seconds: float) -> str:
-    return f"{seconds * 1e3:.3g}ms" if seconds < 1 else f"{seconds:.3g}s"
-
-
-@dataclasses.dataclass(frozen=True)
-class _Options:
-    """progress's arguments, checked."""
+@dataclasses.dataclass(slots=True)
+class _Bar:
+    """progress's options, and its memory during a run on rank 0 (``shown`` None outside)."""
 
     every: int
     warmup: int
-    console: rich.console.Console | None
     clock: Callable[[], float]
     show: tuple[str, ...]
     counts: str
     min_interval: float
     records: tuple[str, ...]
     times: bool
-
-    def __post_init__(self) -> None:
-        for name, names in (("show", self.show), ("records", self.records)):
-            if not isinstance(names, tuple) or not all(isinstance(n, str) for n in names):
-                what = "state.extras entry" if name == "show" else "the loss function's record"
-                raise TypeError(
-                    f"progress: {name} must be a sequence of {what} names; got {names!r}."
-                )
-        if not isinstance(self.times, bool):
-            raise TypeError(f"progress: times must be True or False; got {self.times!r}.")
-        if not isinstance(self.counts, str) or not self.counts:
-            raise TypeError(
-                f"progress: counts must be a non-empty str, e.g. 'tokens'; got {self.counts!r}."
-            )
-        check_count("progress", "every", self.every, 1, "updates between refreshes")
-        check_count("progress", "warmup", self.warmup, 0, "updates left out of the ETA")
-        interval = self.min_interval
-        if (
-            isinstance(interval, bool)
-            or not isinstance(interval, (int, float))
-            or not interval >= 0
-        ):
-            raise ValueError(
-                f"progress: min_interval must be a number of seconds >= 0; got {interval!r}."
-            )
-        if self.console is not None and not isinstance(self.console, rich.console.Console):
-            got = type(self.console).__name__
-            raise TypeError(f"progress: console must be a rich.console.Console or None; got {got}.")
-        if not callable(self.clock):
-            got = type(self.clock).__name__
-            raise TypeError(f"progress: clock must be a function returning seconds; got {got}.")
+    console: rich.console.Console | None  # as given; None for rich's global console
+    shown: rich.console.Console | None = None  # the console drawn on in this run
+    total: int | None = None  # updates in the run, when known
+    # The outputs of each window since the last refresh, read at the refresh. Not the
+    # events: their states may hold large extras.
+    windows: list[tuple[StepOutput, ...]] = dataclasses.field(default_factory=list)
+    lr: Any = None  # the last applied update's learning rate, once read
+    data_time: float = 0.0  # seconds since the last refresh (with times=True)
+    step_time: float = 0.0
+    warm_from: int = 0  # state.step from which updates are timed for the ETA
+    warm_at: float | None = None  # clock() at that step, once reached
+    last_time: float = 0.0  # clock() at the last refresh
+    shown_step: int = 0  # state.step of the last line
+    live: rich.progress.Progress | None = None
+    task: Any = None
 
 
 @plugin_factory(order=90)
@@ -190,160 +165,136 @@ def progress(
         step 2/4 | loss 0.5 | lr 0.00e+00 | above_2 0 | 4 samples/s | eta 0:00:02
         step 4/4 | loss 2.5 | lr 0.00e+00 | above_2 0.5 | 8 samples/s | eta 0:00:00
     """
-    # Tuples before checking, so that a generator is not used up by the check.
-    options = _Options(
-        every,
-        warmup,
-        console,
-        clock,
-        _names(show),
-        counts,
-        min_interval,
-        _names(records),
-        times,
+    show, records = _names(show), _names(records)  # tuples first: a generator is read once
+    for name, names, what in (("show", show, "state.extras entry"), ("records", records, "record")):
+        ok = isinstance(names, tuple) and all(isinstance(n, str) for n in names)
+        check(ok, "progress", name, f"a sequence of {what} names", names, "", TypeError)
+    check(isinstance(times, bool), "progress", "times", "True or False", times, "", TypeError)
+    ok = isinstance(counts, str) and bool(counts)
+    check(ok, "progress", "counts", "a non-empty str, e.g. 'tokens'", counts, "", TypeError)
+    check_count("progress", "every", every, 1, "updates between refreshes")
+    check_count("progress", "warmup", warmup, 0, "updates left out of the ETA")
+    ok = isinstance(min_interval, (int, float)) and not isinstance(min_interval, bool)
+    check(ok and min_interval >= 0, "progress", "min_interval", "a number of seconds >= 0",
+          min_interval)  # fmt: skip
+    ok = console is None or isinstance(console, rich.console.Console)
+    check(ok, "progress", "console", "a rich.console.Console or None", console, "", TypeError)
+    check(
+        callable(clock), "progress", "clock", "a function returning seconds", clock, "", TypeError
     )
-    memory = _Memory()
+    bar = _Bar(every, warmup, clock, show, counts, min_interval, records, times, console)
 
     def plugin(event: Event) -> None:
-        kind = event.kind
-        if kind == "step":
-            if memory.console is not None:  # None off rank 0 and outside a run
-                _step(memory, options, event)
-        elif kind == "start":
-            _stop(memory)
+        if event.kind == "step" and bar.shown is not None:  # None off rank 0, outside a run
+            _step(bar, event)
+        elif event.kind == "start":
+            _stop(bar)
             if is_rank_zero():
-                _start(memory, options, event)
-        elif kind == "end" and memory.console is not None:
+                _start(bar, event)
+        elif event.kind == "end" and bar.shown is not None:
             try:
-                if event.error is None and event.state.step != memory.shown_step:
-                    _refresh(memory, options, event.state, options.clock(), event.outs)
+                if event.error is None and event.state.step != bar.shown_step:
+                    _refresh(bar, event.state, bar.clock(), event.outs)
             finally:
-                _stop(memory)
-        return None
+                _stop(bar)
 
     return plugin
 
 
-@dataclasses.dataclass(slots=True)
-class _Memory:
-    """progress's memory during a run on rank 0; ``console`` is None outside one."""
-
-    console: rich.console.Console | None = None
-    total: int | None = None  # updates in the run, when known
-    # The outputs of each window since the last refresh, read at the refresh. Not the
-    # events: their states may hold large extras.
-    windows: list[tuple[StepOutput, ...]] = dataclasses.field(default_factory=list)
-    lr: Any = None  # the last applied update's learning rate, once read
-    data_time: float = 0.0  # seconds since the last refresh (with times=True)
-    step_time: float = 0.0
-    warm_step: int = -1  # state.step that ends the warm-up; -1 once the ETA clock runs
-    warm_from: int = 0  # state.step from which updates are timed for the ETA
-    warm_at: float | None = None  # clock() at that step
-    last_time: float = 0.0  # clock() at the last refresh
-    shown_step: int = 0  # state.step of the last line
-    bar: rich.progress.Progress | None = None
-    task: Any = None
-
-
-def _start(memory: _Memory, options: _Options, event: Event) -> None:
-    shown = options.console if options.console is not None else rich.get_console()
-    now, step, warmup = options.clock(), event.state.step, options.warmup
-    memory.console, memory.total, memory.lr = shown, event.loop.total_steps, None
-    memory.warm_step = step + warmup if warmup else -1
-    memory.warm_from, memory.warm_at = step + warmup, now if warmup == 0 else None
-    memory.last_time, memory.shown_step = now, step
+def _start(bar: _Bar, event: Event) -> None:
+    shown = bar.console if bar.console is not None else rich.get_console()
+    now, step, bar.total, bar.lr = bar.clock(), event.state.step, event.loop.total_steps, None
+    bar.shown, bar.last_time, bar.shown_step = shown, now, step
+    bar.warm_from, bar.warm_at = step + bar.warmup, now if bar.warmup == 0 else None
     if shown.is_terminal:
-        memory.bar = rich.progress.Progress(
+        bar.live = rich.progress.Progress(
             rich.progress.TextColumn("{task.fields[head]}"),
             rich.progress.BarColumn(),
             rich.progress.TextColumn("{task.fields[info]}"),
             console=shown,
             auto_refresh=False,  # redrawn at refreshes only: no thread competing with training
         )
-        head = _head(step, memory.total)
-        memory.task = memory.bar.add_task(
-            "train", total=memory.total, completed=step, head=head, info=""
-        )
-        memory.bar.start()
+        head = _head(step, bar.total)
+        bar.task = bar.live.add_task("train", total=bar.total, completed=step, head=head, info="")
+        bar.live.start()
 
 
-def _step(memory: _Memory, options: _Options, event: Event) -> None:
-    memory.windows.append(event.outs)
-    if options.times:
-        memory.data_time += event.data_time
-        memory.step_time += event.step_time
+def _step(bar: _Bar, event: Event) -> None:
+    bar.windows.append(event.outs)
+    bar.data_time += event.data_time  # shown with times=True
+    bar.step_time += event.step_time
     # Start the ETA clock after the update that ends the warm-up.
-    if memory.warm_step == event.state.step and event.out.updated:  # type: ignore[union-attr]
-        memory.warm_at, memory.warm_step = options.clock(), -1
-    if due(event, options.every):
-        now = options.clock()
-        if now - memory.last_time >= options.min_interval:
-            _refresh(memory, options, event.state, now)
+    if bar.warm_at is None and bar.warm_from == event.state.step and event.out.updated:  # type: ignore[union-attr]
+        bar.warm_at = bar.clock()
+    if due(event, bar.every):
+        now = bar.clock()
+        if now - bar.last_time >= bar.min_interval:
+            _refresh(bar, event.state, now)
 
 
 def _refresh(
-    memory: _Memory,
-    options: _Options,
-    state: TrainState,
-    now: float,
-    open_window: Sequence[StepOutput] = (),
+    bar: _Bar, state: TrainState, now: float, open_window: Sequence[StepOutput] = ()
 ) -> None:
-    windows, interval = len(memory.windows), Interval()
-    chosen = frozenset(options.records)
+    windows, interval = len(bar.windows), Interval()
+    chosen = frozenset(bar.records)
     flatten = (lambda record: flat_scalars(record, chosen, "progress")) if chosen else None
-    read(interval, memory.windows, open_window, flatten)  # the one host sync of a refresh
-    memory.windows.clear()
-    memory.lr = interval.lr if interval.lr is not None else memory.lr
-    elapsed, memory.last_time = now - memory.last_time, now
-    parts = []
-    for name in ("loss", *options.records):
-        total, weight = interval.sums.get(name, (0.0, 0))
-        if weight:
-            parts.append(f"{name} {total / weight:.4g}")
-        if name == "loss" and memory.lr is not None:
-            parts.append(f"lr {float(memory.lr):.2e}")
-        if name == "loss" and interval.norms:
-            parts.append(f"grad_norm {interval.norm_total / interval.norms:.3g}")
-    if elapsed > 0 and interval.samples is not None:
-        parts.append(f"{_rate(interval.samples / elapsed)} samples/s")
-    if elapsed > 0 and interval.targets is not None:
-        parts.append(f"{_rate(interval.targets / elapsed)} {options.counts}/s")
-    if options.times and windows:
-        parts.append(f"data {_duration(memory.data_time / windows)}")
-        parts.append(f"step {_duration(memory.step_time / windows)}")
-    memory.data_time = memory.step_time = 0.0
-    for entry_name in options.show:
+    read(interval, bar.windows, open_window, flatten)  # the one host sync of a refresh
+    bar.windows.clear()
+    bar.lr = interval.lr if interval.lr is not None else bar.lr
+    elapsed, bar.last_time = now - bar.last_time, now
+    parts = [
+        _mean(interval, "loss"),
+        f"lr {float(bar.lr):.2e}" if bar.lr is not None else "",
+        f"grad_norm {interval.norm_total / interval.norms:.3g}" if interval.norms else "",
+        *(_mean(interval, name) for name in bar.records),
+        _per_second(interval.samples, elapsed, "samples"),
+        _per_second(interval.targets, elapsed, bar.counts),
+    ]
+    if bar.times and windows:
+        parts.append(f"data {_duration(bar.data_time / windows)}")
+        parts.append(f"step {_duration(bar.step_time / windows)}")
+    bar.data_time = bar.step_time = 0.0
+    for entry_name in bar.show:
         parsed = metric_entry(state.extras.get(entry_name))
         for name, value in parsed[1].items() if parsed is not None else ():
             if isinstance(value, (int, float)):
                 parts.append(f"{entry_name}/{name} {value:.4g}")
-    eta = _eta(memory, now, state.step)
-    if eta is not None:
-        parts.append(f"eta {eta}")
-    memory.shown_step = state.step
-    _display(memory, state.step, " | ".join(parts))
-
-
-def _display(memory: _Memory, step: int, info: str) -> None:
-    head = _head(step, memory.total)
-    if memory.bar is None:
+    parts.append(_eta(bar, now, state.step))
+    bar.shown_step = state.step
+    info, head = " | ".join(part for part in parts if part), _head(state.step, bar.total)
+    if bar.live is None:
         # A plain line straight to the console's file: rendering it through rich would cost
         # ~100x more, for nothing to style in a log.
-        file = memory.console.file  # type: ignore[union-attr]
+        file = bar.shown.file  # type: ignore[union-attr]
         file.write(f"{head} | {info}\n" if info else f"{head}\n")
         file.flush()
     else:
-        memory.bar.update(memory.task, completed=step, head=head, info=info)
-        memory.bar.refresh()
+        bar.live.update(bar.task, completed=state.step, head=head, info=info)
+        bar.live.refresh()
 
 
-def _stop(memory: _Memory) -> None:
-    memory.windows.clear()
-    memory.data_time = memory.step_time = 0.0
-    memory.console = None
-    bar, memory.bar = memory.bar, None
-    if bar is not None:
-        bar.stop()
+def _stop(bar: _Bar) -> None:
+    bar.windows.clear()
+    bar.data_time = bar.step_time = 0.0
+    bar.shown, live, bar.live = None, bar.live, None
+    if live is not None:
+        live.stop()
+
+
+def _mean(interval: Interval, name: str) -> str:
+    total, weight = interval.sums.get(name, (0.0, 0))
+    return f"{name} {total / weight:.4g}" if weight else ""
+
+
+def _per_second(count: float | None, elapsed: float, what: str) -> str:
+    if count is None or elapsed <= 0:
+        return ""
+    rate = count / elapsed
+    return f"{rate:.0f} {what}/s" if rate >= 100 else f"{rate:.3g} {what}/s"
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g}ms" if seconds < 1 else f"{seconds:.3g}s"
 
 
 def _names(names: Any) -> Any:
@@ -354,9 +305,9 @@ def _head(step: int, total: int | None) -> str:
     return f"step {step}/{total}" if total is not None else f"step {step}"
 
 
-def _eta(memory: _Memory, now: float, step: int) -> str | None:
-    timed = step - memory.warm_from  # updates since the ETA clock started
-    if memory.warm_at is None or memory.total is None or timed <= 0:
-        return None
-    seconds = (now - memory.warm_at) / timed * max(memory.total - step, 0)
-    return str(datetime.timedelta(seconds=round(seconds)))
+def _eta(bar: _Bar, now: float, step: int) -> str:
+    timed = step - bar.warm_from  # updates since the ETA clock started
+    if bar.warm_at is None or bar.total is None or timed <= 0:
+        return ""
+    seconds = (now - bar.warm_at) / timed * max(bar.total - step, 0)
+    return f"eta {datetime.timedelta(seconds=round(seconds))}"

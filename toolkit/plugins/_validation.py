@@ -21,20 +21,6 @@ __all__ = ["validate"]
 _PLATEAU = "<state.scheduler: ReduceLROnPlateau>"
 
 
-def _plateau(state: TrainState, plateau_metric: str) -> ReduceLROnPlateau:
-    """``state.scheduler``, which ``plateau_metric`` requires to be a ReduceLROnPlateau."""
-    scheduler = state.scheduler
-    if not isinstance(scheduler, ReduceLROnPlateau):
-        raise ValueError(
-            f"validate: plateau_metric={plateau_metric!r} steps a ReduceLROnPlateau in "
-            f"state.scheduler with that metric; state.scheduler is "
-            f"{type(scheduler).__name__}. Put a ReduceLROnPlateau in the state "
-            "(TrainState(..., scheduler=ReduceLROnPlateau(optimizer))), or drop plateau_metric "
-            "(other schedulers are stepped by the train step)."
-        )
-    return scheduler
-
-
 def _check_plateau(event: Event, plateau_metric: str | None, monitor: str, mode: str, me: str):
     """At ``"start"``: a ReduceLROnPlateau in the state is stepped by exactly one validate."""
     if plateau_metric is None:
@@ -47,7 +33,15 @@ def _check_plateau(event: Event, plateau_metric: str | None, monitor: str, mode:
                 f"e.g. validate(..., plateau_metric={monitor!r})."
             )
         return
-    scheduler = _plateau(event.state, plateau_metric)
+    scheduler = event.state.scheduler
+    if not isinstance(scheduler, ReduceLROnPlateau):
+        raise ValueError(
+            f"validate: plateau_metric={plateau_metric!r} steps a ReduceLROnPlateau in "
+            f"state.scheduler with that metric; state.scheduler is "
+            f"{type(scheduler).__name__}. Put a ReduceLROnPlateau in the state "
+            "(TrainState(..., scheduler=ReduceLROnPlateau(optimizer))), or drop plateau_metric "
+            "(other schedulers are stepped by the train step)."
+        )
     if plateau_metric == monitor and scheduler.mode != mode:
         raise ValueError(
             f"validate: plateau_metric={plateau_metric!r} is also the monitored metric, "
@@ -229,7 +223,7 @@ def validate(
                     f"{sorted(metrics)}; pass {option}=<one of them>, or return {wanted!r}."
                 )
         if plateau_metric is not None:
-            _plateau(state, plateau_metric).step(metrics[plateau_metric])
+            state.scheduler.step(metrics[plateau_metric])  # a ReduceLROnPlateau: see start
         best, best_step = (previous["best"], previous["best_step"]) if previous else (None, None)
         if better(metrics[monitor], best, mode):
             best, best_step = metrics[monitor], state.step
