@@ -181,7 +181,7 @@ def _flatten(
             )
 
 
-def _fields(outs: Iterable[StepOutput]) -> Any:
+def _fields(outs: Iterable[Sequence[Any]]) -> Any:
     """The outputs as one StepOutput whose fields are tuples: a column per field."""
     # A list, not tuple(zip(...)): that tuple, grown from a guessed size and freed onto
     # CPython's tuple free list, leaves one more object in the collector's count each call,

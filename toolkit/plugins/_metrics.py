@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -51,8 +52,7 @@ class _Options:
     totals: list[str]
     records: frozenset[str] | None
     per_epoch: bool
-    flops: tuple[str, float] | None  # ("samples" | "targets", FLOPs per one)
-    peak_flops: float | None
+    flops: tuple[str, float, float] | None  # ("samples" | "targets", FLOPs per one, peak)
     reserved: frozenset[str]  # names a record may not have
     clock: Callable[[], float]
 
@@ -79,24 +79,22 @@ def _options(
     check(isinstance(per_epoch, bool), who, "per_epoch", "True or False", per_epoch, "", TypeError)
     both = flops_per_sample is not None and flops_per_token is not None
     check(not both, who, "flops_per_sample or flops_per_token", "given alone", "both")
-    flops = None
-    for name, value, unit in (
-        ("flops_per_sample", flops_per_sample, "samples"),
-        ("flops_per_token", flops_per_token, "targets"),
-    ):
-        if value is not None:
-            flops = (unit, check_positive(who, name, value, "6 * n_params * tokens_per_sample"))
+    name, per, unit = "flops_per_sample", flops_per_sample, "samples"
+    if flops_per_token is not None:
+        name, per, unit = "flops_per_token", flops_per_token, "targets"
+    per = (
+        None if per is None else check_positive(who, name, per, "6 * n_params * tokens_per_sample")
+    )
     if peak_flops is not None:
         peak_flops = check_positive(who, "peak_flops", peak_flops, "989e12 (an H100's bf16 peak)")
-    got = "only peak_flops" if flops is None else "no peak_flops"
-    paired = (flops is None) == (peak_flops is None)
+    got = "only peak_flops" if per is None else "no peak_flops"
+    paired = (per is None) == (peak_flops is None)
     check(paired, who, "train/mfu", "given flops_per_sample or flops_per_token and peak_flops", got)
+    flops = None if per is None or peak_flops is None else (unit, per, peak_flops)
     kinds = {name: kind for name, kind in reduce.items() if kind != "mean"}
     reserved = _RESERVED | ({"mfu"} if flops else set())
     reserved |= {"epoch_loss", "epoch"} if per_epoch else set()
-    return _Options(
-        every, sinks, kinds, totals, chosen, per_epoch, flops, peak_flops, reserved, clock
-    )
+    return _Options(every, sinks, kinds, totals, chosen, per_epoch, flops, reserved, clock)
 
 
 @dataclasses.dataclass(slots=True)
@@ -112,7 +110,7 @@ class _Memory:
     seen: dict[str, Any] = dataclasses.field(default_factory=dict)  # entry -> step published
     extras: Any = None  # the state.extras last scanned for new entries
     # With several parameter groups: their LRs for the next update, and the last applied one's.
-    lrs: tuple[list[Any], list[Any]] = ([], [])
+    lrs: tuple[dict[str, Any], dict[str, Any]] = ({}, {})
     epoch_loss: tuple[float, float] = (0.0, 0.0)  # (weighted sum, weight) this epoch
 
 
@@ -319,8 +317,7 @@ def _start(options: _Options, memory: _Memory, event: Event) -> None:
         parsed = metric_entry(entry)
         if parsed is not None and not (isinstance(parsed[0], int) and parsed[0] > state.step):
             memory.seen[name] = parsed[0]
-    groups = _groups(state.optimizer)
-    memory.lrs = (_lrs(groups) if len(groups) > 1 else [], [])
+    memory.lrs = (_lrs(state.optimizer), {})
     if options.totals:
         claim(event, KEY, "log_metrics")
     if is_rank_zero():
@@ -333,7 +330,7 @@ def _on_step(options: _Options, memory: _Memory, event: Event) -> TrainState | N
     state = event.state
     if memory.lrs[0]:  # several parameter groups: the LRs the next update will use
         used = memory.lrs[0] if event.out is not None and event.out.updated else memory.lrs[1]
-        memory.lrs = (_lrs(_groups(state.optimizer)), used)
+        memory.lrs = (_lrs(state.optimizer), used)
     memory.windows.append(event.outs)
     memory.times[0] += event.data_time
     memory.times[1] += event.step_time
@@ -341,18 +338,16 @@ def _on_step(options: _Options, memory: _Memory, event: Event) -> TrainState | N
     if due(event, options.every):
         return _publish(options, memory, state, extra, True)
     if len(memory.windows) >= _FOLD:
-        _take(options, memory, memory.windows)
-        memory.windows.clear()
+        _take(options, memory)
     if extra:
         _write(options, state.step, extra)
     return None
 
 
 def _take(
-    options: _Options, memory: _Memory, windows: Sequence[Any], open_window: Any = (),
-    also: Sequence[torch.Tensor] = (),
-) -> list[Any]:  # fmt: skip
-    """Read ``windows`` into the interval (and the epoch's loss): one host read."""
+    options: _Options, memory: _Memory, open_window: Any = (), also: Sequence[Any] = ()
+) -> list[Any]:
+    """Read the pending windows into the interval (and the epoch's loss): one host read."""
     interval = memory.interval
     before = interval.sums.get("loss", (0.0, 0.0))
 
@@ -363,7 +358,8 @@ def _take(
         check(not clash, "log_metrics", "records", "named unlike published keys", clash, fix)
         return flat
 
-    got = read(interval, windows, open_window, flatten, options.kinds, also)
+    got = read(interval, memory.windows, open_window, flatten, options.kinds, also)
+    memory.windows.clear()
     if options.per_epoch:
         after = interval.sums.get("loss", (0.0, 0.0))
         total, weight = memory.epoch_loss
@@ -376,9 +372,7 @@ def _publish(
     collective: bool, open_window: Any = (),
 ) -> TrainState | None:  # fmt: skip
     interval, lrs = memory.interval, memory.lrs[1]
-    tensor_lrs = [lr for lr in lrs if isinstance(lr, torch.Tensor)]
-    host_lrs = iter(_take(options, memory, memory.windows, open_window, tensor_lrs))
-    lrs = [next(host_lrs) if isinstance(lr, torch.Tensor) else lr for lr in lrs]
+    group_lrs = _take(options, memory, open_window, list(lrs.values()))
     now = options.clock()
     elapsed, memory.started = now - memory.started, now
     # The 1.0 adds up to the number of ranks: times are per rank, their mean is shown.
@@ -390,8 +384,7 @@ def _publish(
     metrics.update({f"train/{key}": value for key, value in reduced.items()})
     if interval.lr is not None:
         metrics["train/lr"] = float(interval.lr)
-    names = _group_names(_groups(state.optimizer)) if len(lrs) > 1 else []
-    for name, lr in zip(names, lrs):
+    for name, lr in zip(lrs, group_lrs):
         _put(metrics, f"train/lr/{name}", float(lr))
     if interval.norms and "grad_norm" not in reduced:
         metrics["train/grad_norm"] = interval.norm_total / interval.norms
@@ -402,10 +395,11 @@ def _publish(
         metrics["train/samples_per_s"] = samples / elapsed
     if elapsed > 0 and interval.targets is not None:
         metrics["train/tokens_per_s"] = targets / elapsed
-    if elapsed > 0 and options.flops is not None and options.peak_flops is not None:
-        done = samples if options.flops[0] == "samples" else targets
+    if elapsed > 0 and options.flops is not None:
+        unit, per, peak = options.flops
         devices = dist.get_world_size() if is_distributed() else 1
-        metrics["train/mfu"] = options.flops[1] * done / elapsed / options.peak_flops / devices
+        done = samples if unit == "samples" else targets
+        metrics["train/mfu"] = per * done / elapsed / peak / devices
     for key in ("nonfinite", "overflow"):
         if getattr(interval, key):
             metrics[f"train/{key}"] = float(getattr(interval, key))
@@ -415,7 +409,6 @@ def _publish(
         for name, value in run_totals.items():
             _put(metrics, f"train/total/{name}", value)
     metrics.update(extra)
-    memory.windows.clear()
     memory.interval, memory.times = Interval(), [0.0, 0.0]
     _write(options, state.step, metrics)
     return new_state
@@ -429,8 +422,7 @@ def _write(options: _Options, step: int, metrics: dict[str, float]) -> None:
 
 def _epoch_metrics(options: _Options, memory: _Memory, state: TrainState) -> dict[str, float]:
     if memory.windows:
-        _take(options, memory, memory.windows)  # the interval continues; what it read is kept
-        memory.windows.clear()
+        _take(options, memory)  # the interval continues; what it read is kept
     group = data_parallel_group(state.model)
     sums, _ = sum_over_ranks("log_metrics", {"loss": memory.epoch_loss}, group=group)
     total, weight = sums["loss"]
@@ -463,19 +455,14 @@ def _scan(memory: _Memory, state: TrainState) -> dict[str, float]:
 _NEVER = object()
 
 
-def _groups(optimizer: Any) -> list[dict[str, Any]]:
-    """The parameter groups of the state's optimizer (a MultiOptimizer's: all of them)."""
-    return list(getattr(optimizer, "param_groups", None) or ())
-
-
-def _group_names(groups: Sequence[Mapping[str, Any]]) -> list[str]:
+def _lrs(optimizer: Any) -> dict[str, Any]:
+    """With several parameter groups (a MultiOptimizer's: all of them), each one's LR by name."""
+    groups = list(getattr(optimizer, "param_groups", None) or ())
     names = [str(g.get("name", i)) for i, g in enumerate(groups)]
-    return names if len(set(names)) == len(names) else [str(i) for i in range(len(groups))]
-
-
-def _lrs(groups: Sequence[Mapping[str, Any]]) -> list[Any]:
+    names = names if len(set(names)) == len(names) else [str(i) for i in range(len(groups))]
     # A tensor learning rate is changed in place by schedulers: keep a copy.
-    return [lr.detach().clone() if isinstance(lr := g["lr"], torch.Tensor) else lr for g in groups]
+    lrs = [lr.detach().clone() if isinstance(lr := g["lr"], torch.Tensor) else lr for g in groups]
+    return dict(zip(names, lrs)) if len(groups) > 1 else {}
 
 
 def _put(metrics: dict[str, float], key: str, value: float) -> None:
@@ -488,32 +475,27 @@ def _over_ranks(
     interval: Interval, kinds: Mapping[str, str], counts: list[float], collective: bool,
     group: Any,
 ) -> tuple[list[tuple[str, tuple[float, float]]], dict[str, Any], list[float]]:  # fmt: skip
-    """The interval's means, other kinds and ``counts`` summed over ranks: one collective.
-
-    Sums travel as ``(value, 0)`` pairs beside the means; a maximum or minimum travels as
-    one slot per rank (the others add 0), and each rank takes the extreme of the slots. A
-    marker pair per key makes a key missing on some rank fail the layout check.
-    """
+    """The interval's means, other kinds and ``counts`` summed over ranks: one collective."""
     reduced = interval.reduced
     if not (collective and is_distributed()):
         return sorted(interval.sums.items()), dict(reduced), counts
-    sums = dict(interval.sums)
-    for key, value in reduced.items():
-        sums[f"{key}\0{kinds[key]}"] = (float(value) if kinds[key] == "sum" else 0.0, 0.0)
-    extremes = sorted(key for key in reduced if kinds[key] != "sum")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    slots = [0.0] * (world * len(extremes))
-    for i, key in enumerate(extremes):
-        slots[i * world + rank] = float(reduced[key])
-    sums, values = sum_over_ranks("log_metrics", sums, [*counts, *slots], group)
-    out = {k.partition("\0")[0]: pair[0] for k, pair in sums.items() if k.endswith("\0sum")}
-    for i, key in enumerate(extremes):
-        ranks = values[len(counts) + i * world : len(counts) + (i + 1) * world]
-        out[key] = ranks[0]
-        for value in ranks[1:]:
-            out[key] = combine(kinds[key], out[key], value)
-    means = sorted((key, pair) for key, pair in sums.items() if "\0" not in key)
-    return means, out, values[: len(counts)]
+
+    def slots(key: str) -> list[str]:  # a max or min travels as one slot per rank
+        return [""] if kinds[key] == "sum" else [str(r) for r in range(world)]
+
+    sums = dict(interval.sums)  # the other kinds travel as (value, 0) pairs beside the means
+    for key, value in reduced.items():
+        for slot in slots(key):  # another rank's slot adds 0
+            sums[f"{key}\0{slot}"] = (float(value) if slot in ("", str(rank)) else 0.0, 0.0)
+    sums, counts = sum_over_ranks("log_metrics", sums, counts, group)
+    out = {
+        key: functools.reduce(
+            functools.partial(combine, kinds[key]), [sums[f"{key}\0{s}"][0] for s in slots(key)]
+        )
+        for key in reduced
+    }
+    return sorted((k, pair) for k, pair in sums.items() if "\0" not in k), out, counts
 
 
 def _add_totals(
