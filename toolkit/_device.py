@@ -55,15 +55,12 @@ def to_device(batch: T, device: torch.device | str | int, *, non_blocking: bool 
         ('cpu', 'cpu', 'a')
     """
     if not isinstance(non_blocking, bool):
-        raise TypeError(
-            f"to_device: non_blocking must be True or False; got {non_blocking!r}. Pass "
-            "non_blocking=True with pinned memory (DataLoader(pin_memory=True))."
-        )
+        raise TypeError(f"to_device: non_blocking must be True or False; got {non_blocking!r}.")
     try:
         target = torch.device(device)  # type: ignore[arg-type]
-    except (TypeError, RuntimeError) as error:
+    except (TypeError, RuntimeError):
+        got = f"{type(device).__name__} {device!r:.40}"
         raise TypeError(
-            f"to_device: device must be a torch.device, a device string such as 'cuda:0' or "
-            f"'cpu', or a device index; got {type(device).__name__} {device!r:.40} ({error})."
+            f"to_device: device must be a torch.device, 'cuda:0', 0; got {got}."
         ) from None
     return map_nested_tensor(lambda t: t.to(target, non_blocking=non_blocking), batch)

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 
 import torch
 
 __all__ = ["to_host"]
 
-_IS_CPU = operator.attrgetter("is_cpu")
 
-
-def _all_on_cpu(tensors: Sequence[torch.Tensor]) -> bool:
-    return all(map(_IS_CPU, tensors))
+def _all_on_cpu(tensors: Sequence[torch.Tensor]) -> bool:  # tests stand the CPU in for a GPU
+    return all(t.is_cpu for t in tensors)
 
 
 def to_host(tensors: Sequence[torch.Tensor]) -> list[float]:
@@ -30,25 +27,15 @@ def to_host(tensors: Sequence[torch.Tensor]) -> list[float]:
         >>> to_host([torch.tensor(0.5), torch.tensor(3), torch.tensor(2.0).double()])
         [0.5, 3, 2.0]
     """
-    if not tensors:
-        return []
     if _all_on_cpu(tensors):
-        return list(map(torch.Tensor.item, tensors))
-    if len({t.dtype for t in tensors}) == 1:
-        try:
-            return torch.stack(list(tensors)).tolist()  # type: ignore[no-any-return]
-        except RuntimeError:
-            pass  # tensors on several devices (a count made on the CPU, model parallelism)
-    by_device: dict[torch.device, list[int]] = {}
+        return [t.item() for t in tensors]
+    groups: dict[torch.device, dict[torch.dtype, list[int]]] = {}  # indices by device, dtype
     for i, t in enumerate(tensors):
-        by_device.setdefault(t.device, []).append(i)
+        groups.setdefault(t.device, {}).setdefault(t.dtype, []).append(i)
     values: list[float] = [0.0] * len(tensors)
-    for indices in by_device.values():
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for i in indices:
-            by_dtype.setdefault(tensors[i].dtype, []).append(i)
-        parts = [torch.stack([tensors[i] for i in ix]).double() for ix in by_dtype.values()]
-        flat = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist()
-        for i, v in zip((i for ix in by_dtype.values() for i in ix), flat):
-            values[i] = v
+    for by_dtype in groups.values():
+        parts = [torch.stack([tensors[i] for i in ix]) for ix in by_dtype.values()]
+        flat = (torch.cat([p.double() for p in parts]) if len(parts) > 1 else parts[0]).tolist()
+        for i, value in zip((i for ix in by_dtype.values() for i in ix), flat):
+            values[i] = value
     return values

@@ -11,7 +11,6 @@ from typing import Any, TypeVar
 
 import torch
 
-from toolkit._checks import check
 from toolkit.step._weighted import columns, weighted_sums
 
 __all__ = ["key_average", "map_nested_tensor"]
@@ -59,22 +58,13 @@ def map_nested_tensor(fn: Callable[[torch.Tensor], Any], tree: T) -> T:
         ('Batch', [2.0, 2.0], 6, 'a')
     """
     if not callable(fn):
-        raise TypeError(
-            f"map_nested_tensor: fn must be callable as fn(tensor); got a "
-            f"{type(fn).__name__}. The function comes first: map_nested_tensor(fn, tree)."
-        )
+        got = type(fn).__name__
+        raise TypeError(f"map_nested_tensor: fn must be callable as fn(tensor); got a {got}.")
     try:
         return _map(fn, tree)
     except RecursionError:
-        # Found only once the recursion failed: the common, acyclic call pays nothing for it.
-        cycle = _find_cycle(tree)
-        if cycle is None:
-            raise  # deep but acyclic, or fn itself recursed too deep
-        raise ValueError(
-            f"map_nested_tensor: tree contains itself: {cycle[0]} is {cycle[1]}, so the "
-            "mapping would never end. Expected a structure without cycles; remove the "
-            "back-reference (or map a copy without it)."
-        ) from None
+        _refuse_cycle("map_nested_tensor", tree, "tree")
+        raise  # deep but acyclic, or fn itself recursed too deep
 
 
 def _map(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
@@ -93,29 +83,23 @@ def _map(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
         try:
             return type(tree)(items)  # type: ignore[call-arg]
         except TypeError as error:
+            kind = type(tree).__qualname__
             raise TypeError(
-                f"map_nested_tensor: cannot rebuild the Mapping type {type(tree).__qualname__} "
-                f"from a dict of its items ({error}). Expected a Mapping whose constructor "
-                "accepts a dict, like dict or OrderedDict; convert it to a dict first, or map "
-                "its values yourself."
+                f"map_nested_tensor: cannot rebuild the Mapping type {kind} from a dict of its "
+                f"items ({error}); convert it to a dict first."
             ) from error
     if isinstance(tree, tuple):
         values = [_map(fn, value) for value in tree]
         if hasattr(type(tree), "_fields") and hasattr(type(tree), "_make"):  # a namedtuple
             return type(tree)._make(values)  # type: ignore[attr-defined]
-        # tuple itself, torch.return_types (structseq) and plain tuple subclasses take one
-        # iterable.
+        # tuple itself, torch.return_types (structseq) and tuple subclasses take an iterable
         return type(tree)(values)
     if isinstance(tree, list):
         values = [_map(fn, value) for value in tree]
         return values if type(tree) is list else type(tree)(values)
     if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
-        changes = {
-            field.name: _map(fn, getattr(tree, field.name))
-            for field in dataclasses.fields(tree)
-            if field.init
-        }
-        return dataclasses.replace(tree, **changes)
+        fields = [field.name for field in dataclasses.fields(tree) if field.init]
+        return dataclasses.replace(tree, **{f: _map(fn, getattr(tree, f)) for f in fields})
     return tree
 
 
@@ -129,6 +113,19 @@ def _children(node: Any) -> list[tuple[str, Any]] | None:
     if dataclasses.is_dataclass(node) and not isinstance(node, type):
         return [(f".{f.name}", getattr(node, f.name)) for f in dataclasses.fields(node) if f.init]
     return None
+
+
+def _refuse_cycle(who: str, tree: Any, name: str) -> None:
+    """After a RecursionError, a ValueError naming where ``tree`` contains itself, if it does.
+
+    Looked for only once the recursion failed: the common, acyclic call pays nothing for it.
+    """
+    cycle = _find_cycle(tree, name)
+    if cycle is not None:
+        raise ValueError(
+            f"{who}: {name} contains itself: {cycle[0]} is {cycle[1]}; expected a structure "
+            "without cycles; remove the back-reference."
+        ) from None
 
 
 def _find_cycle(tree: Any, name: str = "tree") -> tuple[str, str] | None:
@@ -218,14 +215,8 @@ def key_average(
             f"key_average: records must be a sequence of mappings; got a {type(records).__name__}"
             "; for one record, pass key_average([record])."
         )
-    check(
-        isinstance(exclude_nan, bool),
-        "key_average",
-        "exclude_nan",
-        "True or False",
-        exclude_nan,
-        error=TypeError,
-    )
+    if not isinstance(exclude_nan, bool):
+        raise TypeError(f"key_average: exclude_nan must be True or False; got {exclude_nan!r}.")
     records = list(records)
     weight_list = [1] * len(records) if weights is None else _check_weights(weights, len(records))
     # Every path, in pre-order (a parent before its children): whether it holds a mapping,
@@ -242,14 +233,8 @@ def key_average(
         try:
             _collect(record, (), index, kinds, flat[-1])
         except RecursionError:
-            # Looked for only once the recursion failed: acyclic records pay nothing for it.
-            cycle = _find_cycle(record, f"records[{index}]")
-            if cycle is None:
-                raise
-            raise ValueError(
-                f"key_average: records[{index}] contains itself: {cycle[0]} is {cycle[1]}. "
-                "Expected nested mappings without cycles; remove the back-reference."
-            ) from None
+            _refuse_cycle("key_average", record, f"records[{index}]")
+            raise
     reduced = weighted_sums(columns(flat), weight_list, exclude_nan=exclude_nan)
     if weights is not None:
         check_weight_values("key_average", "weights[{}]", reduced.weights)
@@ -278,26 +263,24 @@ def _collect(
         nested = isinstance(value, Mapping)
         seen = kinds.setdefault(path, (nested, index))
         if seen[0] != nested:
+            kinds_ = ("value", "nested mapping")
             raise ValueError(
-                f"key_average: {_name(path)} is a {_describe(seen[0])} in records[{seen[1]}] "
-                f"but a {_describe(nested)} in records[{index}]; give every record the same "
-                "structure."
+                f"key_average: {_name(path)} is a {kinds_[seen[0]]} in records[{seen[1]}] but a "
+                f"{kinds_[nested]} in records[{index}]; give every record the same structure."
             )
         if nested:
             _collect(value, path, index, kinds, leaves)
             continue
         if isinstance(value, torch.Tensor):
-            if value.ndim != 0 or value.is_complex():
-                raise TypeError(
-                    f"key_average: records[{index}]{_name(path)} is a tensor of shape "
-                    f"{tuple(value.shape)} and dtype {value.dtype}; expected a 0-d real "
-                    "tensor; reduce it first (.mean(), .sum())."
-                )
+            ok = value.ndim == 0 and not value.is_complex()
+            got = f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
             value = value.detach()
-        elif not isinstance(value, numbers.Real):
+        else:
+            ok, got = isinstance(value, numbers.Real), f"a {type(value).__name__} ({value!r:.60})"
+        if not ok:
             raise TypeError(
-                f"key_average: records[{index}]{_name(path)} is a {type(value).__name__} "
-                f"({value!r:.60}); expected a real number, a 0-d tensor or a mapping."
+                f"key_average: records[{index}]{_name(path)} is {got}; expected a real number, "
+                "a 0-d real tensor (reduce it: .mean()) or a mapping."
             )
         leaves[path] = value
 
@@ -307,8 +290,8 @@ def _check_weights(weights: Any, count: int) -> list[Any]:
     iterable = isinstance(weights, Iterable) and not isinstance(weights, (Mapping, str, bytes))
     if not iterable or getattr(weights, "ndim", 1) != 1:
         raise TypeError(
-            f"key_average: weights is a {type(weights).__name__}{_shape(weights)}; expected "
-            "a sequence of numbers or 0-d tensors, one per record."
+            f"key_average: weights must be a sequence of numbers or 0-d tensors, one per "
+            f"record; got a {type(weights).__name__} ({weights!r:.40})."
         )
     weight_list = [check_weight("key_average", f"weights[{i}]", w) for i, w in enumerate(weights)]
     if len(weight_list) != count:
@@ -346,13 +329,5 @@ def check_weight_values(who: str, name: str, weights: Sequence[Any], start: int 
             )
 
 
-def _shape(value: Any) -> str:
-    return f" of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else ""
-
-
 def _name(path: _Path) -> str:
     return "".join(f"[{key!r}]" for key in path)
-
-
-def _describe(nested: bool) -> str:
-    return "nested mapping" if nested else "value"

@@ -50,10 +50,8 @@ def unwrap(model: nn.Module, *, keep_compile: bool = False) -> nn.Module:
         True
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(
-            f"unwrap: expected a torch.nn.Module, got {type(model).__name__}. Pass the model "
-            "(e.g. state.model), not its state dict, parameters or an optimizer."
-        )
+        got = type(model).__name__
+        raise TypeError(f"unwrap: model must be a torch.nn.Module; got {got}; pass state.model.")
     if not isinstance(keep_compile, bool):
         raise TypeError(f"unwrap: keep_compile must be True or False; got {keep_compile!r}.")
     # torch._dynamo is imported by torch.compile; when it is not loaded no OptimizedModule
