@@ -129,18 +129,15 @@ def full_tree(manifest: Manifest, name: str) -> Any:
     return tree
 
 
-def _presence(name: str, saved: Any, live: Any) -> list[str]:
+def _difference(name: str, saved: Any, saved_class: str | None, live: Any) -> list[str]:
+    """A handle (or object) the checkpoint or the template lacks, or of another class."""
     if saved is not None and live is None:
         return [f"{name}: the checkpoint has one, the template has none (its state would be lost)"]
     if live is not None and saved is None:
         return [f"{name}: the template has one, the checkpoint has none"]
-    return []
-
-
-def _class_difference(name: str, saved: str | None, live: Any) -> list[str]:
-    if live is None or saved is None or saved == type(live).__name__:
+    if live is None or saved_class is None or saved_class == type(live).__name__:
         return []
-    return [f"{name}: the checkpoint holds a {saved}, the template a {type(live).__name__}"]
+    return [f"{name}: the checkpoint holds a {saved_class}, the template a {type(live).__name__}"]
 
 
 def _extras_differences(saved: Mapping[str, Any], live: Mapping[str, Any]) -> list[str]:
@@ -168,7 +165,7 @@ def _optimizer_differences(
     like: TrainState, saved_class: str, saved: Mapping[str, Any]
 ) -> list[str]:
     """How a saved named optimizer state differs from the template optimizer."""
-    out = _class_difference("optimizer", saved_class, like.optimizer)
+    out = _difference("optimizer", saved, saved_class, like.optimizer)
     live_groups = parameter_names(like.model, like.optimizer)
     saved_groups = [list(group.get("params", [])) for group in saved.get("param_groups", [])]
     if len(saved_groups) != len(live_groups):
@@ -375,13 +372,15 @@ def _trees(
         for n in names
     }
     classes = manifest.classes
-    for name in ("optimizer", "scheduler"):
-        differences += _presence(name, trees[name], getattr(like, name))
     if trees["optimizer"] is not None and like.optimizer is not None:
         differences += _optimizer_differences(
             like, classes.get("optimizer", "?"), trees["optimizer"]
         )
-    differences += _class_difference("scheduler", classes.get("scheduler"), like.scheduler)
+    else:
+        differences += _difference("optimizer", trees["optimizer"], None, like.optimizer)
+    differences += _difference(
+        "scheduler", trees["scheduler"], classes.get("scheduler"), like.scheduler
+    )
     enabled = like.scaler is not None and like.scaler.is_enabled()
     if enabled and trees["scaler"] is None:
         differences.append("scaler: the template has an enabled GradScaler, the checkpoint none")
@@ -397,9 +396,8 @@ def _trees(
     if unexpected:
         differences.append(f"objects: {sorted(unexpected)} in the checkpoint but not given")
     for name in sorted(objects.keys() & saved_objects.keys()):
-        differences += _class_difference(
-            f"objects[{name!r}]", classes.get("objects", {}).get(name), objects[name]
-        )
+        saved_class = classes.get("objects", {}).get(name)
+        differences += _difference(f"objects[{name!r}]", name, saved_class, objects[name])
     if lacking:
         differences.append(f"sharded tensors the template has no tensor for: {few(lacking, str)}")
     return trees

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from toolkit._checks import check
 from toolkit.checkpoints._codec import encode, host_tensor, separate_shared
 from toolkit.checkpoints._files import (
     CHECKSUM,
@@ -316,8 +317,7 @@ def _prepare(
 ) -> _Snapshot:
     """Check the arguments and gather everything in memory; nothing is written yet."""
     who = "save_checkpoint"
-    if not isinstance(state, TrainState):
-        raise TypeError(f"{who}: expected a TrainState, got {type(state).__name__}.")
+    check(isinstance(state, TrainState), who, "state", "a TrainState", state, "", TypeError)
     if getattr(state, "_consumed", False):
         raise ValueError(
             f"{who}: this TrainState (step {state.step}) was passed to a train step, which "
@@ -330,10 +330,8 @@ def _prepare(
             f"{state.window.micro_step}), and its gradients are in no state dict; save "
             "after the update that closes the window (when out.updated is true)."
         )
-    if rules is not None and not isinstance(rules, Retention):
-        raise TypeError(
-            f"{who}: expected rules as a Retention or None, got {type(rules).__name__}."
-        )
+    ok = rules is None or isinstance(rules, Retention)
+    check(ok, who, "rules", "a Retention or None", rules, "", TypeError)
     if path.exists() and not (path / MANIFEST).is_file():
         raise ValueError(
             f"{who}: {path} exists and is not a checkpoint folder (no {MANIFEST}); refusing "
