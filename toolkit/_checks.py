@@ -10,14 +10,9 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 __all__ = [
-    "check",
-    "check_count",
-    "check_key",
-    "check_names",
-    "check_one_of",
-    "check_path",
+    "check", "check_count", "check_key", "check_names", "check_one_of", "check_path",
     "check_positive",
-]
+]  # fmt: skip
 
 
 def check(
@@ -69,14 +64,9 @@ def check_one_of(who: str, name: str, value: Any, choices: Sequence[Any], meanin
 
 def check_positive(who: str, name: str, value: Any, example: str) -> float:
     """``value`` as a float, or ValueError unless it is a finite number > 0."""
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    check(
-        number and math.isfinite(value) and value > 0,
-        who,
-        name,
-        f"a number > 0, e.g. {example}",
-        value,
-    )
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = ok and math.isfinite(value) and value > 0
+    check(ok, who, name, f"a number > 0, e.g. {example}", value)
     return float(value)
 
 

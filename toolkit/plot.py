@@ -223,36 +223,28 @@ def plot_metrics(
     series, _ = read_series(path)
     folder = pathlib.Path(path).parent / "plots" if out is None else pathlib.Path(out)
     axes: dict[str, dict[str, list[str]]] = {group: {} for group in GROUPS}
-    for key in series:
+    # Rates before the seconds they come from; otherwise the order the keys first appear in.
+    for key in sorted(series, key=lambda k: k.startswith("time/")):
         group, axis = group_of(key)
         axes[group].setdefault(axis, []).append(key)
-    # Rates before the seconds they come from; otherwise the order the keys first appear in.
-    axes["throughput"] = dict(
-        sorted(axes["throughput"].items(), key=lambda a: a[0] == "seconds per update")
-    )
     written = []
-    for group, by_axis in axes.items():
-        if by_axis:
-            # A Figure without pyplot: no global state, no display backend needed.
-            figure = Figure(figsize=(8, 1 + 2.6 * len(by_axis)), dpi=100, layout="constrained")
-            figure.suptitle(f"{GROUPS[group]}: {path}", fontsize=10)
-            for ax, (axis, keys) in zip(
-                figure.subplots(len(by_axis), 1, squeeze=False)[:, 0], by_axis.items()
-            ):
-                for key in keys:
-                    # Sparse series (per-epoch, validation) show their points; dense ones a line.
-                    steps, values = series[key]
-                    ax.plot(
-                        steps, values, label=key, marker="o" if len(steps) <= 30 else None, ms=3
-                    )
-                ax.set_ylabel(axis)
-                ax.grid(True, alpha=0.3)
-                if len(keys) > 1 or keys[0] != axis:
-                    ax.legend(fontsize=8)
-            ax.set_xlabel("update (step)")
-            folder.mkdir(parents=True, exist_ok=True)
-            written.append(folder / f"{group}.png")
-            figure.savefig(written[-1])
+    for group, by_axis in ((g, a) for g, a in axes.items() if a):
+        # A Figure without pyplot: no global state, no display backend needed.
+        figure = Figure(figsize=(8, 1 + 2.6 * len(by_axis)), dpi=100, layout="constrained")
+        figure.suptitle(f"{GROUPS[group]}: {path}", fontsize=10)
+        subplots = figure.subplots(len(by_axis), 1, squeeze=False)[:, 0]
+        for ax, (axis, keys) in zip(subplots, by_axis.items()):
+            for key in keys:  # sparse series (per epoch, validation) show their points
+                steps, values = series[key]
+                ax.plot(steps, values, label=key, marker="o" if len(steps) <= 30 else None, ms=3)
+            ax.set(ylabel=axis)
+            ax.grid(True, alpha=0.3)
+            if len(keys) > 1 or keys[0] != axis:
+                ax.legend(fontsize=8)
+        ax.set(xlabel="update (step)")
+        folder.mkdir(parents=True, exist_ok=True)
+        written.append(folder / f"{group}.png")
+        figure.savefig(written[-1])
     return written
 
 
@@ -273,13 +265,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         >>> main(["/nonexistent/metrics.jsonl"])
         1
     """
-    parser = argparse.ArgumentParser(
-        prog="python -m toolkit.plot", description=__doc__.splitlines()[0]
-    )
+    parser = argparse.ArgumentParser("python -m toolkit.plot", description=__doc__.split("\n")[0])
     parser.add_argument("metrics", help="a metrics.jsonl written by log_metrics's jsonl sink")
-    parser.add_argument(
-        "--out", help="folder for the PNGs (default: plots/ beside the metrics file)"
-    )
+    parser.add_argument("--out", help="folder for the PNGs (default: plots/ beside the metrics)")
     args = parser.parse_args(argv)
     try:
         _, notes = read_series(args.metrics)
