@@ -277,53 +277,50 @@ def log_metrics(
         every, sinks, {} if reduce is None else reduce, totals, records, per_epoch,
         flops_per_sample, flops_per_token, peak_flops, clock,
     )  # fmt: skip
-    memory = _Memory()
+    box = [_Memory()]
 
     def plugin(event: Event) -> TrainState | None:
         kind, state = event.kind, event.state
+        if kind == "start":
+            box[0] = _start(options, event)
+        memory = box[0]
         if kind == "step":
             return _on_step(options, memory, event)
-        if kind == "start":
-            _start(options, memory, event)
-        elif kind == "epoch_end":
+        if kind not in ("epoch_end", "end"):
+            return None
+        try:
             extra = _scan(memory, state)
-            if options.per_epoch:
+            if kind == "epoch_end" and options.per_epoch:
                 extra = {**_epoch_metrics(options, memory, state), **extra}
+            elif kind == "end" and (memory.windows or event.outs or memory.interval.sums):
+                # Micro-batches of a window the run left open count too; after an error, no
+                # collective (the other ranks may be gone).
+                return _publish(options, memory, state, extra, event.error is None, event.outs)
             _write(options, state.step, extra)
-        elif kind == "end":
-            try:
-                extra = _scan(memory, state)
-                if memory.windows or event.outs or memory.interval.sums:
-                    # Micro-batches of a window the run left open count too; after an
-                    # error, no collective (the other ranks may be gone).
-                    return _publish(options, memory, state, extra, event.error is None, event.outs)
-                _write(options, state.step, extra)
-            finally:
+        finally:
+            if kind == "end":
                 close_all(options.sinks)
         return None
 
     return plugin
 
 
-def _start(options: _Options, memory: _Memory, event: Event) -> None:
+def _start(options: _Options, event: Event) -> _Memory:
     """A new run, from the (restored) state: its step is the one the sinks start at."""
     state = event.state
-    memory.windows.clear()
-    memory.interval, memory.times = Interval(), [0.0, 0.0]
-    memory.started, memory.epoch_loss = options.clock(), (0.0, 0.0)
     # Entries from before this run's first update were published by an earlier run.
-    memory.seen, memory.extras = {}, None
-    for name, entry in state.extras.items():
-        parsed = metric_entry(entry)
-        if parsed is not None and not (isinstance(parsed[0], int) and parsed[0] > state.step):
-            memory.seen[name] = parsed[0]
-    memory.lrs = (_lrs(state.optimizer), {})
+    entries = {name: metric_entry(entry) for name, entry in state.extras.items()}
+    seen = {
+        name: got[0] for name, got in entries.items()
+        if got is not None and not (isinstance(got[0], int) and got[0] > state.step)
+    }  # fmt: skip
     if options.totals:
         claim(event, KEY, "log_metrics")
     if is_rank_zero():
         for sink in options.sinks:
             sink.start(state.step)
         _check_totals(state, options.totals)
+    return _Memory(started=options.clock(), seen=seen, lrs=(_lrs(state.optimizer), {}))
 
 
 def _on_step(options: _Options, memory: _Memory, event: Event) -> TrainState | None:
@@ -513,11 +510,9 @@ def _check_totals(state: TrainState, names: Sequence[str]) -> None:
     entry = state.extras.get(KEY)
     through = entry.get("through") if names and isinstance(entry, Mapping) else None
     if isinstance(through, int) and through < state.step:
-        warnings.warn(
-            f"log_metrics: the run totals in the state count the updates up to step "
-            f"{through}, and the run resumes from step {state.step}: the "
-            f"{state.step - through} updates between are in no total. Save checkpoints at "
-            "multiples of log_metrics's every.",
-            RuntimeWarning,
-            stacklevel=5,
+        message = (
+            f"log_metrics: the run totals in the state count the updates up to step {through}, "
+            f"and the run resumes from step {state.step}: the {state.step - through} updates "
+            "between are in no total. Save checkpoints at multiples of log_metrics's every."
         )
+        warnings.warn(message, RuntimeWarning, stacklevel=5)
