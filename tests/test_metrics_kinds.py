@@ -139,28 +139,18 @@ def test_sinks_start_at_the_step_the_run_resumes_from(tmp_path: Path) -> None:
             return event.state.replace(extras={**event.state.extras, "val": entry})
         return None
 
-    step = make_step(_tokens_loss)
-    save = checkpoints(tmp_path / "ckpt", every=4, at_end=False)
-    run(
-        step,
-        frozen_state(),
-        _DATA,
-        max_steps=4,
-        plugins=[val, log_metrics(4, sinks=[sink()]), save],
-    )
+    def go(every: int, max_steps: int) -> None:
+        save = checkpoints(tmp_path / "ckpt", every=4, at_end=False)
+        plugins = [val, log_metrics(every, sinks=[sink()]), save]
+        run(make_step(_tokens_loss), frozen_state(), _DATA, max_steps=max_steps, plugins=plugins)
+
+    go(every=4, max_steps=4)
     # The entry made at the run's first update is published (it is not from an earlier run).
     assert started == [0] and [s for s, m in rows if "val/score" in m] == [1]
     rows.clear()
     # checkpoints restores at "restore", before every "start": log_metrics starts its sinks
     # at the resumed step, and the restored val entry of step 1 is not published again.
-    load = checkpoints(tmp_path / "ckpt", every=4, at_end=False)
-    run(
-        step,
-        frozen_state(),
-        _DATA,
-        max_steps=6,
-        plugins=[val, log_metrics(1, sinks=[sink()]), load],
-    )
+    go(every=1, max_steps=6)
     assert started == [0, 4]
     assert [s for s, _ in rows] == [5, 6] and not any("val/score" in m for _, m in rows)
 
