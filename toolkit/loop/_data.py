@@ -21,13 +21,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from toolkit.checkpoints._rng import capture_rng, restore_rng
 
-__all__ = [
-    "batches_per_epoch",
-    "is_stateful",
-    "position",
-    "snapshot",
-    "unseen",
-]
+__all__ = ["batches_per_epoch", "is_stateful", "position", "snapshot", "unseen"]
 
 # Where a DataLoader keeps the generators its passes draw from.
 _ROLES = ("generator", "sampler.generator", "batch_sampler.sampler.generator")
@@ -139,22 +133,15 @@ def _skipping_copy(loader: DataLoader, seen: int) -> tuple[DataLoader, _SkipFirs
 
 
 def _persistent(data: Any) -> str | None:
+    # Its workers draw from the generator when they start, at another epoch on a resume.
     if getattr(data, "persistent_workers", False) and getattr(data, "num_workers", 0) > 0:
-        # Its workers draw from the generator when they start, at another epoch on a resume.
-        return (
-            "a DataLoader with persistent_workers=True draws from its generator when it starts "
-            "its workers, so the resumed order differs; use persistent_workers=False"
-        )
+        return "persistent_workers=True draws from its generator as workers start: order differs"
     return None
 
 
 def _unless_snapshot(snap: Any) -> str | None:
-    if snap:
-        return None
-    return (
-        "the state carries no record of the randomness this pass started from (an empty "
-        "state.data_state), so the order may differ; resume from a state that run() made"
-    )
+    why = "the state carries no record of the randomness this pass started from"
+    return None if snap else f"{why} (empty state.data_state), so the order may differ"
 
 
 def _reads_again(data: Any, seen: int) -> str:

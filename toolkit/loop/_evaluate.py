@@ -161,12 +161,11 @@ def _evaluate(
     check_weight_values(who, _count_name(who), reduced.weights)
     sums, _ = sum_over_ranks(who, reduced.sums, group=data_parallel_group(model))  # type: ignore[arg-type]
     if sums and not any(weight for _, weight in sums.values()):
-        warnings.warn(
-            f"{who}: every batch of the pass{where} had weight 0 (the counts eval_fn returned "
-            "sum to 0 over all ranks), so every metric is NaN; check the counts eval_fn returns.",
-            RuntimeWarning,
-            stacklevel=2,
+        why = "the counts eval_fn returned sum to 0 over all ranks"
+        message = (
+            f"{who}: every batch of the pass{where} had weight 0 ({why}), so every metric is NaN"
         )
+        warnings.warn(f"{message}; check the counts eval_fn returns.", RuntimeWarning, stacklevel=2)
     # A metric whose weights sum to 0 (e.g. batches without tokens) has no mean: NaN.
     return {
         name: total / weight if weight else math.nan

@@ -139,29 +139,20 @@ def _close(iterator: Iterator[Any]) -> None:
 
 def _counted(loop: LoopInfo, state: TrainState, partial: PartialWindow) -> LoopInfo:
     """``loop`` with the run's start step and total number of updates, from ``state``."""
-    total = _total_steps(state, loop, partial)
+    epochs, batches, k = loop.epochs, loop.batches_per_epoch, loop.micro_batches
+    total = loop.max_steps
+    if epochs is not None and batches is not None:
+        left = 0
+        if epochs > state.epoch:
+            # Micro-batches of a window left open by the previous run still count toward it.
+            this = batches - state.batches_seen + state.window.micro_step
+            passes = epochs - state.epoch - 1
+            if partial == "epoch":  # every pass ends with a window of its own, however short
+                left = -(-this // k) + passes * -(-batches // k)
+            else:  # "end" applies the last short window, "carry" never does
+                left = (this + passes * batches + (k - 1 if partial == "end" else 0)) // k
+        total = state.step + left if total is None else min(total, state.step + left)
     return dataclasses.replace(loop, start_step=state.step, total_steps=total)
-
-
-def _total_steps(state: TrainState, loop: LoopInfo, partial: PartialWindow) -> int | None:
-    max_steps, epochs, batches, k = (
-        loop.max_steps,
-        loop.epochs,
-        loop.batches_per_epoch,
-        loop.micro_batches,
-    )
-    if epochs is None or batches is None:
-        return max_steps
-    left = 0
-    if epochs > state.epoch:
-        # Micro-batches of a window left open by the previous run still count toward it.
-        this = batches - state.batches_seen + state.window.micro_step
-        passes = epochs - state.epoch - 1
-        if partial == "epoch":  # every pass ends with a window of its own, however short
-            left = -(-this // k) + passes * -(-batches // k)
-        else:  # "end" applies the last short window, "carry" never does
-            left = (this + passes * batches + (k - 1 if partial == "end" else 0)) // k
-    return state.step + left if max_steps is None else min(max_steps, state.step + left)
 
 
 def _validate(
@@ -224,10 +215,8 @@ def _call(plugins: Sequence[Plugin], event: Event) -> TrainState:
     for plugin in plugins:
         new = plugin(event if state is event.state else event._replace(state=state))
         if new is not None and not isinstance(new, TrainState):
-            name = getattr(plugin, "__name__", plugin)
-            raise TypeError(
-                f"plugin {name!r} returned {type(new).__name__}; expected a TrainState or None."
-            )
+            got = f"{getattr(plugin, '__name__', plugin)!r} returned {type(new).__name__}"
+            raise TypeError(f"plugin {got}; expected a TrainState or None.")
         state = state if new is None else new
     return state
 
@@ -336,8 +325,7 @@ def run(
     _validate(state, data, max_steps, epochs, plugins)
     plugins = sorted(plugins, key=lambda plugin: getattr(plugin, "order", USER_ORDER))
     _check_partial(step, partial_window)
-    accumulation = getattr(step, "accumulation", None)
-    k = accumulation.micro_batches if accumulation is not None else 1
+    k = getattr(getattr(step, "accumulation", None), "micro_batches", 1)
     batches = batches_per_epoch(data)
     # Ranks whose passes differ in length would hang in the step's collectives at the end of
     # the shortest: one all-reduce per run (none without data parallelism) refuses that.
@@ -376,8 +364,9 @@ def run(
         if window.pending:
             state = state._evolve({"batches_seen": state.batches_seen + window.pending})
         outs, batches_ = tuple(window.outs), tuple(window.batches)
-        end = Event("end", state, loop, error=error, outs=outs, batches=batches_)
-        state = _end(plugins, end, error)
+        state = _end(
+            plugins, Event("end", state, loop, None, 0.0, 0.0, error, outs, batches_), error
+        )
     return state
 
 
