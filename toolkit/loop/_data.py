@@ -100,7 +100,8 @@ class _SkipFirst:
     """
 
     def __init__(self, inner: Any, n: int) -> None:
-        self.inner, self.n, self._rest = inner, n, None
+        self.inner, self.n = inner, n
+        self._rest: list[Any] | None = None
 
     def rest(self) -> list[Any]:
         if self._rest is None:

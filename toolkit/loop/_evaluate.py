@@ -132,8 +132,7 @@ def _evaluate(
     ``who`` names the caller in errors and warnings (``"evaluate"`` for the function).
     """
     # Per submodule: a model in train mode may hold frozen parts in eval mode on purpose.
-    modules = list(model.modules())
-    modes = [(module, module.training) for module in modules]
+    modes = [(module, module.training) for module in model.modules()]
     records, weights = [], []
     model.eval()
     try:
@@ -147,9 +146,8 @@ def _evaluate(
     finally:
         for module, training in modes:
             module.training = training
-        # FSDP2 keeps the root's parameters gathered after a forward without backward (it
-        # expects one); training found them sharded, so it gets them back sharded.
-        for module in modules:
+            # FSDP2 keeps the root's parameters gathered after a forward without backward (it
+            # expects one); training found them sharded, so it gets them back sharded.
             kind = type(module)  # fully_shard gives the module an FSDPModule subclass
             if hasattr(kind, "set_requires_gradient_sync") and hasattr(kind, "reshard"):
                 module.reshard()  # type: ignore[operator]
