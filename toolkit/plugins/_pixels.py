@@ -17,21 +17,19 @@ _CHANNELS = (1, 3, 4)  # grey, RGB, RGBA
 def pixels(who: str, name: str, image: Any) -> torch.Tensor:
     """``image`` as a contiguous CPU ``uint8`` tensor of shape ``(H, W, C)``, C in 1, 3, 4.
 
-        A tensor is ``(H, W)`` (grey), or 3-D: **CHW when its first dimension is 1, 3 or 4**
-        (torch's convention), else HWC (its last dimension must then be 1, 3 or 4); so an HWC
-        image whose height is 1, 3 or 4 must be given as CHW. ``uint8`` values are pixels as
-        they are; floating-point values are intensities in [0, 1] (clamped to it, then
-        ``round(x * 255)``). A matplotlib figure is drawn (RGBA) with its own canvas when
-        that draws with Agg, else with an Agg canvas that replaces it.
+    A tensor is ``(H, W)`` (grey), or 3-D: **CHW when its first dimension is 1, 3 or 4**
+    (torch's convention), else HWC (its last dimension must then be 1, 3 or 4); so an HWC
+    image whose height is 1, 3 or 4 must be given as CHW. ``uint8`` values are pixels as
+    they are; floating-point values are intensities in [0, 1] (clamped to it, then
+    ``round(x * 255)``). A matplotlib figure is drawn (RGBA) with its own canvas when
+    that draws with Agg, else with an Agg canvas that replaces it.
 
-        Example:
-            >>> import torch
-
-    from toolkit._checks import check
-            >>> pixels("log_images", "grid", torch.zeros(3, 2, 5)).shape  # CHW
-            torch.Size([2, 5, 3])
-            >>> pixels("log_images", "grid", torch.tensor([[0.0, 0.5, 1.0]])).flatten().tolist()
-            [0, 128, 255]
+    Example:
+        >>> import torch
+        >>> pixels("log_images", "grid", torch.zeros(3, 2, 5)).shape  # CHW
+        torch.Size([2, 5, 3])
+        >>> pixels("log_images", "grid", torch.tensor([[0.0, 0.5, 1.0]])).flatten().tolist()
+        [0, 128, 255]
     """
     figure = sys.modules.get("matplotlib.figure")  # a figure exists only if this is imported
     if figure is not None and isinstance(image, figure.Figure):
