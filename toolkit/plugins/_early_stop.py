@@ -89,20 +89,19 @@ def early_stop(
     check(ok and min_delta >= 0, "early_stop", "min_delta", "a number >= 0", min_delta)
     check_one_of("early_stop", "mode", mode, ("min", "max"), " (is lower or higher better)")
     check_key("early_stop", key)
+    fresh = EarlyStopEntry(metric=metric, seen_step=None, best=None, best_step=None, bad=0)
 
     def plugin(event: Event) -> TrainState | None:
         state = event.state
         if event.kind == "start":
             claim(event, key, "early_stop")
         if event.kind == "end" and event.error is None and name not in state.extras:
-            warnings.warn(
-                f"early_stop: state.extras never got a {name!r} entry to read {metric!r} "
-                f"from during this run (entries: {sorted(state.extras)}), so it never judged "
-                f"a score. Check the name, and that validate(..., key={name!r}) evaluates "
-                "within the run (e.g. at_end=True).",
-                RuntimeWarning,
-                stacklevel=2,
+            message = (
+                f"early_stop: state.extras never got a {name!r} entry to read {metric!r} from "
+                f"(entries: {sorted(state.extras)}), so no score was judged. Check the name, "
+                f"and that validate(..., key={name!r}) evaluates in the run (e.g. at_end=True)."
             )
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
         if event.kind in ("restore", "start", "end") or name not in state.extras:
             return None
         parsed = metric_entry(state.extras[name])
@@ -114,9 +113,7 @@ def early_stop(
         step, metrics = parsed
         counters: EarlyStopEntry | None = state.extras.get(key)
         if counters is None or counters["metric"] != metric:
-            counters = EarlyStopEntry(
-                metric=metric, seen_step=None, best=None, best_step=None, bad=0
-            )
+            counters = fresh
         if step == counters["seen_step"]:
             return None
         if sub not in metrics:
@@ -132,11 +129,10 @@ def early_stop(
         state = state.replace(extras={**state.extras, key: counters})
         if counters["bad"] < patience:
             return state
-        best_text = f"{counters['best']:.4g}" if counters["best"] is not None else "none"
-        reason = (
-            f"early_stop: {metric} did not improve by more than {min_delta:g} for "
-            f"{counters['bad']} evaluations (best {best_text} at step {counters['best_step']})"
+        best = f"{counters['best']:.4g}" if counters["best"] is not None else "none"
+        return state.replace(
+            stop=f"early_stop: {metric} did not improve by more than {min_delta:g} for "
+            f"{counters['bad']} evaluations (best {best} at step {counters['best_step']})"
         )
-        return state.replace(stop=reason)
 
     return plugin

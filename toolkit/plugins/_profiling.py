@@ -81,7 +81,7 @@ def profile(
     check(ok, "profile", "record_shapes", "True or False", record_shapes, "", TypeError)
     running: Any = None  # the profiler (one run at a time)
     trace_step = 0  # the state.step its next trace is named after
-    cycles = repeat * (wait + warmup + active)
+    schedule = torch.profiler.schedule(wait=wait, warmup=warmup, active=active, repeat=repeat)
 
     def export(prof: torch.profiler.profile) -> None:
         prof.export_chrome_trace(str(folder / f"trace_step{trace_step}.json"))
@@ -94,9 +94,7 @@ def profile(
             cuda = [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
             running = torch.profiler.profile(
                 activities=[ProfilerActivity.CPU, *cuda],
-                schedule=torch.profiler.schedule(
-                    wait=wait, warmup=warmup, active=active, repeat=repeat
-                ),
+                schedule=schedule,
                 on_trace_ready=export,
                 record_shapes=record_shapes,
             )
@@ -109,7 +107,7 @@ def profile(
                     # Each cycle is exported on its own, which is what this warning is about.
                     warnings.filterwarnings("ignore", message=_PER_CYCLE, category=UserWarning)
                     prof.step()
-                if repeat and prof.step_num >= cycles:
+                if repeat and prof.step_num >= repeat * (wait + warmup + active):
                     # Every cycle is written: stop now rather than pay a profiler step (tens
                     # of microseconds) per update for the rest of the run.
                     running = None

@@ -10,7 +10,7 @@ from typing import Any
 
 import rich
 import rich.console
-import rich.progress
+from rich.progress import BarColumn, Progress, TextColumn
 
 from toolkit._checks import check, check_count
 from toolkit.distributed._collectives import is_rank_zero
@@ -30,10 +30,10 @@ class _Bar:
     every: int
     warmup: int
     clock: Callable[[], float]
-    show: tuple[str, ...]
+    show: Sequence[str]
     counts: str
     min_interval: float
-    records: tuple[str, ...]
+    records: Sequence[str]
     times: bool
     console: rich.console.Console | None  # as given; None for rich's global console
     shown: rich.console.Console | None = None  # the console drawn on in this run
@@ -48,7 +48,7 @@ class _Bar:
     warm_at: float | None = None  # clock() at that step, once reached
     last_time: float = 0.0  # clock() at the last refresh
     shown_step: int = 0  # state.step of the last line
-    live: rich.progress.Progress | None = None
+    live: Progress | None = None
     task: Any = None
 
 
@@ -179,18 +179,15 @@ def progress(
           min_interval)  # fmt: skip
     ok = console is None or isinstance(console, rich.console.Console)
     check(ok, "progress", "console", "a rich.console.Console or None", console, "", TypeError)
-    check(
-        callable(clock), "progress", "clock", "a function returning seconds", clock, "", TypeError
-    )
+    ok = callable(clock)
+    check(ok, "progress", "clock", "a function returning seconds", clock, "", TypeError)
     bar = _Bar(every, warmup, clock, show, counts, min_interval, records, times, console)
 
     def plugin(event: Event) -> None:
         if event.kind == "step" and bar.shown is not None:  # None off rank 0, outside a run
             _step(bar, event)
-        elif event.kind == "start":
-            _stop(bar)
-            if is_rank_zero():
-                _start(bar, event)
+        elif event.kind == "start" and is_rank_zero():
+            _start(bar, event)
         elif event.kind == "end" and bar.shown is not None:
             try:
                 if event.error is None and event.state.step != bar.shown_step:
@@ -202,18 +199,15 @@ def progress(
 
 
 def _start(bar: _Bar, event: Event) -> None:
+    _stop(bar)  # a run that ended without "end"
     shown = bar.console if bar.console is not None else rich.get_console()
     now, step, bar.total, bar.lr = bar.clock(), event.state.step, event.loop.total_steps, None
     bar.shown, bar.last_time, bar.shown_step = shown, now, step
     bar.warm_from, bar.warm_at = step + bar.warmup, now if bar.warmup == 0 else None
     if shown.is_terminal:
-        bar.live = rich.progress.Progress(
-            rich.progress.TextColumn("{task.fields[head]}"),
-            rich.progress.BarColumn(),
-            rich.progress.TextColumn("{task.fields[info]}"),
-            console=shown,
-            auto_refresh=False,  # redrawn at refreshes only: no thread competing with training
-        )
+        columns = TextColumn("{task.fields[head]}"), BarColumn(), TextColumn("{task.fields[info]}")
+        # Redrawn at refreshes only (no auto_refresh): no thread competing with training.
+        bar.live = Progress(*columns, console=shown, auto_refresh=False)
         head = _head(step, bar.total)
         bar.task = bar.live.add_task("train", total=bar.total, completed=step, head=head, info="")
         bar.live.start()
@@ -232,9 +226,7 @@ def _step(bar: _Bar, event: Event) -> None:
             _refresh(bar, event.state, now)
 
 
-def _refresh(
-    bar: _Bar, state: TrainState, now: float, open_window: Sequence[StepOutput] = ()
-) -> None:
+def _refresh(bar: _Bar, state: TrainState, now: float, open_window: Any = ()) -> None:
     windows, interval = len(bar.windows), Interval()
     chosen = frozenset(bar.records)
     flatten = (lambda record: flat_scalars(record, chosen, "progress")) if chosen else None

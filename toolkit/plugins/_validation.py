@@ -23,8 +23,8 @@ _PLATEAU = "<state.scheduler: ReduceLROnPlateau>"
 
 def _check_plateau(event: Event, plateau_metric: str | None, monitor: str, mode: str, me: str):
     """At ``"start"``: a ReduceLROnPlateau in the state is stepped by exactly one validate."""
+    scheduler = event.state.scheduler
     if plateau_metric is None:
-        scheduler = event.state.scheduler
         if isinstance(scheduler, ReduceLROnPlateau) and _PLATEAU not in event.loop.claimed:
             raise ValueError(
                 "validate: state.scheduler is a ReduceLROnPlateau, which the train step "
@@ -33,7 +33,6 @@ def _check_plateau(event: Event, plateau_metric: str | None, monitor: str, mode:
                 f"e.g. validate(..., plateau_metric={monitor!r})."
             )
         return
-    scheduler = event.state.scheduler
     if not isinstance(scheduler, ReduceLROnPlateau):
         raise ValueError(
             f"validate: plateau_metric={plateau_metric!r} steps a ReduceLROnPlateau in "
@@ -183,10 +182,8 @@ def validate(
     check_one_of("validate", "mode", mode, ("min", "max"), " (is lower or higher better)")
     once = isinstance(data, Iterator)
     check(not once, "validate", "data", "re-iterable (a list), not a one-shot iterator", data)
-    callable_ = model is None or callable(model)
-    check(
-        callable_, "validate", "model", "a function state -> module or None", model, "", TypeError
-    )
+    ok = model is None or callable(model)
+    check(ok, "validate", "model", "a function state -> module or None", model, "", TypeError)
     named = plateau_metric is None or (isinstance(plateau_metric, str) and bool(plateau_metric))
     metric = "the name of a metric eval_fn returns, e.g. 'loss', or None"
     check(named, "validate", "plateau_metric", metric, plateau_metric)
