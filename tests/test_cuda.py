@@ -99,7 +99,8 @@ def _syncs_counted() -> Iterator[list[str]]:
             yield found
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    found.extend(str(w.message) for w in caught if "synchroniz" in str(w.message).lower())
+    # Only the reports of a synchronising call (the mode also warns that it is a prototype).
+    found.extend(str(w.message) for w in caught if "called a synchronizing" in str(w.message))
 
 
 # The model, data and the loop by hand ----------------------------------------------------
@@ -573,7 +574,7 @@ def test_ddp_over_nccl_saves_on_a_signal_exits_and_resumes(
     log = f"{first.stdout}\n{first.stderr}"
     assert first.returncode == 128 + signal.SIGUSR1, log
     if device.type == "cuda":
-        assert "backend cuda:nccl,cpu:gloo" in first.stdout, log
+        assert "backend nccl" in first.stdout, log  # setup() asks for NCCL alone
     assert "finished" not in first.stdout, log
     assert [info.step for info in list_checkpoints(folder)] == [3], log
 

@@ -359,7 +359,7 @@ def test_one_host_sync_on_cuda() -> None:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert result == {"loss": 9.5, "n": 9.5}
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    syncs = [w for w in caught if "called a synchronizing" in str(w.message)]
     assert len(syncs) == 1, [str(w.message) for w in syncs]
 
 
