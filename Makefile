@@ -1,5 +1,6 @@
 # Every target builds its own virtual environment on first use.
-# make bench BENCH_ARGS="--repeat 5" measures five times and prints the range;
+# make bench BENCH_ARGS="--repeat 5" measures five times and prints the range (the compiled
+# transformer rows of overhead.py take about 10 minutes of it);
 # CHECKPOINT_BENCH_ARGS="--rounds 9 --dir /mnt/fast" goes to the checkpoint benchmark.
 #
 # torch is installed first, pinned, from pip's configured index: on an ordinary Linux x86
@@ -54,7 +55,7 @@ example-ddp: install
 	$(BIN)/torchrun --standalone --nproc_per_node=2 examples/ddp_digits.py
 
 bench: install
-	$(BIN)/python benchmarks/overhead.py $(BENCH_ARGS)
+	$(BIN)/python benchmarks/overhead.py --compiled $(BENCH_ARGS)
 	$(BIN)/python benchmarks/checkpoint.py $(CHECKPOINT_BENCH_ARGS)
 	$(BIN)/python benchmarks/ddp.py
 
