@@ -4,10 +4,15 @@
     python examples/from_accel_hydra.py                    # config: accel_hydra_conf/config.yaml
     python examples/from_accel_hydra.py epochs=3 lr_scheduler_interval=step optimizer.lr=3e-3
     python examples/from_accel_hydra.py hydra.run.dir=runs/ah   # where the run folder goes
+    python examples/from_accel_hydra.py device=cpu         # default (null): cuda when available
+    python examples/from_accel_hydra.py --quick --device cpu --out /tmp/ah   # a smoke test
 
 Everything the run writes (metrics.jsonl, checkpoints/, Hydra's .hydra/ and log) goes to
-Hydra's run folder. The task: two concentric noisy circles, an MLP classifier, validation
-and early stopping on the validation loss every epoch, the best checkpoint kept.
+Hydra's run folder. The other examples' flags work too, as Hydra overrides: ``--quick`` is
+``epochs=2 log_every_n_steps=4`` (overrides given after it still win), ``--device D`` is
+``device=D`` and ``--out DIR`` is ``hydra.run.dir=DIR``. The task: two concentric noisy
+circles, an MLP classifier, validation and early stopping on the validation loss every
+epoch, the best checkpoint kept.
 
 accel_hydra                                   toolkit
 --------------------------------------------  ---------------------------------------------
@@ -48,6 +53,7 @@ difference.
 
 from __future__ import annotations
 
+import argparse
 import math
 import pathlib
 import sys
@@ -57,7 +63,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from toolkit import TrainState, accumulate, clip, compose, make_step, per_epoch, run
+from toolkit import TrainState, accumulate, clip, compose, make_step, per_epoch, run, to_device
 from toolkit.plugins import (
     checkpoints,
     early_stop,
@@ -87,12 +93,13 @@ def circles(n: int, noise: float, generator: torch.Generator) -> TensorDataset:
 
 
 def training_step(model: nn.Module, batch) -> torch.Tensor:
-    features, labels = batch
+    # Inputs and targets go where the model is; non_blocking: from pinned memory on CUDA.
+    features, labels = to_device(batch, next(model.parameters()).device, non_blocking=True)
     return F.cross_entropy(model(features), labels)
 
 
 def validation_step(model: nn.Module, batch) -> dict[str, torch.Tensor]:
-    features, labels = batch
+    features, labels = to_device(batch, next(model.parameters()).device, non_blocking=True)
     logits = model(features)
     return {
         "loss": F.cross_entropy(logits, labels),
@@ -112,20 +119,45 @@ def sinks(cfg: DictConfig, out: pathlib.Path) -> list:
     return [known[name]() for name in cfg.logging_config.report_to]
 
 
+def as_hydra_overrides(argv: list[str]) -> list[str]:
+    """Command-line arguments with the other examples' flags turned into Hydra overrides.
+
+    Example:
+        >>> as_hydra_overrides(["--quick", "--device", "cpu", "epochs=3"])
+        ['epochs=2', 'log_every_n_steps=4', 'device=cpu', 'epochs=3']
+    """
+    # No -h and no abbreviations: Hydra's own flags (--help, --cfg, --multirun) pass through.
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--device")
+    parser.add_argument("--out")
+    flags, rest = parser.parse_known_args(argv)
+    overrides = ["epochs=2", "log_every_n_steps=4"] if flags.quick else []
+    if flags.device:
+        overrides.append(f"device={flags.device}")
+    if flags.out:
+        overrides.append(f"hydra.run.dir={flags.out}")
+    return overrides + rest  # Hydra applies them in order: the last value of a key wins
+
+
 @hydra.main(version_base=None, config_path="accel_hydra_conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     out = pathlib.Path(HydraConfig.get().runtime.output_dir)
     torch.manual_seed(cfg.seed)
+    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    pin_memory = device.type == "cuda"  # lets the steps' copies to the GPU run asynchronously
     generator = torch.Generator().manual_seed(cfg.seed)
     train_loader = DataLoader(
         circles(cfg.data.n_train, cfg.data.noise, generator),
         batch_size=cfg.data.batch_size,
         shuffle=True,
         generator=generator,
+        pin_memory=pin_memory,
     )
-    val_loader = DataLoader(circles(cfg.data.n_val, cfg.data.noise, generator), batch_size=256)
+    val_data = circles(cfg.data.n_val, cfg.data.noise, generator)
+    val_loader = DataLoader(val_data, batch_size=256, pin_memory=pin_memory)
 
-    model = hydra.utils.instantiate(cfg.model)
+    model = hydra.utils.instantiate(cfg.model).to(device)
     optimizer = hydra.utils.instantiate(cfg.optimizer)(model.parameters())
     lr_scheduler = hydra.utils.instantiate(cfg.lr_scheduler)(optimizer)
     if cfg.lr_scheduler_interval not in ("step", "epoch"):
@@ -180,4 +212,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    sys.argv[1:] = as_hydra_overrides(sys.argv[1:])
     main()

@@ -2,6 +2,7 @@
 
     python examples/from_fairseq2.py --out runs/f2          # 30 data epochs, 240 updates
     python examples/from_fairseq2.py --quick --out /tmp/f2  # 4 data epochs, a smoke test
+    python examples/from_fairseq2.py --device cpu           # default: cuda when available
 
 A small GRU language model learns sequences of variable length (padded batches, so the
 number of targets differs from batch to batch): each sequence counts up by a stride of its
@@ -56,7 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from toolkit import LossSum, TrainState, accumulate, clip, compose, make_step, run
+from toolkit import LossSum, TrainState, accumulate, clip, compose, make_step, run, to_device
 from toolkit.plugins import checkpoints, jsonl, log_metrics, progress, validate
 
 SEED = 2  # fairseq2's default seed
@@ -92,6 +93,8 @@ class Model(nn.Module):
 
 def train_unit(model: nn.Module, batch: dict[str, torch.Tensor]) -> LossSum:
     """TrainUnit.__call__: the summed loss over real targets, and how many there are."""
+    # Inputs and targets go where the model is; non_blocking: from pinned memory on CUDA.
+    batch = to_device(batch, next(model.parameters()).device, non_blocking=True)
     logits = model(batch["inputs"])
     targets = batch["targets"]
     total = F.cross_entropy(
@@ -112,19 +115,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="4 data epochs, not 30")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/f2"))
+    parser.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="where to train (default: cuda when available)",
+    )
     args = parser.parse_args()
     max_num_data_epochs = 4 if args.quick else 30
 
     torch.manual_seed(SEED)
+    device = torch.device(args.device)
+    pin_memory = device.type == "cuda"  # lets train_unit's copies run asynchronously
     generator = torch.Generator().manual_seed(SEED)
     train_data, valid_data = sequences(256, generator), sequences(64, generator)
     data_reader = DataLoader(
-        train_data, batch_size=16, shuffle=True, generator=generator, collate_fn=collate
+        train_data,
+        batch_size=16,
+        shuffle=True,
+        generator=generator,
+        collate_fn=collate,
+        pin_memory=pin_memory,
     )
-    valid_reader = DataLoader(valid_data, batch_size=64, collate_fn=collate)
+    valid_reader = DataLoader(valid_data, batch_size=64, collate_fn=collate, pin_memory=pin_memory)
     targets_per_epoch = sum(len(s) - 1 for s in train_data)
 
-    model = Model()
+    model = Model().to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     state = TrainState(model=model, optimizer=optimizer)
     step = compose(accumulate(micro_batches=2), clip(max_norm=1.0))(make_step(train_unit))

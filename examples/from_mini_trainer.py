@@ -2,6 +2,7 @@
 
     python examples/from_mini_trainer.py --out runs/mini          # 600 updates
     python examples/from_mini_trainer.py --quick --out /tmp/mini  # 40 updates, a smoke test
+    python examples/from_mini_trainer.py --device cpu             # default: cuda when available
 
 Stop it (Ctrl-C after a save, SIGTERM, or ``--max-steps 200``) and run the same command again:
 it resumes from ``runs/mini/checkpoints`` (mini.trainer's ``CheckpointingHook(load="latest")``).
@@ -54,20 +55,35 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from toolkit import TrainState, accumulate, amp_wrap, clip, compose, guard_nonfinite, make_step, run
+from toolkit import (
+    TrainState,
+    accumulate,
+    amp_wrap,
+    clip,
+    compose,
+    guard_nonfinite,
+    make_step,
+    run,
+    to_device,
+)
 from toolkit.plugins import checkpoints, ema, jsonl, log_metrics, peak_memory, progress
 
 SEED = 0
 
 
-def build_data_loader(seed: int) -> DataLoader:
-    """MNIST-shaped synthetic data: 784 inputs, 10 classes given by a fixed random teacher."""
+def build_data_loader(seed: int, pin_memory: bool = False) -> DataLoader:
+    """MNIST-shaped synthetic data: 784 inputs, 10 classes given by a fixed random teacher.
+
+    ``pin_memory`` (on CUDA) lets forward's copies to the GPU run asynchronously.
+    """
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(4096, 784, generator=generator)
     teacher = torch.randn(784, 10, generator=generator)
     y = (x @ teacher).argmax(dim=1)
     shuffle = torch.Generator().manual_seed(seed)
-    return DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True, generator=shuffle)
+    return DataLoader(
+        TensorDataset(x, y), batch_size=32, shuffle=True, generator=shuffle, pin_memory=pin_memory
+    )
 
 
 def build_model() -> nn.Module:
@@ -76,7 +92,8 @@ def build_model() -> nn.Module:
 
 def forward(model: nn.Module, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """mini.trainer's forward(input): the loss and a dict of records to log."""
-    x, y = batch
+    # Inputs and targets go where the model is; non_blocking: from pinned memory on CUDA.
+    x, y = to_device(batch, next(model.parameters()).device, non_blocking=True)
     logits = model(x)
     return F.cross_entropy(logits, y), {"accuracy": (logits.argmax(1) == y).float().mean()}
 
@@ -86,13 +103,19 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="40 updates: a smoke test")
     parser.add_argument("--max-steps", type=int, help="stop after this many updates in total")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/mini"))
+    parser.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="where to train (default: cuda when available)",
+    )
     args = parser.parse_args()
     planned = 40 if args.quick else 600  # the schedule's length; --max-steps may stop sooner
     max_steps = args.max_steps or planned
     every = 10 if args.quick else 100
 
     torch.manual_seed(SEED)
-    model = build_model()
+    device = torch.device(args.device)
+    model = build_model().to(device)  # amp_wrap autocasts on the parameters' device type
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=planned)
     state = TrainState(model=model, optimizer=optimizer, scheduler=scheduler)
@@ -121,7 +144,8 @@ def main() -> None:
         progress(every=every, records=["accuracy"]),
         log_metrics(every=every, sinks=[jsonl(args.out / "metrics.jsonl")]),
     ]
-    state = run(step, state, build_data_loader(SEED), max_steps=max_steps, plugins=plugins)
+    loader = build_data_loader(SEED, pin_memory=device.type == "cuda")
+    state = run(step, state, loader, max_steps=max_steps, plugins=plugins)
     print(f"trained from step {started[0]} to step {state.step}")
 
 

@@ -2,6 +2,7 @@
 
     python examples/from_pytorch_accelerated.py --out runs/pa          # 12 epochs
     python examples/from_pytorch_accelerated.py --quick --out /tmp/pa  # 2 epochs: 46 updates
+    python examples/from_pytorch_accelerated.py --device cpu  # default: cuda when available
 
 A classifier on 360 training samples (3 Gaussian blobs, 2 features), per_device_batch_size 8
 (45 batches per epoch), gradient_accumulation_steps 2, value clipping, a OneCycleLR sized
@@ -53,7 +54,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from toolkit import TrainState, accumulate, clip, compose, evaluate, guard_nonfinite, make_step, run
+from toolkit import (
+    TrainState,
+    accumulate,
+    clip,
+    compose,
+    evaluate,
+    guard_nonfinite,
+    make_step,
+    run,
+    to_device,
+)
 from toolkit.plugins import Sink, jsonl, log_metrics, validate
 
 SEED = 0
@@ -70,13 +81,14 @@ def blobs(n: int, generator: torch.Generator) -> TensorDataset:
 
 def loss_fn(model: nn.Module, batch):
     """calculate_train_batch_loss: the loss, and the model outputs for step-end plugins."""
-    x, y = batch
+    # Inputs and targets go where the model is; non_blocking: from pinned memory on CUDA.
+    x, y = to_device(batch, next(model.parameters()).device, non_blocking=True)
     logits = model(x)
     return F.cross_entropy(logits, y), {"model_outputs": logits.detach()}
 
 
 def eval_fn(model: nn.Module, batch) -> dict[str, torch.Tensor]:
-    x, y = batch
+    x, y = to_device(batch, next(model.parameters()).device, non_blocking=True)
     logits = model(x)
     return {"loss": F.cross_entropy(logits, y), "accuracy": (logits.argmax(1) == y).float().mean()}
 
@@ -85,18 +97,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 epochs, not 12: a smoke test")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/pa"))
+    parser.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="where to train (default: cuda when available)",
+    )
     args = parser.parse_args()
     num_epochs = 2 if args.quick else 12
 
     torch.manual_seed(SEED)
+    device = torch.device(args.device)
+    pin_memory = device.type == "cuda"  # lets the loss function's copies run asynchronously
     generator = torch.Generator().manual_seed(SEED)
     train_dataset, eval_dataset = blobs(360, generator), blobs(120, generator)
     train_loader = DataLoader(
-        train_dataset, batch_size=BATCH_SIZE, shuffle=True, generator=generator
+        train_dataset,
+        batch_size=BATCH_SIZE,
+        shuffle=True,
+        generator=generator,
+        pin_memory=pin_memory,
     )
-    eval_loader = DataLoader(eval_dataset, batch_size=BATCH_SIZE)
+    eval_loader = DataLoader(eval_dataset, batch_size=BATCH_SIZE, pin_memory=pin_memory)
 
-    model = nn.Sequential(nn.Linear(2, 32), nn.ReLU(), nn.Linear(32, 3))
+    model = nn.Sequential(nn.Linear(2, 32), nn.ReLU(), nn.Linear(32, 3)).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     updates_per_epoch = math.ceil(len(train_loader) / ACCUMULATION)  # NUM_UPDATE_STEPS_PER_EPOCH
     scheduler = torch.optim.lr_scheduler.OneCycleLR(
@@ -109,13 +132,16 @@ def main() -> None:
         guard_nonfinite(max_retries=0),  # TerminateOnNaNCallback
     )(make_step(loss_fn))
 
-    correct = [0, 0]  # a step-end callback: train accuracy from each micro-batch's outputs
+    # A step-end callback: train accuracy from each micro-batch's outputs. The count of
+    # correct predictions stays a tensor on the model's device: no host sync per step.
+    correct, seen = torch.zeros((), dtype=torch.long, device=device), [0]
 
     def on_train_step_end(event) -> None:
         if event.kind == "step":
             for (_, y), out in zip(event.batches, event.outs):
-                correct[0] += int((out.records["model_outputs"].argmax(1) == y).sum())
-                correct[1] += len(y)
+                predicted = out.records["model_outputs"].argmax(1)
+                correct.add_((predicted == y.to(device, non_blocking=True)).sum())
+                seen[0] += len(y)
 
     def print_epoch(step: int, metrics: dict[str, float]) -> None:
         if "train/epoch_loss" in metrics:  # LogMetricsCallback's lines, at each epoch's end
@@ -140,7 +166,7 @@ def main() -> None:
     state = run(
         step, state, train_loader, epochs=num_epochs, plugins=plugins, partial_window="epoch"
     )
-    accuracy = correct[0] / correct[1]
+    accuracy = int(correct) / seen[0]
     print(f"{state.step} updates in {state.epoch} epochs; train accuracy {accuracy:.4f}")
 
     results = evaluate(eval_fn, state, eval_loader)  # trainer.evaluate(eval_dataset)

@@ -17,13 +17,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow  # each spawns a Python process that trains for a few seconds
 
 
-def _run_example(script: str, tmp_path: pathlib.Path) -> str:
+def _run_example(script: str, tmp_path: pathlib.Path, *args: str) -> str:
     """Run examples/<script> --quick in tmp_path, writing its run folder there; its stdout."""
     out = tmp_path / "run"
     # -W error: an example must run without warnings, like the test suite (filterwarnings).
     command = [sys.executable, "-W", "error", str(ROOT / "examples" / script), "--quick"]
     result = subprocess.run(
-        [*command, "--out", str(out)],
+        [*command, "--out", str(out), *args],
         cwd=tmp_path,
         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
         capture_output=True,
@@ -101,3 +101,19 @@ def test_gan_quick_alternates_two_states_and_moves_points_towards_the_modes(
     assert len(share) == 2 and share[1] > share[0], stdout
     for name in ("generator", "discriminator"):
         assert (tmp_path / "run" / name / "model.safetensors").is_file(), name
+
+
+def test_accel_hydra_takes_quick_device_and_out_like_the_other_examples(
+    tmp_path: pathlib.Path,
+) -> None:
+    pytest.importorskip("hydra", reason="the accel_hydra example needs the hydra extra")
+    omegaconf = pytest.importorskip("omegaconf")
+    # --quick is epochs=2 log_every_n_steps=4; an override given after it wins.
+    stdout = _run_example("from_accel_hydra.py", tmp_path, "--device", "cpu", "log_every_n_steps=8")
+    assert "trained 2 epochs" in stdout and "16 updates;" in stdout, stdout
+
+    out = tmp_path / "run"  # --out is Hydra's run folder
+    config = omegaconf.OmegaConf.load(out / ".hydra" / "config.yaml")
+    assert (config.device, config.epochs, config.log_every_n_steps) == ("cpu", 2, 8)
+    records = _metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records if "train/loss" in r] == [8, 16]
