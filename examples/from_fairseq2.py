@@ -167,7 +167,8 @@ def main() -> None:
     total = state.extras["log_metrics"]["totals"]["num_target_elements"]
     nll = state.extras["val"]["metrics"]["nll_loss"]
     print(f"targets per data epoch: {targets_per_epoch}")
-    print(f"{state.step} updates, {state.epoch} data epochs, {total} target elements in total")
+    # :.0f: the total is an int from CPU records, a float from CUDA tensor records.
+    print(f"{state.step} updates, {state.epoch} data epochs, {total:.0f} target elements in total")
     print(f"final validation nll_loss: {nll:.4f}")
 
 
