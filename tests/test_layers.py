@@ -58,3 +58,41 @@ def test_only_the_package_root_imports_the_decorator_factories() -> None:
     users = {m: sorted(i & DECORATOR_MODULES) for m, i in _graph().items() if m != "toolkit"}
     assert not {m: i for m, i in users.items() if i}, users
     assert {_module(p) for p in PACKAGE.rglob("*.py")} >= DECORATOR_MODULES
+
+
+COLLECTIVES = {
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_to_all",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "monitored_barrier",
+    "recv",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "register_comm_hook",
+    "scatter",
+    "send",
+}
+
+
+def test_only_toolkit_distributed_calls_collectives() -> None:
+    # One layer for what crosses ranks: its device rule and its cost table hold only if no
+    # other module issues a collective of its own.
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.parent.name == "distributed":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            func = node.func if isinstance(node, ast.Call) else None
+            if not (isinstance(func, ast.Attribute) and func.attr in COLLECTIVES):
+                continue
+            owner = ast.unparse(func.value)  # dist.all_reduce, torch.distributed.barrier
+            if owner in ("dist", "torch.distributed") or func.attr == "register_comm_hook":
+                found.append(f"{_module(path)}:{node.lineno} {owner}.{func.attr}")
+    assert not found, found
