@@ -563,7 +563,7 @@ def test_extra_objects_round_trip_and_must_match(tmp_path: Path) -> None:
     fresh = Counter()
     load_checkpoint(path, like=state, objects={"counter": fresh})
     assert (fresh.seen, fresh.history) == (7, [0.5, 0.25])
-    with pytest.raises(ValueError, match=r"objects: \['counter'\] in the checkpoint but not given"):
+    with pytest.raises(ValueError, match=r"\n  objects: .*'counter'\n"):
         load_checkpoint(path, like=state)
     with pytest.raises(TypeError, match=r"objects\['x'\] \(int\) has no state_dict\(\) and"):
         save_checkpoint(state, tmp_path / "d", objects={"x": 3})
@@ -605,24 +605,23 @@ def test_a_checkpoint_that_does_not_fit_the_template_lists_every_difference(
     with pytest.raises(ValueError) as error:
         load_checkpoint(path, like=template)
     message = str(error.value)
-    assert message.startswith(
-        f"load_checkpoint: {path} does not fit the template state (10 difference(s)):\n"
-    )
-    for line in [
-        "model: keys missing from the checkpoint: 'extra.bias', 'extra.weight'",
-        "model: unexpected keys in the checkpoint: 'calls', 'out.bias', 'out.weight'",
-        "model: 'inp.bias' has shape [8] in the checkpoint, [16] in the model",
-        "model: 'inp.weight' has shape [8, 4] in the checkpoint, [16, 4] in the model",
-        "optimizer: the checkpoint holds a Adam, the template a SGD",
-        "optimizer: 2 parameter group(s) in the checkpoint, 1 in the template",
-        "optimizer: parameter group 0 differs: missing ['inp.bias', 'extra.weight', "
-        "'extra.bias'], unexpected ['out.weight']",
-        "scheduler: the checkpoint holds a SequentialLR, the template a StepLR",
-        "extras['ema']: tensors missing from the checkpoint: extras['ema']['params']['extra.bias']",
-        "extras['ema']['params']['inp.weight']: shape [8, 4] in the checkpoint, [16, 4] in "
-        "the template",
+    assert message.startswith(f"load_checkpoint: {path} does not fit the template state (")
+    lines = message.split("\n  ")[1:]
+    # each difference once, on a line naming its component and the offending keys
+    for component, keys in [
+        ("model", ["'extra.bias'", "'extra.weight'"]),  # the template's, not saved
+        ("model", ["'calls'", "'out.bias'", "'out.weight'"]),  # saved, not the template's
+        ("model", ["'inp.bias'", "[8]", "[16]"]),
+        ("model", ["'inp.weight'", "[8, 4]", "[16, 4]"]),
+        ("optimizer", ["Adam", "SGD"]),
+        ("optimizer", ["'out.weight'"]),  # in group 0 of the checkpoint, not the template
+        ("optimizer", ["'extra.weight'", "'extra.bias'"]),
+        ("scheduler", ["SequentialLR", "StepLR"]),
+        ("extras", ["['ema']['params']['extra.bias']"]),
+        ("extras", ["['ema']['params']['inp.weight']", "[8, 4]", "[16, 4]"]),
     ]:
-        assert f"\n  {line}\n" in message, line
+        assert any(component in line and all(k in line for k in keys) for line in lines), keys
+    assert f"({len(lines)} difference(s))" in message
     assert message.endswith(
         "\nBuild the template like the saved run (same model, optimizer, scheduler and "
         "plugins), or load the model alone with safetensors.torch.load_file."
@@ -643,19 +642,11 @@ def test_missing_handles_and_parameter_groups_are_differences(tmp_path: Path) ->
     )
     with pytest.raises(ValueError) as error:
         load_checkpoint(path, like=TrainState(model=model, optimizer=optimizer))
-    message = str(error.value)
-    assert (
-        "\n  optimizer: parameter group 0 differs: missing ['inp.bias'], unexpected []\n" in message
-    )
-    assert (
-        "\n  optimizer: parameter group 1 differs: missing [], unexpected ['inp.bias']\n" in message
-    )
-    assert (
-        "\n  scheduler: the checkpoint has one, the template has none (its state would be lost)\n"
-        in message
-    )
+    lines = str(error.value).split("\n  ")[1:]
+    assert any("optimizer" in line and "'inp.bias'" in line for line in lines)  # its group
+    assert any("scheduler" in line and "checkpoint, not the template" in line for line in lines)
     with pytest.raises(
-        ValueError, match="\n  optimizer: the checkpoint has one, the template has none"
+        ValueError, match="\n  .*in the checkpoint, not the template: .*'optimizer'"
     ):
         load_checkpoint(path, like=TrainState(model=Net()))
 
@@ -677,8 +668,9 @@ def test_an_unknown_trainstate_field_is_refused_and_a_missing_one_keeps_the_temp
     monkeypatch.undo()
     with pytest.raises(ValueError) as error:
         load_checkpoint(path, like=TrainState(model=nn.Linear(1, 1)))
-    assert "\n  state: field 'future' is not a TrainState field here\n" in str(error.value)
-    assert "\n  state['guard']: fields ['x'] are not fields of GuardState\n" in str(error.value)
+    assert "\n  state fields: in the checkpoint, not the template: 'future', 'guard.x'\n" in str(
+        error.value
+    )
     loaded = load_checkpoint(older, like=TrainState(model=nn.Linear(1, 1), epoch=3))
     assert (loaded.step, loaded.epoch) == (4, 3)
 

@@ -139,8 +139,8 @@ def test_the_pointer_is_replaced_atomically(tmp_path: Path) -> None:
     with pytest.raises(ValueError) as error:
         write_pointer(root, tmp_path / "elsewhere")
     assert str(error.value) == (
-        f"write_pointer: {tmp_path / 'elsewhere'} is not a checkpoint folder inside {root}; "
-        "point at a folder that save_checkpoint wrote there."
+        f"write_pointer: checkpoint must be a checkpoint folder inside {root}; "
+        f"got {str(tmp_path / 'elsewhere')!r}."
     )
     (root / "latest").write_text("../../etc\n")
     assert read_pointer(root) is None

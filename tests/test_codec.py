@@ -67,13 +67,12 @@ def test_json_values_tuples_and_special_floats_round_trip() -> None:
     assert math.copysign(1.0, back["nested"][2]) == -1.0
 
 
-def test_dicts_with_non_string_keys_keep_their_keys() -> None:
-    # Bug caught: int keys silently becoming strings in JSON (an optimizer's state would
-    # then match no parameter).
-    tree = {0: "a", 1.5: "b", None: "c", True: "d", (1, "x"): "e", "s": {3: [4]}}
-    back = round_trip(tree)
-    assert same(back, tree)
-    assert list(back) == [0, 1.5, None, True, (1, "x"), "s"]
+@pytest.mark.parametrize("key", [0, 1.5, None, (1, "x")], ids=repr)
+def test_dicts_with_non_string_keys_are_refused(key: Any) -> None:
+    # Bug caught: int keys silently becoming strings in JSON (read back, they would match
+    # nothing the code looks up).
+    with pytest.raises(TreeError, match=r"^tree\['s'\]: a dict key that is a .*use str keys"):
+        encode({"s": {key: 1}}, "tree")
 
 
 def test_user_keys_that_look_like_tags_are_escaped() -> None:
@@ -92,13 +91,12 @@ def test_user_keys_that_look_like_tags_are_escaped() -> None:
         torch.bool,
         torch.uint8,
         torch.complex64,
-        torch.complex128,
         torch.float8_e4m3fn,
     ],
     ids=str,
 )
-def test_tensors_of_any_dtype_round_trip_bitwise(dtype: torch.dtype) -> None:
-    # Bug caught: dtypes safetensors has no code for (complex128) refused or mangled.
+def test_tensors_of_the_stored_dtypes_round_trip_bitwise(dtype: torch.dtype) -> None:
+    # Bug caught: a dtype mangled (bfloat16 read as float16, float8 as uint8).
     base = torch.randn(3, 4, dtype=torch.float64) * 10
     value = (base.to(torch.complex128) * (1 + 2j) if dtype.is_complex else base).to(dtype)
     tree = {"t": value, "scalar": value[0, 0].clone(), "empty": value[:0]}
@@ -173,15 +171,16 @@ def _function() -> None:
         (
             {torch.ones(1): 1},
             "tree['plugin']['fn']: a dict key that is a torch.Tensor, which "
-            "a checkpoint cannot store; use str, int, float, bool, None or tuple keys.",
+            "a checkpoint cannot store; use str keys.",
         ),
         (
             torch.ones(2).to_sparse(),
             "tree['plugin']['fn']: a tensor with layout "
             "torch.sparse_coo, which a checkpoint cannot store; keep dense, materialised tensors "
-            "in checkpointed state.",
+            "of safetensors' dtypes in checkpointed state.",
         ),
         (torch.empty(2, device="meta"), "tree['plugin']['fn']: a tensor on the meta device"),
+        (torch.ones(2, dtype=torch.complex128), "tree['plugin']['fn']: a tensor of dtype "),
     ],
     ids=[
         "function",
@@ -194,6 +193,7 @@ def _function() -> None:
         "tensor_key",
         "sparse",
         "meta",
+        "complex128",
     ],
 )
 def test_values_outside_the_rule_are_refused_naming_their_path(value: Any, message: str) -> None:
@@ -240,16 +240,12 @@ leaves = st.one_of(
     st.text(max_size=5),
     st.builds(lambda n: torch.arange(n, dtype=torch.float32), st.integers(0, 3)),
 )
-keys = st.one_of(
-    st.text(max_size=4), st.integers(-5, 5), st.tuples(st.integers(0, 3), st.text(max_size=2))
-)
 trees = st.recursive(
     leaves,
     lambda children: st.one_of(
         st.lists(children, max_size=3),
         st.lists(children, max_size=3).map(tuple),
         st.dictionaries(st.text(max_size=4), children, max_size=3),
-        st.dictionaries(keys, children, max_size=3),
     ),
     max_leaves=12,
 )

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from toolkit._checks import check
 from toolkit.checkpoints._files import fsync_dir, replace_file, temp_name, write_bytes
 from toolkit.checkpoints._load import load_checkpoint
 from toolkit.checkpoints._manifest import (
@@ -33,20 +35,11 @@ from toolkit.distributed._collectives import agree, broadcast_text, group_of, ra
 from toolkit.step._state import TrainState
 
 __all__ = [
-    "POINTER",
-    "CheckpointInfo",
-    "clean_temporaries",
-    "latest_checkpoint",
-    "list_checkpoints",
-    "load_latest",
-    "prune_checkpoints",
-    "read_pointer",
-    "verify_checkpoint",
-    "write_pointer",
-]
+    "POINTER", "CheckpointInfo", "clean_temporaries", "latest_checkpoint", "list_checkpoints",
+    "load_latest", "prune_checkpoints", "read_pointer", "verify_checkpoint", "write_pointer"
+]  # fmt: skip
 
 POINTER = "latest"
-_HIDDEN_KINDS = ("tmp", "old", "del")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,10 +86,9 @@ class CheckpointInfo:
 def _info(folder: Path, checksums: bool) -> CheckpointInfo:
     try:
         manifest = read_manifest(folder)
-    except DamagedCheckpointError as error:
-        return CheckpointInfo(folder, None, None, 0, {}, None, error.problems)
-    except ValueError as error:  # another format or a newer version: not ours to judge
-        return CheckpointInfo(folder, None, None, 0, {}, None, (str(error),))
+    except (DamagedCheckpointError, ValueError) as error:  # ValueError: another format
+        problems = getattr(error, "problems", (str(error),))
+        return CheckpointInfo(folder, None, None, 0, {}, None, tuple(problems))
     problems = tuple(file_problems(manifest, checksums=checksums))
     try:
         rules = retention_from_document(manifest.rules) if manifest.rules is not None else None
@@ -139,9 +131,7 @@ def list_checkpoints(
     root = Path(root)
     if not root.exists():
         return []
-    if not root.is_dir():
-        raise NotADirectoryError(f"list_checkpoints: {root} is not a folder of checkpoints.")
-    infos = [
+    infos = [  # iterdir raises NotADirectoryError for a file
         _info(entry, checksums)
         for entry in root.iterdir()
         if not entry.name.startswith(".") and entry.is_dir() and not entry.is_symlink()
@@ -177,13 +167,6 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> list[str]:
     return list(_info(Path(path), checksums=True).problems)
 
 
-def _warn_damaged(info: CheckpointInfo, stacklevel: int) -> None:
-    lines = "\n  ".join(info.problems)
-    warnings.warn(
-        f"checkpoint {info.path} is damaged and skipped:\n  {lines}", stacklevel=stacklevel
-    )
-
-
 def latest_checkpoint(root: str | os.PathLike[str], *, checksums: bool = True) -> Path | None:
     """The newest intact checkpoint of ``root`` (highest step), warning about damaged newer ones.
 
@@ -210,15 +193,14 @@ def latest_checkpoint(root: str | os.PathLike[str], *, checksums: bool = True) -
         'step_000010'
     """
     found = list_checkpoints(root)
-    for info in found:  # no step known: it might be the newest, so say so
-        if info.step is None:
-            _warn_damaged(info, stacklevel=3)
-    for info in reversed([c for c in found if c.step is not None]):
+    unknown = [c for c in found if c.step is None]  # warned first: each might be the newest
+    for info in unknown + [c for c in reversed(found) if c.step is not None]:
         if info.intact and checksums:
             info = _info(info.path, checksums=True)
         if info.intact:
             return info.path
-        _warn_damaged(info, stacklevel=3)
+        lines = "\n  ".join(info.problems)
+        warnings.warn(f"checkpoint {info.path} is damaged and skipped:\n  {lines}", stacklevel=2)
     return None
 
 
@@ -248,8 +230,8 @@ def load_latest(
         checkpoint folder at all (a fresh start).
 
     Raises:
-        DamagedCheckpointError: every checkpoint in ``root`` is damaged (the error of the
-            oldest; each was warned about).
+        DamagedCheckpointError: every checkpoint in ``root`` is damaged (the newest one's
+            problems; each was warned about).
         ValueError: the newest intact checkpoint does not fit the template.
 
     Example:
@@ -268,12 +250,11 @@ def load_latest(
     choice, error = "", None  # type: str, BaseException | None
     if rank_of(group)[0] == 0:  # one rank picks, so that ranks cannot disagree
         try:
-            found = latest_checkpoint(root, checksums=True)
-            if found is not None:
-                choice = found.name
-            elif list_checkpoints(root):
-                newest = list_checkpoints(root)[-1]
-                error = DamagedCheckpointError(newest.path, newest.problems)
+            found = latest_checkpoint(root)
+            damaged = list_checkpoints(root) if found is None else []
+            if damaged:
+                raise DamagedCheckpointError(damaged[-1].path, damaged[-1].problems)
+            choice = found.name if found else ""
         except Exception as caught:
             error = caught
     agree(error, group, "load_latest")
@@ -307,13 +288,9 @@ def write_pointer(root: str | os.PathLike[str], checkpoint: str | os.PathLike[st
         >>> read_pointer("ckpt").name
         'step_000000'
     """
-    root = Path(root)
-    name = Path(checkpoint).name
-    if not (root / name).is_dir() or name.startswith("."):
-        raise ValueError(
-            f"write_pointer: {checkpoint} is not a checkpoint folder inside {root}; point at "
-            "a folder that save_checkpoint wrote there."
-        )
+    root, name = Path(root), Path(checkpoint).name
+    ok = (root / name).is_dir() and not name.startswith(".")
+    check(ok, "write_pointer", "checkpoint", f"a checkpoint folder inside {root}", str(checkpoint))
     pointer = root / POINTER
     replace_file(pointer, lambda temp: write_bytes(temp, f"{name}\n".encode()))
     return pointer
@@ -342,20 +319,8 @@ def read_pointer(root: str | os.PathLike[str]) -> Path | None:
         name = (Path(root) / POINTER).read_text().strip()
     except (OSError, UnicodeDecodeError):
         return None
-    if not name or name != os.path.basename(name) or name.startswith("."):
-        return None
-    return Path(root) / name
-
-
-def _hidden(name: str) -> tuple[str, str] | None:
-    """``(kind, checkpoint name)`` of a leftover ``.{kind}-{name}-{pid}-{hex}``, else None."""
-    for kind in _HIDDEN_KINDS:
-        prefix = f".{kind}-"
-        if name.startswith(prefix):
-            parts = name[len(prefix) :].rsplit("-", 2)
-            if len(parts) == 3:
-                return kind, parts[0]
-    return None
+    plain = name and name == os.path.basename(name) and not name.startswith(".")
+    return Path(root) / name if plain else None
 
 
 def clean_temporaries(root: str | os.PathLike[str]) -> list[Path]:
@@ -389,10 +354,10 @@ def clean_temporaries(root: str | os.PathLike[str]) -> list[Path]:
         return []
     removed = []
     for entry in sorted(root.iterdir()):
-        parsed = _hidden(entry.name)
-        if parsed is None:
+        leftover = re.fullmatch(r"\.(tmp|old|del)-(.*)-[^-]*-[^-]*", entry.name)  # see temp_name
+        if leftover is None:
             continue
-        kind, name = parsed
+        kind, name = leftover.groups()
         if kind == "old" and not (root / name).exists():
             os.rename(entry, root / name)
             continue

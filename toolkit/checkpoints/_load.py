@@ -16,10 +16,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import optree
 import torch
 from safetensors.torch import load_file
 
-from toolkit.checkpoints._codec import TreeError, decode, tensor_paths
+from toolkit._checks import check
+from toolkit.checkpoints._codec import TreeError, decode
 from toolkit.checkpoints._files import read_json
 from toolkit.checkpoints._manifest import (
     DamagedCheckpointError,
@@ -40,7 +42,7 @@ from toolkit.checkpoints._rng import restore_rng
 from toolkit.checkpoints._save import rank_component
 from toolkit.checkpoints._sharded import load_shards, saved_shapes
 from toolkit.distributed._collectives import Group, agree, group_of, rank_of
-from toolkit.step._components import HANDLES, OWN_FILE, check_objects, fields_of, is_namedtuple
+from toolkit.step._components import check_objects, fields_of, is_namedtuple
 from toolkit.step._state import TrainState
 
 __all__ = ["full_model", "full_tree", "load_checkpoint", "read_tree", "verified_manifest"]
@@ -73,18 +75,12 @@ def read_tree(
     sharded: Callable[[str, Any], torch.Tensor] | None = None,
 ) -> Any:
     """Component ``name`` of a verified checkpoint, decoded (see :func:`._codec.decode`)."""
-    json_path = manifest.path / f"{name}.json"
-    try:
-        document = read_json(json_path)
-    except (UnicodeDecodeError, ValueError) as error:
-        raise DamagedCheckpointError(manifest.path, [f"{json_path}: not JSON ({error})"]) from None
-    tensors = {}
-    if f"{name}.safetensors" in manifest.files:
-        tensors = _tensors(manifest.path / f"{name}.safetensors", owned=True)
-    try:
-        return decode(document, tensors, name, like=like, sharded=sharded)
+    json_path, stored = manifest.path / f"{name}.json", manifest.path / f"{name}.safetensors"
+    tensors = _tensors(stored, owned=True) if stored.name in manifest.files else {}
+    try:  # UnicodeDecodeError and json's errors are ValueErrors
+        return decode(read_json(json_path), tensors, name, like=like, sharded=sharded)
     except (TreeError, KeyError, TypeError, AttributeError, ValueError) as error:
-        problem = f"{json_path}: does not decode ({error})"
+        problem = f"{json_path}: not JSON, or not a tree this format writes ({error})"
         raise DamagedCheckpointError(manifest.path, [problem]) from None
 
 
@@ -97,12 +93,7 @@ def full_model(manifest: Manifest) -> dict[str, torch.Tensor]:
         model = {k: v for k, v in _empty(manifest).items() if k.startswith("model/")}
         load_shards(model, manifest.path, None)
         return {key.removeprefix("model/"): value for key, value in model.items()}
-    tensors = _tensors(manifest.path / "model.safetensors", owned=False)
-    lost = sorted(set(manifest.aliases.values()) - set(tensors))
-    if lost:
-        problem = f"{manifest.path / 'model.safetensors'}: aliased tensors missing: {lost}"
-        raise DamagedCheckpointError(manifest.path, [problem])
-    return expand(tensors, manifest.aliases)
+    return expand(_tensors(manifest.path / "model.safetensors", owned=False), manifest.aliases)
 
 
 def _empty(manifest: Manifest) -> dict[str, torch.Tensor]:
@@ -115,99 +106,89 @@ def _empty(manifest: Manifest) -> dict[str, torch.Tensor]:
 def full_tree(manifest: Manifest, name: str) -> Any:
     """Component ``name`` of a verified checkpoint with its sharded tensors put together."""
     shapes = _empty(manifest) if manifest.sharded else {}
-    targets: dict[str, torch.Tensor] = {}
-
-    def take(key: str, _: Any) -> torch.Tensor:
-        if key not in shapes:
-            problem = f"{manifest.path}: sharded tensors missing from the files: {key}"
-            raise DamagedCheckpointError(manifest.path, [problem])
-        return targets.setdefault(key, shapes[key])
-
-    tree = read_tree(manifest, name, sharded=take)
-    if targets:
-        load_shards(targets, manifest.path, None)
+    used: dict[str, torch.Tensor] = {}  # a key not in the files: a KeyError, damage
+    tree = read_tree(manifest, name, sharded=lambda key, _: used.setdefault(key, shapes[key]))
+    if used:
+        load_shards(used, manifest.path, None)
     return tree
 
 
-def _difference(name: str, saved: Any, saved_class: str | None, live: Any) -> list[str]:
-    """A handle (or object) the checkpoint or the template lacks, or of another class."""
-    if saved is not None and live is None:
-        return [f"{name}: the checkpoint has one, the template has none (its state would be lost)"]
-    if live is not None and saved is None:
-        return [f"{name}: the template has one, the checkpoint has none"]
-    if live is None or saved_class is None or saved_class == type(live).__name__:
-        return []
-    return [f"{name}: the checkpoint holds a {saved_class}, the template a {type(live).__name__}"]
+def _compare(what: str, saved: Mapping[str, Any], live: Mapping[str, Any]) -> list[str]:
+    """How ``saved`` (key -> what it holds) differs from the template's ``live``.
+
+    The keys one of them lacks, and the keys whose values differ (a class, a shape, a group).
+    """
+    lacking = {
+        "in the template, not the checkpoint": live.keys() - saved.keys(),
+        "in the checkpoint, not the template": saved.keys() - live.keys(),
+    }
+    out = [f"{what}: {where}: {few(keys)}" for where, keys in lacking.items() if keys]
+    changed = [key for key in sorted(saved.keys() & live.keys()) if saved[key] != live[key]]
+    return out + [
+        f"{what}: {k!r}: {saved[k]} in the checkpoint, {live[k]} in the template" for k in changed
+    ]
 
 
-def _extras_differences(saved: Mapping[str, Any], live: Mapping[str, Any]) -> list[str]:
-    """For entries in both: tensors at paths the other lacks, or of another shape."""
-    out = []
-    for key in sorted(saved.keys() & live.keys(), key=repr):
-        root = f"extras[{key!r}]"
-        saved_paths, live_paths = tensor_paths(saved[key], root), tensor_paths(live[key], root)
-        if live_paths.keys() - saved_paths.keys():
-            missing = few(live_paths.keys() - saved_paths.keys(), str)
-            out.append(f"{root}: tensors missing from the checkpoint: {missing}")
-        if saved_paths.keys() - live_paths.keys():
-            unexpected = few(saved_paths.keys() - live_paths.keys(), str)
-            out.append(f"{root}: unexpected tensors in the checkpoint: {unexpected}")
-        for path in sorted(saved_paths.keys() & live_paths.keys()):
-            if saved_paths[path] != live_paths[path]:
-                out.append(
-                    f"{path}: shape {list(saved_paths[path])} in the checkpoint, "
-                    f"{list(live_paths[path])} in the template"
-                )
-    return out
+def _shapes(tree: Any) -> dict[str, str]:
+    """Every tensor of ``tree`` by path (``['ema']['params']['w']``), with its shape."""
+    paths, leaves, _ = optree.tree_flatten_with_path(tree, none_is_leaf=True)
+    return {
+        "".join(f"[{key!r}]" for key in path): f"shape {list(leaf.shape)}"
+        for path, leaf in zip(paths, leaves)
+        if isinstance(leaf, torch.Tensor)
+    }
 
 
-def _optimizer_differences(
-    like: TrainState, saved_class: str, saved: Mapping[str, Any]
+def _differences(
+    manifest: Manifest, like: TrainState, objects: dict[str, Any], trees: dict[str, Any]
 ) -> list[str]:
-    """How a saved named optimizer state differs from the template optimizer."""
-    out = _difference("optimizer", saved, saved_class, like.optimizer)
-    live_groups = parameter_names(like.model, like.optimizer)
-    saved_groups = [list(group.get("params", [])) for group in saved.get("param_groups", [])]
-    if len(saved_groups) != len(live_groups):
-        out.append(
-            f"optimizer: {len(saved_groups)} parameter group(s) in the checkpoint, "
-            f"{len(live_groups)} in the template"
+    """How the decoded components differ from the template (the model aside)."""
+    classes, scaler = manifest.classes, like.scaler
+    handles = ("optimizer", "scheduler", "scaler")
+    saved: dict[str, Any] = {n: classes.get(n) for n in handles if trees[n] is not None}
+    live = {n: type(getattr(like, n)).__name__ for n in handles if getattr(like, n) is not None}
+    if scaler is None and "scaler" in saved:  # one is built for the saved state
+        live["scaler"] = saved["scaler"]
+    elif scaler is not None and not scaler.is_enabled():
+        del live["scaler"]
+    out = _compare("components", saved, live)
+    if "optimizer" in saved and "optimizer" in live:
+        saved_groups = [g.get("params", []) for g in trees["optimizer"].get("param_groups", [])]
+        live_groups = parameter_names(like.model, like.optimizer)
+        out += _compare(
+            "optimizer parameters",
+            {n: f"group {g}" for g, names in enumerate(saved_groups) for n in names},
+            {n: f"group {g}" for g, names in enumerate(live_groups) for n in names},
         )
-    for g, (saved_names, live_names) in enumerate(zip(saved_groups, live_groups)):
-        if saved_names != live_names:
-            missing = [n for n in live_names if n not in saved_names]
-            unexpected = [n for n in saved_names if n not in live_names]
-            detail = f"missing {missing}, unexpected {unexpected}"
-            detail = detail if missing or unexpected else "same names in another order"
-            out.append(f"optimizer: parameter group {g} differs: {detail}")
-    stray = sorted(set(saved.get("state", {})) - {n for row in live_groups for n in row})
-    if stray:
-        out.append(f"optimizer: state for parameters the template lacks: {stray}")
-    return out
+    extras = trees["extras"] or {}
+    common = extras.keys() & like.extras.keys()
+    out += _compare(
+        "extras", *(_shapes({k: tree[k] for k in common}) for tree in (extras, like.extras))
+    )
+    saved_objects = {n: classes.get("objects", {}).get(n) for n in trees["objects"] or {}}
+    return out + _compare(
+        "objects", saved_objects, {n: type(o).__name__ for n, o in objects.items()}
+    )
 
 
 def _field_values(
     like: TrainState, saved: Mapping[str, Any], differences: list[str]
 ) -> dict[str, Any]:
-    """The saved fields as TrainState values; NamedTuples rebuilt with the template's type."""
-    live = {f.name: getattr(like, f.name) for f in dataclasses.fields(like)}
-    out = {}
-    for name, value in saved.items():
-        if name not in live or name in HANDLES or name in OWN_FILE:
-            differences.append(f"state: field {name!r} is not a TrainState field here")
-            continue
-        template = live[name]
-        if is_namedtuple(template) and isinstance(value, Mapping):
-            unknown = sorted(set(value) - set(template._fields))
-            if unknown:
-                differences.append(
-                    f"state[{name!r}]: fields {unknown} are not fields of {type(template).__name__}"
-                )
-                continue
-            # Fields the checkpoint lacks (added to the type later) keep the template's value.
-            value = type(template)(**{**template._asdict(), **value})
-        out[name] = value
-    return out
+    """The saved fields as TrainState values; NamedTuples rebuilt with the template's type.
+
+    Fields the checkpoint lacks (added to TrainState later) keep the template's values.
+    """
+    live = {name: getattr(like, name) for name in fields_of(like)}
+    tuples = {n: v for n, v in saved.items() if is_namedtuple(live.get(n)) and isinstance(v, dict)}
+    # A NamedTuple's fields count as keys of their own ("guard.x").
+    known = [*live, *(f"{n}.{f}" for n, v in live.items() if is_namedtuple(v) for f in v._fields)]
+    found = [n for n in saved if n not in tuples] + [f"{n}.{k}" for n in tuples for k in tuples[n]]
+    known = [k for k in known if k in found]  # a field the checkpoint lacks keeps its value
+    problems = _compare("state fields", dict.fromkeys(found), dict.fromkeys(known))
+    differences += problems
+    if problems:
+        return {}
+    return {**saved, **{n: type(live[n])(**{**live[n]._asdict(), **v}) for n, v in tuples.items()}}
 
 
 def load_checkpoint(
@@ -271,11 +252,8 @@ def load_checkpoint(
         7
     """
     who = "load_checkpoint"
-    if not isinstance(like, TrainState):
-        raise TypeError(
-            f"{who}: like must be a TrainState built the normal way (the template the "
-            f"checkpoint is loaded into); got {type(like).__name__}."
-        )
+    ok = isinstance(like, TrainState)
+    check(ok, who, "like", "a TrainState (the template)", type(like).__name__, "", TypeError)
     objects = check_objects(objects, who)
     group = group_of(like.model)
     plan: _Plan | None = None
@@ -301,26 +279,25 @@ class _Plan:
     rng_state: Any
 
 
-def _own_state(manifest: Manifest, rank: int) -> tuple[Any, Any]:
-    """This rank's ``(rng, data_state)`` of a multi-rank checkpoint, or ``(None, None)``.
+def _rank_state(manifest: Manifest, rank: int, rng: bool) -> tuple[Any, dict[str, Any]]:
+    """``(the RNG states this rank restores or None, the fields this rank has of its own)``.
 
     A rank the checkpoint has no state for (it was written by fewer ranks) is warned
-    about and keeps its seeding (``False``).
+    about and keeps its seeding and rank 0's data position.
     """
     if rank == 0:
-        return None, None
-    if not manifest.has(rank_component(rank)):
-        warnings.warn(
-            f"load_checkpoint: {manifest.path} was written by {manifest.world_size} rank(s) "
-            f"and holds no RNG states or data position for rank {rank}; this rank keeps its "
-            "own RNG seeding and rank 0's data position, so its randomness does not continue "
-            "the saved run's (the model and optimizer are restored all the same).",
-            RuntimeWarning,
-            stacklevel=4,
-        )
-        return False, None
-    own = read_tree(manifest, rank_component(rank))
-    return own["rng"], own["data_state"]
+        return (read_tree(manifest, "rng") if rng and manifest.has("rng") else None), {}
+    if manifest.has(rank_component(rank)):
+        own = read_tree(manifest, rank_component(rank))
+        return (own["rng"] if rng else None), {"data_state": own["data_state"]}
+    warnings.warn(
+        f"load_checkpoint: {manifest.path} holds no RNG states or data position for rank "
+        f"{rank} (it was written by {manifest.world_size} rank(s)); this rank keeps its own "
+        "RNG seeding and rank 0's data position (the model and optimizer are restored).",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+    return None, {}
 
 
 def _model_plan(
@@ -342,20 +319,16 @@ def _model_plan(
 
 
 def _trees(
-    manifest: Manifest,
-    like: TrainState,
-    objects: dict[str, Any],
-    shards: dict[str, Any],
-    differences: list[str],
+    manifest: Manifest, like: TrainState, shards: dict[str, Any], differences: list[str]
 ) -> dict[str, Any]:
-    """Every tree component, decoded against the template, with their differences."""
-    lacking: list[str] = []
+    """Every tree component, decoded against the template (``None`` when absent)."""
+    referenced: list[str] = []  # keys of sharded tensors
 
     def take(key: str, template: Any) -> torch.Tensor:
-        if not isinstance(template, torch.Tensor):  # reported; a stand-in keeps decoding
-            lacking.append(key)
-            template = torch.empty(0)
-        return shards.setdefault(key, template)
+        referenced.append(key)
+        if isinstance(template, torch.Tensor):
+            return shards.setdefault(key, template)
+        return torch.empty(0)  # a stand-in keeps decoding; the difference is reported below
 
     optimizer_like = None
     if manifest.sharded and like.optimizer is not None and manifest.has("optimizer"):
@@ -371,53 +344,12 @@ def _trees(
         n: read_tree(manifest, n, like=lives.get(n), sharded=take) if manifest.has(n) else None
         for n in names
     }
-    classes = manifest.classes
-    if trees["optimizer"] is not None and like.optimizer is not None:
-        differences += _optimizer_differences(
-            like, classes.get("optimizer", "?"), trees["optimizer"]
-        )
-    else:
-        differences += _difference("optimizer", trees["optimizer"], None, like.optimizer)
-    differences += _difference(
-        "scheduler", trees["scheduler"], classes.get("scheduler"), like.scheduler
-    )
-    enabled = like.scaler is not None and like.scaler.is_enabled()
-    if enabled and trees["scaler"] is None:
-        differences.append("scaler: the template has an enabled GradScaler, the checkpoint none")
-    if like.scaler is not None and not enabled and trees["scaler"] is not None:
-        differences.append(
-            "scaler: the checkpoint has GradScaler state, the template's is disabled"
-        )
-    differences += _extras_differences(trees["extras"] or {}, dict(like.extras))
-    saved_objects = trees["objects"] or {}
-    missing, unexpected = objects.keys() - saved_objects.keys(), saved_objects.keys() - objects
-    if missing:
-        differences.append(f"objects: {sorted(missing)} given but not in the checkpoint")
-    if unexpected:
-        differences.append(f"objects: {sorted(unexpected)} in the checkpoint but not given")
-    for name in sorted(objects.keys() & saved_objects.keys()):
-        saved_class = classes.get("objects", {}).get(name)
-        differences += _difference(f"objects[{name!r}]", name, saved_class, objects[name])
-    if lacking:
-        differences.append(f"sharded tensors the template has no tensor for: {few(lacking, str)}")
+    if referenced:  # their whole shapes
+        saved = {k: f"shape {list(size)}" for k, (size, _) in saved_shapes(manifest.path).items()}
+        live = {k: f"shape {list(shards[k].shape)}" for k in referenced if k in shards}
+        found = {k: saved.get(k, "not in the files") for k in referenced}
+        differences += _compare("sharded tensors", found, live)
     return trees
-
-
-def _shard_shapes(manifest: Manifest, shards: Mapping[str, torch.Tensor]) -> list[str]:
-    """Sharded tensors missing from the files or of another whole shape than the template's."""
-    saved = saved_shapes(manifest.path) if shards else {}
-    out = []
-    for key, target in shards.items():
-        if key.startswith("model/"):
-            continue  # compared by model_differences, by name
-        if key not in saved:
-            out.append(f"{key}: not in the checkpoint's sharded files")
-        elif tuple(saved[key][0]) != tuple(target.shape) and target.numel():
-            out.append(
-                f"{key}: shape {list(saved[key][0])} in the checkpoint, "
-                f"{list(target.shape)} in the template"
-            )
-    return out
 
 
 def _plan(
@@ -426,15 +358,10 @@ def _plan(
     manifest = verified_manifest(path)
     shards: dict[str, torch.Tensor] = {}
     model, differences = _model_plan(manifest, like, shards)
-    trees = _trees(manifest, like, objects, shards, differences)
+    trees = _trees(manifest, like, shards, differences)
+    differences += _differences(manifest, like, objects, trees)
     fields = _field_values(like, trees["state"] or {}, differences)
-    differences += _shard_shapes(manifest, shards)
-    rng_state = read_tree(manifest, "rng") if rng and manifest.has("rng") else None
-    own_rng, own_data = _own_state(manifest, rank)
-    if own_rng is not None:
-        rng_state = (own_rng or None) if rng else None
-    if own_data is not None:
-        fields["data_state"] = own_data
+    rng_state, own = _rank_state(manifest, rank, rng)
     if differences:
         listing = "\n  ".join(differences)
         raise ValueError(
@@ -443,7 +370,7 @@ def _plan(
             "saved run (same model, optimizer, scheduler and plugins), or load the model alone "
             "with safetensors.torch.load_file."
         )
-    return _Plan(manifest, model, shards, trees, fields, rng_state)
+    return _Plan(manifest, model, shards, trees, {**fields, **own}, rng_state)
 
 
 def _restore(
@@ -462,9 +389,8 @@ def _restore(
         put_optimizer(like.model, like.optimizer, trees["optimizer"], full=full)
     scaler = like.scaler
     if trees["scaler"] is not None:
-        if scaler is None:
-            device = next((p.device.type for p in like.model.parameters()), "cpu")
-            scaler = torch.amp.GradScaler(device)
+        device = next((p.device.type for p in like.model.parameters()), "cpu")
+        scaler = scaler or torch.amp.GradScaler(device)
         scaler.load_state_dict(trees["scaler"])
     for name, obj in objects.items():
         obj.load_state_dict(trees["objects"][name])
