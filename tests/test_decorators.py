@@ -83,11 +83,13 @@ def test_compose_takes_any_function_from_step_to_step() -> None:
 
 
 def test_compose_refuses_what_is_not_a_step_decorator() -> None:
-    with pytest.raises(TypeError, match=r"^compose: expected functions Step -> Step .*; got int 3"):
+    with pytest.raises(
+        TypeError, match=r"^compose: each must be a function Step -> Step, .*; got 3\."
+    ):
         compose(3)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="got Step"):
         compose(make_step(_loss))  # a step takes (state, batch), not a step
-    with pytest.raises(TypeError, match=r"<lambda>' returned int; expected the Step it was"):
+    with pytest.raises(TypeError, match=r"<lambda>' returned must be a Step; got <class 'int'>"):
         compose(lambda step: 3)(make_step(_loss))  # type: ignore[arg-type, return-value]
     # A factory that was never configured says what it misses when applied.
     with pytest.raises(ValueError, match="clip: expected max_norm and/or max_value"):
@@ -95,7 +97,10 @@ def test_compose_refuses_what_is_not_a_step_decorator() -> None:
 
 
 def test_transform_grads_refuses_what_is_not_a_function() -> None:
-    with pytest.raises(TypeError, match=r"^transform_grads: expected one or more functions"):
+    with pytest.raises(
+        TypeError,
+        match=r"^transform_grads: the arguments after the step must be one or more functions",
+    ):
         transform_grads(make_step(_loss))
     with pytest.raises(TypeError, match=r"got \['int'\]"):
         transform_grads(make_step(_loss), 3)  # type: ignore[call-overload]
@@ -132,15 +137,23 @@ def test_transform_grads_returning_something_else_fails_clearly(returned: object
         (
             lambda: clip(max_norm=0.0),
             ValueError,
-            "clip: max_norm must be > 0; got 0.0.",
+            "clip: max_norm must be a number > 0; got 0.0.",
         ),
-        (lambda: clip(max_norm=-1), ValueError, "max_norm must be > 0; got -1"),
-        (lambda: clip(max_value=0), ValueError, "max_value must be > 0; got 0"),
+        (lambda: clip(max_norm=-1), ValueError, "max_norm must be a number > 0; got -1"),
+        (lambda: clip(max_value=0), ValueError, "max_value must be a number > 0; got 0"),
         (lambda: clip(), ValueError, "clip: expected max_norm and/or max_value; got neither."),
         (lambda: clip(max_norm="1"), TypeError, "clip: max_norm must be a number > 0; got '1'."),
-        (lambda: clip(max_norm=1.0, norm_type=0), ValueError, "norm_type must be > 0"),
-        (lambda: clip(max_norm=1.0, norm_type=-math.inf), ValueError, "norm_type must be > 0"),
-        (lambda: clip(max_norm=1.0, norm_type=math.nan), ValueError, "norm_type must be > 0"),
+        (lambda: clip(max_norm=1.0, norm_type=0), ValueError, "norm_type must be a number > 0"),
+        (
+            lambda: clip(max_norm=1.0, norm_type=-math.inf),
+            ValueError,
+            "norm_type must be a number > 0",
+        ),
+        (
+            lambda: clip(max_norm=1.0, norm_type=math.nan),
+            ValueError,
+            "norm_type must be a number > 0",
+        ),
         (
             lambda: amp_wrap(dtype="fp8"),
             ValueError,
@@ -155,17 +168,17 @@ def test_transform_grads_returning_something_else_fails_clearly(returned: object
         (
             lambda: amp_wrap(dtype="bf16", scaler=torch.amp.GradScaler("cpu")),
             ValueError,
-            "amp_wrap: a GradScaler needs dtype='fp16'; got dtype=torch.bfloat16.",
+            "amp_wrap: dtype must be 'fp16' with a GradScaler; got 'bf16'.",
         ),
         (
             lambda: amp_wrap(dtype="fp16", scaler=torch.amp.GradScaler("cpu", enabled=False)),
             ValueError,
-            "amp_wrap: expected an enabled GradScaler; got one with enabled=False.",
+            "amp_wrap: scaler.is_enabled() must be True; got False.",
         ),
         (
             lambda: amp_wrap(dtype="fp16", min_scale=0),
             ValueError,
-            "amp_wrap: min_scale must be a number > 0; got 0.",
+            "amp_wrap: min_scale must be a number > 0, e.g. 1e-4; got 0.",
         ),
         (
             lambda: guard_nonfinite(max_retries=-1),
@@ -190,7 +203,7 @@ def test_transform_grads_returning_something_else_fails_clearly(returned: object
         (
             lambda: guard_nonfinite(on_exhaust="ignore"),
             ValueError,
-            "on_exhaust must be 'raise', 'skip' or 'accept'; got 'ignore'",
+            "on_exhaust must be one of ['raise', 'skip', 'accept']; got 'ignore'",
         ),
     ],
 )
@@ -219,15 +232,16 @@ _X = torch.randn(4, 3)
         (
             lambda m, b: (m(b).mean(), m(b).mean(), {}),
             TypeError,
-            "loss_fn returned tuple: a tuple of length 3, not (loss, records)",
+            "loss_fn returned tuple(Tensor, Tensor, dict); expected a scalar tensor, "
+            "(loss, records)",
         ),
         (
             lambda m, b: (m(b).mean(), None),
             TypeError,
-            "its second element is a NoneType, not a mapping of records",
+            "loss_fn returned tuple(Tensor, NoneType); expected",
         ),
-        (lambda m, b: 1.5, TypeError, "loss_fn returned float: not a loss. Expected a scalar"),
-        (lambda m, b: ("loss", {}), TypeError, "the loss is a str, not a tensor"),
+        (lambda m, b: 1.5, TypeError, "loss_fn returned float; expected a scalar"),
+        (lambda m, b: ("loss", {}), TypeError, "loss_fn returned tuple(str, dict); expected"),
         (
             lambda m, b: m(b).mean().detach(),
             ValueError,
@@ -260,11 +274,11 @@ def test_something_else_than_a_state() -> None:
 
 
 def test_state_with_wrong_types() -> None:
-    with pytest.raises(TypeError, match="TrainState.model: expected a torch.nn.Module, got dict"):
+    with pytest.raises(TypeError, match="TrainState.model: expected a torch.nn.Module; got dict"):
         TrainState(model={})
     with pytest.raises(TypeError, match="TrainState.optimizer: expected a torch.optim.Optimizer"):
         TrainState(model=torch.nn.Linear(1, 1), optimizer="adam")
-    with pytest.raises(TypeError, match=r"unknown field\(s\) \['stpe'\]"):
+    with pytest.raises(TypeError, match=r"replace: the names must be fields; got \['stpe'\]"):
         _state().replace(stpe=1)
 
 

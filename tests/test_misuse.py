@@ -147,9 +147,9 @@ def _counted(count):
 @pytest.mark.parametrize(
     ("count", "error", "message"),
     [
-        (-2, ValueError, "LossSum.count: expected a finite number >= 0 (the micro-batch's "),
-        (math.inf, ValueError, "LossSum.count: expected a finite number >= 0"),
-        (math.nan, ValueError, "LossSum.count: expected a finite number >= 0"),
+        (-2, ValueError, "LossSum: count must be a finite number >= 0; got -2. A negative count"),
+        (math.inf, ValueError, "LossSum: count must be a finite number >= 0; got inf."),
+        (math.nan, ValueError, "LossSum: count must be a finite number >= 0; got nan."),
         ("8", TypeError, "LossSum.count: expected a number >= 0 or a one-element tensor; got str"),
         (True, TypeError, "LossSum.count: expected a number >= 0 or a one-element tensor"),
         (torch.tensor([3, 4]), TypeError, "got a torch.int64 tensor of shape (2,)"),
@@ -278,8 +278,8 @@ def test_bad_fields_are_refused_at_construction_and_in_replace(
         (
             lambda: amp_wrap(dtype="bf16", device_type="tpu"),
             ValueError,
-            "amp_wrap: device_type must be a device type with autocast, such as 'cpu' or "
-            "'cuda'; got 'tpu'.",
+            "amp_wrap: device_type must be a device type with autocast and a device here, such "
+            "as 'cpu' or 'cuda'; got 'tpu'.",
         ),
         (lambda: unwrap(_model(), keep_compile="yes"), TypeError, "keep_compile must be True or"),
     ],
@@ -291,7 +291,7 @@ def test_argument_errors_name_the_mistake(build, error: type, message: str) -> N
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_autocast_on_a_missing_cuda_is_refused_instead_of_training_in_float32() -> None:
-    message = "amp_wrap: device_type='cuda', but no cuda device is available here"
+    message = "a device type with autocast and a device here, such as 'cpu' or 'cuda'; got 'cuda'."
     with pytest.raises(ValueError, match=re.escape(message)):
         amp_wrap(dtype="bf16", device_type="cuda")
 

@@ -347,7 +347,9 @@ def test_bad_optimizer_lists_are_refused_with_the_fix() -> None:
     model = _model()
     a, b = _optimizers(model)
     with pytest.raises(
-        TypeError, match=r"TrainState.optimizer: MultiOptimizer: optimizers\[1\] is a str"
+        TypeError,
+        match=r"TrainState.optimizer: MultiOptimizer: optimizers\[1\] must be a "
+        r"torch.optim.Optimizer; got <class 'str'>",
     ):
         TrainState(model=model, optimizer=[a, "adamw"])
     with pytest.raises(TypeError, match="expected one or more torch.optim.Optimizer; got none"):
@@ -377,9 +379,11 @@ def test_bad_scheduler_lists_and_per_epoch_misuse_are_refused() -> None:
         TrainState(
             model=model, optimizer=[a, b], scheduler=[LR.StepLR(a, 1), LR.StepLR(stranger, 1)]
         )
-    with pytest.raises(TypeError, match=r"schedulers\[0\] is a ReduceLROnPlateau"):
+    with pytest.raises(TypeError, match=r"schedulers\[0\]: got a ReduceLROnPlateau"):
         TrainState(model=model, optimizer=[a, b], scheduler=[LR.ReduceLROnPlateau(a)])
-    with pytest.raises(TypeError, match=r"per_epoch: got a ReduceLROnPlateau.*plateau_metric="):
+    with pytest.raises(
+        TypeError, match=r"per_epoch: scheduler: got a ReduceLROnPlateau.*plateau_metric="
+    ):
         per_epoch(LR.ReduceLROnPlateau(a))
     with pytest.raises(TypeError, match="per_epoch: scheduler: expected an LR scheduler"):
         per_epoch("cosine")

@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from toolkit._checks import check
 from toolkit.step._state import TrainState
 
 __all__ = ["HANDLES", "OWN_FILE", "check_objects", "fields_of", "is_namedtuple"]
@@ -36,16 +37,13 @@ def fields_of(state: TrainState) -> dict[str, Any]:
 
 
 def check_objects(objects: Any, who: str) -> dict[str, Any]:
-    if objects is None:
-        return {}
-    if not isinstance(objects, Mapping):
-        raise TypeError(
-            f"{who}: objects must be a mapping of name to an object with state_dict() and "
-            f"load_state_dict(), e.g. {{'loader': loader}}; got {type(objects).__name__}."
-        )
+    """``objects`` (name -> object with ``state_dict`` and ``load_state_dict``) as a dict."""
+    objects = {} if objects is None else objects
+    expected = "a mapping of name to an object with state_dict() and load_state_dict()"
+    check(isinstance(objects, Mapping), who, "objects", expected, type(objects), error=TypeError)
     for name, obj in objects.items():
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"{who}: objects keys must be non-empty strings; got {name!r}.")
+        ok = isinstance(name, str) and bool(name)
+        check(ok, who, "each key of objects", "a non-empty string", name, error=TypeError)
         if not all(callable(getattr(obj, m, None)) for m in ("state_dict", "load_state_dict")):
             raise TypeError(
                 f"{who}: objects[{name!r}] ({type(obj).__name__}) has no state_dict() and "

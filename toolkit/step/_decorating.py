@@ -14,6 +14,7 @@ from typing import Any, overload
 
 import torch
 
+from toolkit._checks import check, check_one_of, check_positive
 from toolkit.step._phases import (
     AccumulateConfig,
     AmpConfig,
@@ -23,7 +24,7 @@ from toolkit.step._phases import (
     GuardConfig,
     OnExhaust,
 )
-from toolkit.step._step import Step
+from toolkit.step._step import Scaler, Step
 
 __all__ = [
     "Decorator",
@@ -35,31 +36,18 @@ __all__ = [
     "transform_grads",
 ]
 
-_Scaler = torch.amp.GradScaler | None
 _Bound = float | None
-
-
-@dataclasses.dataclass(frozen=True)
-class Decorator:
-    """A configured decorator waiting for its step: ``amp_wrap(dtype="bf16")`` returns one.
-
-    Attributes:
-        name: the public name (``"amp_wrap"``), used in error messages.
-        field: the :class:`Step` field the configuration goes into.
-        config: the validated configuration.
-    """
-
-    name: str
-    field: str
-    config: Any
-
-    def __call__(self, step: Step) -> Step:
-        return _attach(step, self.name, self.field, self.config)
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+           "float16": torch.float16, "half": torch.float16}  # fmt: skip
+# What ``amp_wrap(dtype="bf16")`` and the other decorators return without a step.
+Decorator = Callable[[Step], Step]
 
 
 def _decorate(step: Step | None, name: str, field: str, config: Any) -> Step | Decorator:
     """The two calling forms of every decorator: ``name(step, ...)`` or ``name(...)``."""
-    return Decorator(name, field, config) if step is None else _attach(step, name, field, config)
+    if step is None:
+        return lambda step: _attach(step, name, field, config)
+    return _attach(step, name, field, config)
 
 
 def _attach(step: Any, name: str, field: str, config: Any) -> Step:
@@ -86,37 +74,42 @@ def _check_step(name: str, step: Any) -> None:
         )
 
 
-def _positive(name: str, option: str, value: Any) -> float:
-    """``value`` as a float, unless it is not a number > 0 (``math.inf`` is one)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name}: {option} must be a number > 0; got {value!r}.")
-    if not value > 0:
-        raise ValueError(f"{name}: {option} must be > 0; got {value!r}.")
-    return float(value)
+def _check_device_type(device_type: Any) -> None:
+    try:  # a str torch knows, with autocast and (torch.cuda, torch.mps...) a device here
+        available = getattr(getattr(torch, device_type, None), "is_available", lambda: True)
+        ok = torch.amp.is_autocast_available(device_type) and available()
+    except (RuntimeError, TypeError):
+        ok = False
+    expected = "a device type with autocast and a device here, such as 'cpu' or 'cuda'"
+    fix = "Leave it out to use the parameters' device."
+    check(ok, "amp_wrap", "device_type", expected, device_type, fix)
 
 
-def _count(name: str, option: str, value: Any, least: int) -> int:
-    """``value``, unless it is not an int (a bool is not one) >= ``least``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: {option} must be an int >= {least}; got {value!r}.")
-    if value < least:
-        raise ValueError(f"{name}: {option} must be an int >= {least}; got {value!r}.")
-    return value
+def _number(name: str, option: str, value: Any, least: int | None = None) -> Any:
+    """``value``, a number > 0 (as a float) or, given ``least``, an int >= ``least``.
+
+    The wrong kind (a bool is neither) raises TypeError, the wrong size ValueError.
+    """
+    kind = "a number > 0" if least is None else f"an int >= {least}"
+    ok = isinstance(value, int if least is not None else (int, float))
+    check(ok and not isinstance(value, bool), name, option, kind, value, error=TypeError)
+    check(value > 0 if least is None else value >= least, name, option, kind, value)
+    return float(value) if least is None else value
 
 
 @overload
 def amp_wrap(
-    step: Step, /, *, dtype: str | torch.dtype, scaler: _Scaler = ..., min_scale: float = ...,
+    step: Step, /, *, dtype: str | torch.dtype, scaler: Scaler = ..., min_scale: float = ...,
     device_type: str | None = ...,
 ) -> Step: ...  # fmt: skip
 @overload
 def amp_wrap(
-    *, dtype: str | torch.dtype, scaler: _Scaler = ..., min_scale: float = ...,
+    *, dtype: str | torch.dtype, scaler: Scaler = ..., min_scale: float = ...,
     device_type: str | None = ...,
 ) -> Decorator: ...  # fmt: skip
 def amp_wrap(
     step: Step | None = None, /, *, dtype: str | torch.dtype | None = None,
-    scaler: _Scaler = None, min_scale: float = 1e-4, device_type: str | None = None,
+    scaler: Scaler = None, min_scale: float = 1e-4, device_type: str | None = None,
 ) -> Step | Decorator:  # fmt: skip
     """Run forward passes under ``torch.autocast`` (phase 1); fp16 adds a GradScaler.
 
@@ -156,7 +149,18 @@ def amp_wrap(
         (True, True)
     """
     _check_step("amp_wrap", step)
-    config = AmpConfig(dtype, scaler, min_scale, device_type)  # type: ignore[arg-type]
+    resolved = _DTYPES.get(str(dtype).lower(), dtype if dtype in _DTYPES.values() else None)
+    check(resolved is not None, "amp_wrap", "dtype", "'bf16', 'fp16', torch.bfloat16 or "
+          "torch.float16", dtype, "For float32 training leave amp_wrap out.")  # fmt: skip
+    ok = scaler is None or isinstance(scaler, torch.amp.GradScaler)
+    check(ok, "amp_wrap", "scaler", "a torch.amp.GradScaler or None", scaler, error=TypeError)
+    if scaler is not None:
+        check(resolved == torch.float16, "amp_wrap", "dtype", "'fp16' with a GradScaler", dtype)
+        check(scaler.is_enabled(), "amp_wrap", "scaler.is_enabled()", "True", False)
+    min_scale = check_positive("amp_wrap", "min_scale", min_scale, "1e-4")
+    if device_type is not None:
+        _check_device_type(device_type)
+    config = AmpConfig(resolved, scaler, min_scale, device_type)  # type: ignore[arg-type]
     return _decorate(step, "amp_wrap", "amp", config)
 
 
@@ -201,7 +205,7 @@ def accumulate(
         (True, 1)
     """
     _check_step("accumulate", step)
-    k = _count("accumulate", "micro_batches", micro_batches, 1)
+    k = _number("accumulate", "micro_batches", micro_batches, least=1)
     return _decorate(step, "accumulate", "accumulation", AccumulateConfig(k))
 
 
@@ -248,11 +252,9 @@ def transform_grads(*args: Step | GradFn) -> Step | Decorator:
     """
     step = args[0] if args and isinstance(args[0], Step) else None
     fns = args[1:] if step is not None else args
-    if not fns or not all(callable(fn) and not isinstance(fn, Step) for fn in fns):
-        raise TypeError(
-            "transform_grads: expected one or more functions fn(grads) after the optional "
-            f"step; got {[type(fn).__name__ for fn in fns]}."
-        )
+    ok = bool(fns) and all(callable(fn) and not isinstance(fn, Step) for fn in fns)
+    expected, got = "one or more functions fn(grads)", [type(fn).__name__ for fn in fns]
+    check(ok, "transform_grads", "the arguments after the step", expected, got, error=TypeError)
     config = GradTransformConfig(fns)  # type: ignore[arg-type]
     return _decorate(step, "transform_grads", "grad_transforms", config)
 
@@ -301,9 +303,9 @@ def clip(
     _check_step("clip", step)
     if max_norm is None and max_value is None:
         raise ValueError("clip: expected max_norm and/or max_value; got neither.")
-    norm = None if max_norm is None else _positive("clip", "max_norm", max_norm)
-    value = None if max_value is None else _positive("clip", "max_value", max_value)
-    config = ClipConfig(norm, value, _positive("clip", "norm_type", norm_type))
+    norm = None if max_norm is None else _number("clip", "max_norm", max_norm)
+    value = None if max_value is None else _number("clip", "max_value", max_value)
+    config = ClipConfig(norm, value, _number("clip", "norm_type", norm_type))
     return _decorate(step, "clip", "clipping", config)
 
 
@@ -352,11 +354,8 @@ def guard_nonfinite(
         (False, True, 1)
     """
     _check_step("guard_nonfinite", step)
-    _count("guard_nonfinite", "max_retries", max_retries, 0)
-    if on_exhaust not in ("raise", "skip", "accept"):
-        raise ValueError(
-            f"guard_nonfinite: on_exhaust must be 'raise', 'skip' or 'accept'; got {on_exhaust!r}."
-        )
+    _number("guard_nonfinite", "max_retries", max_retries, least=0)
+    check_one_of("guard_nonfinite", "on_exhaust", on_exhaust, ("raise", "skip", "accept"))
     return _decorate(step, "guard_nonfinite", "guard", GuardConfig(max_retries, on_exhaust))
 
 
@@ -390,20 +389,14 @@ def compose(*decorators: Callable[[Step], Step]) -> Callable[[Step], Step]:
         (2, 1.0)
     """
     for d in decorators:
-        if isinstance(d, Step) or not callable(d):
-            raise TypeError(
-                f"compose: expected functions Step -> Step such as clip(max_norm=1.0); got "
-                f"{type(d).__name__} {d!r:.40}."
-            )
+        ok, expected = callable(d) and not isinstance(d, Step), "a function Step -> Step"
+        check(ok, "compose", "each", expected + ", e.g. clip(max_norm=1.0)", d, error=TypeError)
 
     def composed(step: Step) -> Step:
         for d in decorators:
             new = d(step)
-            if not isinstance(new, Step):
-                raise TypeError(
-                    f"compose: {getattr(d, '__qualname__', d)!r} returned "
-                    f"{type(new).__name__}; expected the Step it was given, decorated."
-                )
+            name = f"what {getattr(d, '__qualname__', d)!r} returned"
+            check(isinstance(new, Step), "compose", name, "a Step", type(new), error=TypeError)
             step = new
         return step
 

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
+from toolkit._checks import check
+
 __all__ = ["MultiOptimizer", "MultiScheduler", "PerEpoch", "epoch_schedulers", "per_epoch"]
 
 
@@ -63,11 +65,6 @@ class MultiOptimizer:
     def param_groups(self) -> list[dict[str, Any]]:
         """Every optimizer's parameter groups, in order (a new list of the same dicts)."""
         return [group for optimizer in self.optimizers for group in optimizer.param_groups]
-
-    @property
-    def state(self) -> dict[torch.Tensor, Any]:
-        """Per-parameter state of every optimizer, merged (a new dict of the same states)."""
-        return {p: s for optimizer in self.optimizers for p, s in optimizer.state.items()}
 
     def __iter__(self) -> Iterator[torch.optim.Optimizer]:
         # torch.distributed.checkpoint's get_state_dict takes an iterable of optimizers.
@@ -147,11 +144,9 @@ def _check_optimizers(optimizers: tuple[Any, ...]) -> None:
         raise TypeError("MultiOptimizer: expected one or more torch.optim.Optimizer; got none.")
     owner: dict[int, int] = {}
     for i, optimizer in enumerate(optimizers):
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"MultiOptimizer: optimizers[{i}] is a {type(optimizer).__name__}; expected a "
-                "torch.optim.Optimizer."
-            )
+        ok = isinstance(optimizer, torch.optim.Optimizer)
+        check(ok, "MultiOptimizer", f"optimizers[{i}]", "a torch.optim.Optimizer", type(optimizer),
+              error=TypeError)  # fmt: skip
         for param in (p for group in optimizer.param_groups for p in group["params"]):
             first = owner.setdefault(id(param), i)
             if first != i:
@@ -169,8 +164,8 @@ class PerEpoch:
 
     Build it with :func:`per_epoch`. The train step leaves it alone; ``run()`` calls its
     ``step()`` at every ``"epoch_end"``, before the plugins (so a checkpoint taken there
-    holds the stepped scheduler). ``state_dict``, ``load_state_dict`` and
-    ``get_last_lr`` are the wrapped scheduler's.
+    holds the stepped scheduler). Every other attribute (``optimizer``, ``state_dict``,
+    ``load_state_dict``, ``get_last_lr``, ...) is the wrapped scheduler's.
 
     Attributes:
         scheduler: the wrapped LR scheduler.
@@ -186,21 +181,10 @@ class PerEpoch:
 
     scheduler: Any
 
-    @property
-    def optimizer(self) -> Any:
-        return self.scheduler.optimizer
-
-    def step(self) -> None:
-        self.scheduler.step()
-
-    def get_last_lr(self) -> list[Any]:
-        return list(self.scheduler.get_last_lr())
-
-    def state_dict(self) -> dict[str, Any]:
-        return dict(self.scheduler.state_dict())
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        self.scheduler.load_state_dict(state_dict)
+    def __getattr__(self, name: str) -> Any:
+        if name == "scheduler":  # not set yet (copy, pickle): no endless recursion
+            raise AttributeError(name)
+        return getattr(self.scheduler, name)
 
 
 def per_epoch(scheduler: Any) -> PerEpoch:
@@ -237,11 +221,6 @@ def per_epoch(scheduler: Any) -> PerEpoch:
         >>> state.step, optimizer.param_groups[0]["lr"]
         (6, 0.25)
     """
-    if isinstance(scheduler, (ReduceLROnPlateau, PerEpoch, MultiScheduler)):
-        raise TypeError(
-            f"per_epoch: got a {type(scheduler).__name__}; expected one LR scheduler by count "
-            "(validate(plateau_metric=...) steps a ReduceLROnPlateau)."
-        )
     _check_scheduler(scheduler, "per_epoch: scheduler")
     return PerEpoch(scheduler)
 
@@ -275,29 +254,18 @@ class MultiScheduler:
     """
 
     def __init__(self, *schedulers: Any) -> None:
-        if not schedulers:
-            raise TypeError("MultiScheduler: expected one or more LR schedulers; got none.")
+        ok = bool(schedulers)
+        check(ok, "MultiScheduler", "schedulers", "one or more LR schedulers", (), error=TypeError)
         for i, scheduler in enumerate(schedulers):
-            if isinstance(scheduler, (ReduceLROnPlateau, MultiScheduler)):
-                raise TypeError(
-                    f"MultiScheduler: schedulers[{i}] is a {type(scheduler).__name__}; expected "
-                    "a schedule by count (validate steps a ReduceLROnPlateau only alone)."
-                )
-            if not isinstance(scheduler, PerEpoch):
-                _check_scheduler(scheduler, f"MultiScheduler: schedulers[{i}]")
+            alone = scheduler.scheduler if isinstance(scheduler, PerEpoch) else scheduler
+            _check_scheduler(alone, f"MultiScheduler: schedulers[{i}]")
         self.schedulers = tuple(schedulers)
-        self.per_update = tuple(s for s in schedulers if not isinstance(s, PerEpoch))
-        self.per_epoch = tuple(s for s in schedulers if isinstance(s, PerEpoch))
-
-    @property
-    def optimizers(self) -> tuple[Any, ...]:
-        """The optimizer of each scheduler, in order."""
-        return tuple(s.optimizer for s in self.schedulers)
 
     def step(self) -> None:
         """Step the per-update schedulers (not the :func:`per_epoch` ones)."""
-        for scheduler in self.per_update:
-            scheduler.step()
+        for scheduler in self.schedulers:
+            if not isinstance(scheduler, PerEpoch):
+                scheduler.step()
 
     def get_last_lr(self) -> list[Any]:
         return [lr for s in self.schedulers for lr in s.get_last_lr()]
@@ -306,14 +274,8 @@ class MultiScheduler:
         return {"schedulers": [dict(s.state_dict()) for s in self.schedulers]}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        saved = list(state_dict["schedulers"])
-        if len(saved) != len(self.schedulers):
-            raise ValueError(
-                f"MultiScheduler.load_state_dict: the state dict holds {len(saved)} "
-                f"scheduler state(s); this MultiScheduler has {len(self.schedulers)}. Load "
-                "a state saved from the same schedulers."
-            )
-        for scheduler, state in zip(self.schedulers, saved, strict=True):
+        # load_checkpoint compares the saved states with these schedulers first.
+        for scheduler, state in zip(self.schedulers, state_dict["schedulers"], strict=True):
             scheduler.load_state_dict(state)
 
     def __repr__(self) -> str:
@@ -321,6 +283,11 @@ class MultiScheduler:
 
 
 def _check_scheduler(scheduler: Any, who: str) -> None:
+    if isinstance(scheduler, (ReduceLROnPlateau, PerEpoch, MultiScheduler)):
+        raise TypeError(
+            f"{who}: got a {type(scheduler).__name__}; expected one LR scheduler by count "
+            "(validate(plateau_metric=...) steps a ReduceLROnPlateau alone)."
+        )
     if not (
         callable(getattr(scheduler, "step", None))
         and callable(getattr(scheduler, "state_dict", None))
@@ -335,8 +302,5 @@ def _check_scheduler(scheduler: Any, who: str) -> None:
 
 def epoch_schedulers(scheduler: Any) -> tuple[PerEpoch, ...]:
     """The :func:`per_epoch` schedulers in ``TrainState.scheduler``, for run()'s epoch end."""
-    if isinstance(scheduler, PerEpoch):
-        return (scheduler,)
-    if isinstance(scheduler, MultiScheduler):
-        return scheduler.per_epoch
-    return ()
+    members = getattr(scheduler, "schedulers", (scheduler,))
+    return tuple(s for s in members if isinstance(s, PerEpoch))

@@ -89,26 +89,6 @@ class AmpConfig:
     min_scale: float = 1e-4
     device_type: str | None = None
 
-    def __post_init__(self) -> None:
-        # amp_wrap's argument checks: a dtype string becomes the torch dtype.
-        object.__setattr__(self, "dtype", _resolve_dtype(self.dtype))
-        scaler, m = self.scaler, self.min_scale
-        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
-            raise TypeError(
-                f"amp_wrap: scaler must be a torch.amp.GradScaler or None; got {scaler!r}."
-            )
-        if scaler is not None and self.dtype != torch.float16:
-            raise ValueError(f"amp_wrap: a GradScaler needs dtype='fp16'; got dtype={self.dtype}.")
-        if scaler is not None and not scaler.is_enabled():
-            raise ValueError(
-                "amp_wrap: expected an enabled GradScaler; got one with enabled=False."
-            )
-        if isinstance(m, bool) or not isinstance(m, (int, float)) or not m > 0:
-            raise ValueError(f"amp_wrap: min_scale must be a number > 0; got {m!r}.")
-        object.__setattr__(self, "min_scale", float(m))
-        if self.device_type is not None:
-            _check_device_type(self.device_type)
-
     @property
     def fp16(self) -> bool:
         return self.dtype == torch.float16
@@ -270,9 +250,9 @@ def decide(
     if total is not None:
         flags["empty"], flags["negative"] = total == 0, total < 0
     if group is not None and carried is None:
-        like = _first_param(optimizer)
-        values = [flag.to(like.device, torch.float32) for flag in flags.values()]
-        packed = torch.stack([*values, *_pair(window.skipped, like)])
+        pair = _pair(window.skipped, optimizer)  # on the parameters' device
+        values = [flag.to(pair.device, torch.float32) for flag in flags.values()]
+        packed = torch.stack([*values, *pair])
         packed = all_reduce_(packed, torch.distributed.ReduceOp.MAX, group)
         flags = dict(zip(flags, packed[:-2] > 0))
         flags["uneven"] = packed[-2] + packed[-1] > 0
@@ -293,9 +273,7 @@ def reported(verdict: Verdict, empty: bool) -> Verdict:
     return verdict._replace(nonfinite=nonfinite, overflow=overflow, empty=empty)
 
 
-def _overflows(
-    scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _overflows(scaler: torch.amp.GradScaler, optimizer: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """The GradScaler's count of devices with inf/NaN gradients after unscale_, and its scale.
 
     It keeps found_inf per optimizer and device; combining the tensors on device (no
@@ -309,9 +287,10 @@ def _overflows(
     return found, scale
 
 
-def _pair(skipped: int, like: torch.Tensor) -> torch.Tensor:
+def _pair(skipped: int, optimizer: Any) -> torch.Tensor:
     """``[skipped, -skipped]``: MAX over the ranks gives the most and minus the fewest."""
-    return torch.tensor([skipped, -skipped], dtype=torch.float32, device=like.device)
+    device = optimizer.param_groups[0]["params"][0].device
+    return torch.tensor([skipped, -skipped], dtype=torch.float32, device=device)
 
 
 def skip_range(skipped: int, group: Any, optimizer: torch.optim.Optimizer) -> tuple[int, int]:
@@ -319,55 +298,15 @@ def skip_range(skipped: int, group: Any, optimizer: torch.optim.Optimizer) -> tu
 
     For the error message, on every rank of the group once they know the counts differ.
     """
-    packed = all_reduce_(
-        _pair(skipped, _first_param(optimizer)), torch.distributed.ReduceOp.MAX, group
-    )
+    packed = all_reduce_(_pair(skipped, optimizer), torch.distributed.ReduceOp.MAX, group)
     most, minus_fewest = packed.tolist()
     return int(-minus_fewest), int(most)
-
-
-def _first_param(optimizer: torch.optim.Optimizer) -> torch.Tensor:
-    return optimizer.param_groups[0]["params"][0]
 
 
 @functools.cache
 def _flag_weights(device: torch.device) -> torch.Tensor:
     """The weights that pack the six flags into one number, made once per device."""
     return torch.tensor([1.0, 2.0, 4.0, 8.0, 16.0, 32.0], device=device)
-
-
-_BF16, _FP16 = torch.bfloat16, torch.float16
-_DTYPES = {"bf16": _BF16, "bfloat16": _BF16, "fp16": _FP16, "float16": _FP16, "half": _FP16}
-
-
-def _check_device_type(device_type: Any) -> None:
-    try:
-        known = isinstance(device_type, str) and torch.amp.is_autocast_available(device_type)
-    except RuntimeError:  # not a device type torch knows at all
-        known = False
-    if not known:
-        raise ValueError(
-            f"amp_wrap: device_type must be a device type with autocast, such as 'cpu' or "
-            f"'cuda'; got {device_type!r}. Leave it out to use the parameters' device."
-        )
-    # torch.cuda, torch.xpu, torch.mps... (a backend torch has no module for is not checked)
-    available = getattr(getattr(torch, device_type, None), "is_available", None)
-    if device_type != "cpu" and callable(available) and not available():
-        raise ValueError(
-            f"amp_wrap: device_type={device_type!r}, but no {device_type} device is available "
-            "here (autocast would be off); leave device_type out to use the parameters'."
-        )
-
-
-def _resolve_dtype(dtype: Any) -> torch.dtype:
-    if dtype in (_BF16, _FP16):
-        return dtype
-    if isinstance(dtype, str) and dtype.lower() in _DTYPES:
-        return _DTYPES[dtype.lower()]
-    raise ValueError(
-        f"amp_wrap: dtype must be 'bf16', 'fp16', torch.bfloat16 or torch.float16; got "
-        f"{dtype!r}. For float32 training leave amp_wrap out."
-    )
 
 
 def _show(value: torch.Tensor | None) -> str:

@@ -9,6 +9,7 @@ from typing import Any, ClassVar, NamedTuple
 import optree
 import torch
 
+from toolkit._checks import check
 from toolkit.step._multi import MultiOptimizer, MultiScheduler
 
 __all__ = ["GuardState", "TrainState", "WindowState"]
@@ -177,12 +178,8 @@ class TrainState:
             >>> TrainState(model=torch.nn.Linear(1, 1)).replace(epoch=2).epoch
             2
         """
-        unknown = changes.keys() - _FIELD_NAMES
-        if unknown:
-            raise TypeError(
-                f"TrainState.replace: unknown field(s) {sorted(unknown)}; "
-                f"expected some of {sorted(_FIELD_NAMES)}."
-            )
+        unknown = sorted(changes.keys() - _FIELD_NAMES)
+        check(not unknown, "TrainState.replace", "the names", "fields", unknown, error=TypeError)
         new = self._evolve({**changes, **_several(changes)})
         _check(new, changes.keys())
         return new
@@ -202,9 +199,9 @@ _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(TrainState))
 
 def _check(state: TrainState, changed: Collection[str]) -> None:
     """Run the checks that read a field of ``changed`` (all of them at build time)."""
-    for check, fields in _FIELD_CHECKS.items():
+    for run_check, fields in _FIELD_CHECKS.items():
         if not fields.isdisjoint(changed):
-            check(state)
+            run_check(state)
 
 
 def _several(fields: Mapping[str, Any]) -> dict[str, Any]:
@@ -220,29 +217,13 @@ def _several(fields: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _model(state: TrainState) -> None:
-    if not isinstance(state.model, torch.nn.Module):
-        raise TypeError(
-            f"TrainState.model: expected a torch.nn.Module, got {type(state.model).__name__}."
-        )
-
-
 def _optimizer(state: TrainState) -> None:
-    optimizer = state.optimizer
-    if optimizer is None:
-        return
-    if not isinstance(optimizer, (torch.optim.Optimizer, MultiOptimizer)):
-        raise TypeError(
-            "TrainState.optimizer: expected a torch.optim.Optimizer or a list of them; got "
-            f"{type(optimizer).__name__}."
-        )
     # Once per state built by hand (steps copy states without this check). No shared
     # parameter means the optimizer steps another model: training would change nothing.
-    own = {id(p) for p in state.model.parameters()}
+    optimizer, own = state.optimizer, {id(p) for p in state.model.parameters()}
     several = isinstance(optimizer, MultiOptimizer)
-    for i, one in enumerate(
-        optimizer.optimizers if isinstance(optimizer, MultiOptimizer) else (optimizer,)
-    ):
+    members = optimizer.optimizers if several else () if optimizer is None else (optimizer,)
+    for i, one in enumerate(members):
         params = [p for group in one.param_groups for p in group["params"]]
         if not any(id(p) in own for p in params):
             which = f"optimizer[{i}]" if several else "optimizer"
@@ -286,6 +267,11 @@ def _counters(state: TrainState) -> None:
 
 # The other fields' kinds, and how a message names them.
 _KINDS: dict[str, tuple[Any, str]] = {
+    "model": (torch.nn.Module, "a torch.nn.Module"),
+    "optimizer": (
+        (torch.optim.Optimizer, MultiOptimizer, type(None)),
+        "a torch.optim.Optimizer or a list of them",
+    ),
     "scaler": ((torch.amp.GradScaler, type(None)), "a torch.amp.GradScaler or None"),
     "window": (WindowState, "a WindowState"),
     "guard": (GuardState, "a GuardState"),
@@ -302,11 +288,11 @@ def _kinds(state: TrainState) -> None:
             raise TypeError(f"TrainState.{name}: expected {expected}; got {got}.")
 
 
-# Each check and the fields it reads: replace() runs it when one of them changes.
+# Each check and the fields it reads: replace() runs it when one of them changes (in order:
+# the kinds first, which the other checks rely on).
 _FIELD_CHECKS = {
-    _model: {"model"},
+    _kinds: set(_KINDS),
     _optimizer: {"model", "optimizer"},
     _scheduler: {"optimizer", "scheduler"},
     _counters: {"step", "epoch", "batches_seen"},
-    _kinds: set(_KINDS),
 }

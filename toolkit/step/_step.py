@@ -5,12 +5,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import math
 import types
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import torch
 
+from toolkit._checks import check
 from toolkit.distributed._collectives import (
     all_reduce_,
     carrier_of,
@@ -137,21 +139,14 @@ def _leading_dim(batch: Any) -> int | None:
 
 def _parse(result: Any) -> tuple[torch.Tensor, torch.Tensor | float | None, Mapping[str, Any]]:
     """A loss function's result as (loss, count or None, records), checked."""
-    if isinstance(result, torch.Tensor):
-        loss, count, records = result, None, _NO_RECORDS
-    elif isinstance(result, LossSum):
+    if isinstance(result, LossSum):
         loss, count, records = result.total, _checked_count(result.count), result.records
-    elif isinstance(result, tuple) and len(result) == 2:
+    elif isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], Mapping):
         (loss, records), count = result, None
-        if not isinstance(records, Mapping):
-            why = f"its second element is a {type(records).__name__}, not a mapping of records"
-            raise _bad_return(result, why)
-    elif isinstance(result, tuple):
-        raise _bad_return(result, f"a tuple of length {len(result)}, not (loss, records)")
     else:
-        raise _bad_return(result, "not a loss")
+        loss, count, records = result, None, _NO_RECORDS
     if not isinstance(loss, torch.Tensor):
-        raise _bad_return(result, f"the loss is a {type(loss).__name__}, not a tensor")
+        raise _bad_return(result)
     if loss.ndim != 0:
         raise ValueError(
             f"loss_fn must return a scalar loss (a 0-d tensor); got a tensor of shape "
@@ -176,11 +171,8 @@ def _checked_count(count: Any) -> torch.Tensor | float:
         raise TypeError(
             f"LossSum.count: expected a number >= 0 or a one-element tensor; got {got}."
         )
-    if not 0 <= count < float("inf"):
-        raise ValueError(
-            f"LossSum.count: expected a finite number >= 0 (the micro-batch's targets); got "
-            f"{count!r}. A negative count would turn the update into gradient ascent."
-        )
+    fix = "A negative count would turn the update into gradient ascent."
+    check(0 <= count < math.inf, "LossSum", "count", "a finite number >= 0", count, fix)
     return count
 
 
@@ -222,7 +214,12 @@ class Step:
     _with_step: bool = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_with_step", _takes_step(self.loss_fn))
+        try:  # a parameter named step (not *args or **kwargs) receives the update number
+            param = inspect.signature(self.loss_fn).parameters.get("step")
+        except (TypeError, ValueError):  # a builtin or C callable without a signature
+            param = None
+        kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        object.__setattr__(self, "_with_step", param is not None and param.kind in kinds)
 
     def __call__(
         self, state: TrainState, batch: Any, *, close: bool = False
@@ -379,7 +376,7 @@ class Step:
         """Phase 6's outcome: whether to apply the window, the counters, an error to raise."""
         guard, counters = self.guard, state.guard
         apply = not (verdict.nonfinite or verdict.overflow or verdict.empty or verdict.negative)
-        failure: Exception | None = _negative_total(window.count) if verdict.negative else None
+        failure: Exception | None = _negative_total() if verdict.negative else None
         if verdict.overflow:  # the scaler's business: neither a failure nor a success
             counters = counters._replace(total_overflow=counters.total_overflow + 1)
         elif verdict.nonfinite:  # rejected: retried, skipped, accepted or raised
@@ -449,26 +446,19 @@ def _successor(state: TrainState, **changes: Any) -> TrainState:
     return new
 
 
-def _takes_step(loss_fn: Callable[..., Any]) -> bool:
-    """Whether ``loss_fn`` has a parameter named ``step`` to receive the update number."""
-    try:
-        param = inspect.signature(loss_fn).parameters.get("step")
-    except (TypeError, ValueError):  # a builtin or C callable without a signature
-        return False
-    return param is not None and param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY)
-
-
-def _bad_return(result: Any, why: str) -> TypeError:
+def _bad_return(result: Any) -> TypeError:
+    got = type(result).__name__
+    if isinstance(result, tuple):  # its elements' kinds: (loss, records) gone wrong
+        got += f"({', '.join(type(element).__name__ for element in result)})"
     return TypeError(
-        f"loss_fn returned {type(result).__name__}: {why}. Expected a scalar tensor, "
-        "(loss, records), LossSum(total, count[, records]), or None to skip the batch."
+        f"loss_fn returned {got}; expected a scalar tensor, (loss, records), "
+        "LossSum(total, count[, records]), or None to skip the batch."
     )
 
 
 def _no_optimizer(state: Any) -> TypeError:
-    given = (
-        "None" if isinstance(state, TrainState) else f"a {type(state).__name__}, not a TrainState"
-    )
+    given = f"a {type(state).__name__}, not a TrainState"
+    given = "None" if isinstance(state, TrainState) else given
     return TypeError(
         f"a train step needs TrainState.optimizer; got {given}. Build the state with one: "
         "TrainState(model=model, optimizer=torch.optim.AdamW(model.parameters()))."
@@ -499,10 +489,10 @@ def _uneven_skips(skipped: int, fewest: int, most: int) -> ValueError:
     )
 
 
-def _negative_total(total: Any) -> ValueError:
-    shown = "" if isinstance(total, torch.Tensor) else f" ({total:g})"
+def _negative_total() -> ValueError:
+    # Only tensor counts can be negative here (python ones are checked when returned).
     return ValueError(
-        f"loss_fn reported a negative total target count{shown} for the window, which would "
+        "loss_fn reported a negative total target count for the window, which would "
         "turn the update into gradient ascent; the window was thrown away."
     )
 

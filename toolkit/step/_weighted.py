@@ -10,6 +10,7 @@ contributes nothing, not even a NaN; sums are exact (``math.fsum``).
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 from collections.abc import Hashable, Mapping, Sequence
@@ -47,15 +48,13 @@ class Sums(NamedTuple):
 
 def columns(records: Sequence[Mapping[K, Any]]) -> dict[K, Column]:
     """The columns of flat records, keys in order of first appearance."""
-    values: dict[K, list[Any]] = {}
-    rows: dict[K, list[int]] = {}
+    found: dict[K, tuple[list[Any], list[int]]] = {}
     for row, record in enumerate(records):
         for key, value in record.items():
-            if key not in values:
-                values[key], rows[key] = [], []
-            values[key].append(value)
-            rows[key].append(row)
-    return {key: Column(values[key], rows[key]) for key in values}
+            values, rows = found.setdefault(key, ([], []))
+            values.append(value)
+            rows.append(row)
+    return {key: Column(values, rows) for key, (values, rows) in found.items()}
 
 
 def weighted_sums(
@@ -71,29 +70,22 @@ def weighted_sums(
     knows whether they are tensors). With ``exclude_nan`` a NaN value is left out with its
     weight.
     """
-    # Whole columns at a time (map, slices, no isinstance per value unless needed): a publish
+    # Whole columns at a time (slices, no isinstance per value unless needed): a publish
     # every few updates reads a few dozen values, and each python step per value shows.
-    if not isinstance(weights, Column):
-        weights = Column(weights, None)
-    found = [_tensors(column) for column in cols.values()]
-    weight_tensors = _tensors(weights)
-    tensors: list[torch.Tensor] = []
-    for ts in found:
-        tensors += ts
-    tensors += weight_tensors
-    tensors += also
-    read = to_host(tensors)
-    start = len(read) - len(also) - len(weight_tensors)
-    numbers = _substitute(weights.values, weight_tensors, read[start : start + len(weight_tensors)])
+    every = [*cols.values(), weights if isinstance(weights, Column) else Column(weights, None)]
+    found = [_tensors(column) for column in every]
+    read = to_host(list(itertools.chain(*found, also)))
+    numbers, start = [], 0
+    for column, tensors in zip(every, found):
+        numbers.append(_substitute(column.values, tensors, read[start : start + len(tensors)]))
+        start += len(tensors)
+    *values, weight_numbers = numbers
     sums: dict[Any, tuple[float, float]] = {}
-    end = 0
-    for (key, column), ts in zip(cols.items(), found):
-        begin, end = end, end + len(ts)
-        values = _substitute(column.values, ts, read[begin:end])
+    for (key, column), column_values in zip(cols.items(), values):
         rows = column.rows
-        picked = numbers if rows is None else list(map(numbers.__getitem__, rows))
-        sums[key] = _sum(values, picked, exclude_nan)
-    return Sums(sums, numbers, read[start + len(weight_tensors) :])
+        picked = weight_numbers if rows is None else list(map(weight_numbers.__getitem__, rows))
+        sums[key] = _sum(column_values, picked, exclude_nan)
+    return Sums(sums, weight_numbers, read[start:])
 
 
 def _tensors(column: Column) -> Sequence[torch.Tensor]:
