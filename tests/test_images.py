@@ -44,7 +44,8 @@ def test_chw_hwc_and_grey_tensors_become_hwc_pixels() -> None:
     hwc = _random_pixels(5, 7, 4)  # first dimension 5: not channels, so HWC
     assert torch.equal(pixels("t", "a", hwc), hwc)
     grey = _random_pixels(5, 7)
-    assert torch.equal(pixels("t", "a", grey), grey.unsqueeze(-1))
+    assert torch.equal(pixels("t", "a", grey), grey)
+    assert torch.equal(pixels("t", "a", grey.unsqueeze(0)), grey)  # (1, H, W): grey too
     # The rule for the ambiguous case: a first dimension of 1, 3 or 4 is channels.
     assert pixels("t", "a", _random_pixels(3, 4, 3)).shape == (4, 3, 3)
 
@@ -153,7 +154,7 @@ def test_png_dir_without_pillow_says_how_to_install(monkeypatch: pytest.MonkeyPa
     monkeypatch.setitem(sys.modules, "PIL", None)
     with pytest.raises(
         ImportError,
-        match=r"png_dir\(\): needs Pillow and numpy: pip install pillow numpy "
+        match=r"png_dir\(\) needs pillow and numpy: pip install pillow numpy "
         r'\(or pip install -e "\.\[loggers\]" from a checkout of toolkit\)',
     ):
         png_dir("images")

@@ -75,10 +75,13 @@ def test_without_a_launcher_the_process_is_a_world_of_one() -> None:
 @pytest.mark.parametrize(
     ("environment", "message"),
     [
-        ({"RANK": "0"}, r"RANK=0 is set but WORLD_SIZE is not; export both"),
-        ({"RANK": "one", "WORLD_SIZE": "2"}, r"RANK must be an integer; got 'one'"),
-        ({"RANK": "2", "WORLD_SIZE": "2"}, r"RANK must be in \[0, WORLD_SIZE\); got RANK=2"),
-        ({"RANK": "1", "WORLD_SIZE": "2"}, r"WORLD_SIZE=2 but MASTER_ADDR is not set"),
+        ({"RANK": "0"}, r"setup: WORLD_SIZE must be set with RANK; got None. Export both"),
+        ({"RANK": "one", "WORLD_SIZE": "2"}, r"RANK must be an integer >= 0; got 'one'"),
+        ({"RANK": "2", "WORLD_SIZE": "2"}, r"RANK must be below WORLD_SIZE=2; got 2"),
+        (
+            {"RANK": "1", "WORLD_SIZE": "2"},
+            r"MASTER_ADDR must be set when WORLD_SIZE > 1; got None. Launch with torchrun",
+        ),
         (
             {"RANK": "0", "WORLD_SIZE": "1", "TORCHELASTIC_RESTART_COUNT": "x"},
             r"TORCHELASTIC_RESTART_COUNT must be an integer",
@@ -100,7 +103,9 @@ def test_a_local_rank_beyond_the_gpus_is_named(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     for name, value in {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3"}.items():
         monkeypatch.setenv(name, value)
-    with pytest.raises(ValueError, match=r"LOCAL_RANK=3 but this machine has 2 CUDA device"):
+    with pytest.raises(
+        ValueError, match=r"LOCAL_RANK must be below the 2 CUDA devices of this machine; got 3"
+    ):
         setup()
 
 
@@ -121,9 +126,7 @@ def test_on_cuda_the_backend_is_nccl_bound_to_the_ranks_device(
 
 def test_setting_up_twice_is_refused() -> None:
     setup()
-    with pytest.raises(
-        RuntimeError, match=r"initialised already; call toolkit.distributed.teardown\(\)"
-    ):
+    with pytest.raises(RuntimeError, match=r"got 'initialised'. Call toolkit.distributed.teardown"):
         setup()
     teardown()
 

@@ -226,9 +226,9 @@ def test_bad_files_are_refused_with_the_line_and_the_fix(
 
 
 def test_a_folder_or_a_missing_file_is_named(tmp_path: pathlib.Path) -> None:
-    with pytest.raises(IsADirectoryError, match=r"did you mean '.*metrics\.jsonl'"):
+    with pytest.raises(IsADirectoryError, match=r"Did you mean '.*metrics\.jsonl'"):
         plot_metrics(tmp_path)
-    with pytest.raises(FileNotFoundError, match=r"no file '.*nope\.jsonl'; pass the metrics"):
+    with pytest.raises(FileNotFoundError, match=r"No such file .*'.*nope\.jsonl'"):
         plot_metrics(tmp_path / "nope.jsonl")
 
 

@@ -33,14 +33,10 @@ __all__ = ["GROUPS", "group_of", "main", "plot_metrics", "read_series"]
 
 # The PNG files, in the order they are written, with the title of each.
 GROUPS = {
-    "loss": "loss",
-    "learning_rate": "learning rate",
-    "grad_norm": "gradient norm (before clipping)",
-    "throughput": "throughput",
-    "metrics": "metrics",
-    "memory": "memory",
-    "counters": "counters",
-}
+    "loss": "loss", "learning_rate": "learning rate",
+    "grad_norm": "gradient norm (before clipping)", "throughput": "throughput",
+    "metrics": "metrics", "memory": "memory", "counters": "counters",
+}  # fmt: skip
 
 _THROUGHPUT = {
     "train/samples_per_s": "samples/s",
@@ -49,6 +45,7 @@ _THROUGHPUT = {
 }
 _COUNTERS = {"train/nonfinite", "train/overflow", "train/epoch"}
 
+_EXAMPLE = 'a JSON object such as {"step": 10, "train/loss": 0.5}'
 Series = dict[str, tuple[list[int], list[float]]]
 
 
@@ -74,7 +71,6 @@ def group_of(key: str) -> tuple[str, str]:
         >>> group_of("train/accuracy"), group_of("val_ema/accuracy")
         (('metrics', 'accuracy'), ('metrics', 'accuracy'))
     """
-    name = key.rsplit("/", 1)[-1]
     if key == "train/lr" or key.startswith("train/lr/"):
         return "learning_rate", "learning rate"
     if key == "train/grad_norm":
@@ -85,7 +81,7 @@ def group_of(key: str) -> tuple[str, str]:
         return "counters", key
     if key.startswith("memory/"):
         return "memory", key
-    if name.endswith("loss"):
+    if key.endswith("loss"):  # its last part does
         return "loss", "loss"
     # "val/accuracy" -> "accuracy"; nested records keep their path ("train/f1/macro").
     return "metrics", key.split("/", 1)[-1]
@@ -134,19 +130,20 @@ def read_series(path: str | os.PathLike[str]) -> tuple[Series, list[str]]:
     """
     file = pathlib.Path(path)
     who, name = "toolkit.plot", repr(str(file))
-    if file.is_dir():
-        raise IsADirectoryError(
-            f"{who}: {name} is a folder; did you mean {str(file / 'metrics.jsonl')!r}?"
-        )
-    if not file.exists():
-        raise FileNotFoundError(
-            f"{who}: no file {name}; pass the metrics.jsonl that jsonl(path) writes."
-        )
+    fix = f"Did you mean {str(file / 'metrics.jsonl')!r}?"
+    check(not file.is_dir(), who, "path", "a metrics.jsonl file", str(file), fix, IsADirectoryError)
     records: list[tuple[int, dict[str, Any]]] = []  # (step, record)
     notes: list[str] = []
     for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
         if line.strip():
-            step, record = _parse(f"{name} line {number}", line)
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                record = line.strip()[:80]
+            where = f"{name} line {number}"
+            check(isinstance(record, dict), who, where, _EXAMPLE, record)
+            step = record.get("step")
+            check(type(step) is int, who, where, 'an object with an integer "step"', step)
             if records and step < records[-1][0]:
                 kept = [r for r in records if r[0] < step]
                 notes.append(
@@ -168,18 +165,6 @@ def read_series(path: str | os.PathLike[str]) -> tuple[Series, list[str]]:
     keys = sorted({key for _, record in records for key in record} - {"step"})
     check(bool(series), who, name, "a file of numbers besides the steps", keys)
     return series, notes
-
-
-def _parse(name: str, line: str) -> tuple[int, dict[str, Any]]:
-    example = 'a JSON object such as {"step": 10, "train/loss": 0.5}'
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError:
-        record = line.strip()[:80]
-    check(isinstance(record, dict), "toolkit.plot", name, example, record)
-    step = record.get("step")
-    check(type(step) is int, "toolkit.plot", name, 'an object with an integer "step"', step)
-    return step, record
 
 
 def plot_metrics(
@@ -216,10 +201,8 @@ def plot_metrics(
     try:
         from matplotlib.figure import Figure
     except ImportError as error:
-        raise ImportError(
-            "toolkit.plot needs matplotlib, which is not installed: install the plot extra, "
-            'pip install -e ".[plot]" (or pip install matplotlib).'
-        ) from error
+        extra = 'pip install -e ".[plot]" (or pip install matplotlib)'
+        raise ImportError(f"toolkit.plot needs matplotlib: {extra}.") from error
     series, _ = read_series(path)
     folder = pathlib.Path(path).parent / "plots" if out is None else pathlib.Path(out)
     axes: dict[str, dict[str, list[str]]] = {group: {} for group in GROUPS}

@@ -12,6 +12,8 @@ from collections.abc import Iterator, Mapping
 import torch
 import torch.distributed as dist
 
+from toolkit._checks import check
+
 __all__ = ["Launch", "process_group", "setup", "teardown"]
 
 
@@ -53,12 +55,9 @@ class Launch:
 
 
 def setup(
-    *,
-    seed: int | None = None,
-    device: str | torch.device | None = None,
-    backend: str | None = None,
-    timeout: datetime.timedelta | None = None,
-) -> Launch:
+    *, seed: int | None = None, device: str | torch.device | None = None,
+    backend: str | None = None, timeout: datetime.timedelta | None = None,
+) -> Launch:  # fmt: skip
     """Join the job's default process group from the torchrun environment.
 
     Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` and
@@ -102,32 +101,40 @@ def setup(
         (0, 1)
         >>> teardown()
     """
-    if dist.is_initialized():
-        raise RuntimeError(
-            "setup: a default process group is initialised already; call "
-            "toolkit.distributed.teardown() first, or use the group you have."
-        )
-    env = os.environ
-    rank, world_size, local_rank = _ranks(env)
+    fix = "Call toolkit.distributed.teardown() first, or use the group you have."
+    ok = not dist.is_initialized()
+    check(ok, "setup", "the process group", "uninitialised", "initialised", fix, RuntimeError)
+    env, rank, world_size, local_rank = os.environ, 0, 1, 0
+    if "RANK" in env:  # launched by torchrun (or srun exporting the variables)
+        check("WORLD_SIZE" in env, "setup", "WORLD_SIZE", "set with RANK", None, "Export both.")
+        rank, world_size = _int(env, "RANK", 0), _int(env, "WORLD_SIZE", 1)
+        check(rank < world_size, "setup", "RANK", f"below WORLD_SIZE={world_size}", rank)
+        local_rank = _int(env, "LOCAL_RANK", rank)
     restart = _int(env, "TORCHELASTIC_RESTART_COUNT", 0)
-    chosen = _device(device, local_rank)
+    if device is None and torch.cuda.is_available():  # one CUDA device per rank
+        count = torch.cuda.device_count()
+        fix = f"Start at most {count} processes per node, or pass device='cpu'."
+        expected = f"below the {count} CUDA devices of this machine"
+        check(local_rank < count, "setup", "LOCAL_RANK", expected, local_rank, fix)
+        device = torch.device("cuda", local_rank)
+    chosen = torch.device(device or "cpu")
     if chosen.type == "cuda":
         torch.cuda.set_device(chosen)
     backend = backend or ("nccl" if chosen.type == "cuda" else "gloo")
     store = _store(env, rank, world_size, restart, timeout)
+    # device_id binds NCCL to this rank's device, so barrier() and the first collective use it.
+    device_id = chosen if chosen.type == "cuda" else None
     dist.init_process_group(
-        backend,
-        store=store,
-        rank=rank,
-        world_size=world_size,
-        # Binds NCCL to this rank's device, so barrier() and the first collective use it.
-        device_id=chosen if chosen.type == "cuda" else None,
-        timeout=timeout,
+        backend, store=store, rank=rank, world_size=world_size, device_id=device_id, timeout=timeout
     )
-    own_seed = None
-    if seed is not None:
-        own_seed = seed + rank
-        _seed(own_seed)
+    own_seed = None if seed is None else seed + rank
+    if own_seed is not None:  # Python's, torch's (CUDA too) and NumPy's generators
+        random.seed(own_seed)
+        torch.manual_seed(own_seed)
+        with contextlib.suppress(ImportError):  # numpy is optional
+            import numpy
+
+            numpy.random.seed(own_seed % 2**32)
     return Launch(rank, world_size, local_rank, chosen, backend, restart, own_seed)
 
 
@@ -155,23 +162,19 @@ def teardown(*, barrier: bool = True) -> None:
         >>> teardown()
         >>> teardown()  # nothing to end: a no-op
     """
-    if not dist.is_initialized():
-        return
-    try:
-        if barrier:
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    if dist.is_initialized():
+        try:
+            if barrier:
+                dist.barrier()
+        finally:
+            dist.destroy_process_group()
 
 
 @contextlib.contextmanager
 def process_group(
-    *,
-    seed: int | None = None,
-    device: str | torch.device | None = None,
-    backend: str | None = None,
-    timeout: datetime.timedelta | None = None,
-) -> Iterator[Launch]:
+    *, seed: int | None = None, device: str | torch.device | None = None,
+    backend: str | None = None, timeout: datetime.timedelta | None = None,
+) -> Iterator[Launch]:  # fmt: skip
     """:func:`setup`, then the body, then :func:`teardown`.
 
     The barrier of the tear-down runs when the body ended well or by ``SystemExit`` (the
@@ -211,71 +214,22 @@ def process_group(
 
 def _int(env: Mapping[str, str], name: str, default: int) -> int:
     text = env.get(name, str(default))
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"setup: {name} must be an integer; got {text!r}.") from None
-
-
-def _ranks(env: Mapping[str, str]) -> tuple[int, int, int]:
-    if "RANK" not in env:  # not launched by torchrun (or srun exporting the variables)
-        return 0, 1, 0
-    if "WORLD_SIZE" not in env:
-        raise ValueError(f"setup: RANK={env['RANK']} is set but WORLD_SIZE is not; export both.")
-    rank, world_size = _int(env, "RANK", 0), _int(env, "WORLD_SIZE", 1)
-    if not 0 <= rank < world_size:
-        raise ValueError(
-            f"setup: RANK must be in [0, WORLD_SIZE); got RANK={rank} of WORLD_SIZE={world_size}."
-        )
-    return rank, world_size, _int(env, "LOCAL_RANK", rank)
-
-
-def _device(device: str | torch.device | None, local_rank: int) -> torch.device:
-    if device is not None:
-        return torch.device(device)
-    if not torch.cuda.is_available():
-        return torch.device("cpu")
-    count = torch.cuda.device_count()
-    if local_rank >= count:
-        raise ValueError(
-            f"setup: LOCAL_RANK={local_rank} but this machine has {count} CUDA device(s); "
-            f"start at most {count} processes per node, or pass device='cpu'."
-        )
-    return torch.device("cuda", local_rank)
+    check(text.isdecimal(), "setup", name, "an integer >= 0", text)
+    return int(text)
 
 
 def _store(
-    env: Mapping[str, str],
-    rank: int,
-    world_size: int,
-    restart: int,
+    env: Mapping[str, str], rank: int, world_size: int, restart: int,
     timeout: datetime.timedelta | None,
-) -> dist.Store:
+) -> dist.Store:  # fmt: skip
     if "MASTER_ADDR" not in env:
-        if world_size > 1:
-            raise ValueError(
-                f"setup: WORLD_SIZE={world_size} but MASTER_ADDR is not set; launch with "
-                "torchrun, or export MASTER_ADDR and MASTER_PORT (rank 0's host, a free port)."
-            )
+        fix = "Launch with torchrun, or export MASTER_ADDR and MASTER_PORT (rank 0's host, a port)."
+        check(world_size == 1, "setup", "MASTER_ADDR", "set when WORLD_SIZE > 1", None, fix)
         return dist.HashStore()  # a world of one: nobody to meet
     # torchrun's agent hosts the store (every worker is a client) and keeps it across
     # restarts; elsewhere rank 0 hosts it.
     agent = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    store = dist.TCPStore(
-        env["MASTER_ADDR"],
-        _int(env, "MASTER_PORT", 29500),
-        world_size,
-        is_master=not agent and rank == 0,
-        timeout=timeout or datetime.timedelta(minutes=30),
-    )
+    port, master = _int(env, "MASTER_PORT", 29500), not agent and rank == 0
+    timeout = timeout or datetime.timedelta(minutes=30)
+    store = dist.TCPStore(env["MASTER_ADDR"], port, world_size, is_master=master, timeout=timeout)
     return dist.PrefixStore(f"toolkit/attempt_{restart}", store)
-
-
-def _seed(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)  # CUDA generators too
-    try:
-        import numpy
-    except ImportError:  # optional
-        return
-    numpy.random.seed(seed % 2**32)

@@ -17,11 +17,9 @@ __all__ = ["log_images"]
 
 @plugin_factory(order=60)
 def log_images(
-    fn: Callable[[TrainState], Mapping[str, Any]],
-    every: int = 1000,
-    *,
+    fn: Callable[[TrainState], Mapping[str, Any]], every: int = 1000, *,
     sinks: Sequence[Sink] | Sink,
-) -> Callable[[Event], TrainState | None]:
+) -> Callable[[Event], TrainState | None]:  # fmt: skip
     """A plugin recording the images ``fn(state)`` returns, every ``every`` updates.
 
     On rank 0 only, after each applied update that makes ``state.step`` a multiple of

@@ -58,13 +58,11 @@ class Interval:
 
 
 def read(
-    interval: Interval,
-    windows: Sequence[tuple[StepOutput, ...]],
+    interval: Interval, windows: Sequence[tuple[StepOutput, ...]],
     open_window: Sequence[StepOutput] = (),
     flatten: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None,
-    kinds: Mapping[str, str] = {},
-    also: Sequence[torch.Tensor] = (),
-) -> list[Any]:
+    kinds: Mapping[str, str] = {}, also: Sequence[torch.Tensor] = (),
+) -> list[Any]:  # fmt: skip
     """Add ``windows`` (each ending with its closing output) to ``interval``: one host read.
 
     ``flatten`` turns a micro-batch's records into flat ones (log_metrics); without it
@@ -165,19 +163,17 @@ def _flatten(
     tree: Mapping[str, Any], prefix: str, into: dict[str, Any], chosen: Any, who: str
 ) -> None:
     for key, value in tree.items():
-        name = f"{prefix}{key}"
+        name, tensor = f"{prefix}{key}", isinstance(value, torch.Tensor)
         if isinstance(value, Mapping):
             _flatten(value, f"{name}/", into, chosen, who)
-        elif isinstance(value, (int, float)) or (
-            isinstance(value, torch.Tensor) and value.numel() == 1
-        ):
-            into[name] = value.detach().reshape(()) if isinstance(value, torch.Tensor) else value
+        elif isinstance(value, (int, float)) or (tensor and value.numel() == 1):
+            into[name] = value.detach().reshape(()) if tensor else value
         elif chosen is not None and name in chosen:  # a chosen record that is no scalar
-            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value)
+            got = tuple(value.shape) if tensor else type(value)
             fix = "Reduce it first (.mean(), .sum()) or leave it out of records=."
-            error = ValueError if isinstance(value, torch.Tensor) else TypeError
+            what = "a number or a one-element tensor"
             check(
-                False, who, f"record {name!r}", "a number or a one-element tensor", got, fix, error
+                False, who, f"record {name!r}", what, got, fix, ValueError if tensor else TypeError
             )
 
 

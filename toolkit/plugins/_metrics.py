@@ -52,7 +52,7 @@ class _Options:
     totals: list[str]
     records: frozenset[str] | None
     per_epoch: bool
-    flops: tuple[str, float, float] | None  # ("samples" | "targets", FLOPs per one, peak)
+    flops: tuple[str, float, float] | None  # ("sample" | "token", FLOPs per one, peak)
     reserved: frozenset[str]  # names a record may not have
     clock: Callable[[], float]
 
@@ -79,18 +79,17 @@ def _options(
     check(isinstance(per_epoch, bool), who, "per_epoch", "True or False", per_epoch, "", TypeError)
     both = flops_per_sample is not None and flops_per_token is not None
     check(not both, who, "flops_per_sample or flops_per_token", "given alone", "both")
-    name, per, unit = "flops_per_sample", flops_per_sample, "samples"
-    if flops_per_token is not None:
-        name, per, unit = "flops_per_token", flops_per_token, "targets"
-    per = (
-        None if per is None else check_positive(who, name, per, "6 * n_params * tokens_per_sample")
+    per, unit = (
+        (flops_per_sample, "sample") if flops_per_token is None else (flops_per_token, "token")
     )
-    if peak_flops is not None:
-        peak_flops = check_positive(who, "peak_flops", peak_flops, "989e12 (an H100's bf16 peak)")
     got = "only peak_flops" if per is None else "no peak_flops"
     paired = (per is None) == (peak_flops is None)
     check(paired, who, "train/mfu", "given flops_per_sample or flops_per_token and peak_flops", got)
-    flops = None if per is None or peak_flops is None else (unit, per, peak_flops)
+    flops = None
+    if per is not None:
+        per = check_positive(who, f"flops_per_{unit}", per, "6 * n_params * tokens_per_sample")
+        peak = check_positive(who, "peak_flops", peak_flops, "989e12 (an H100's bf16 peak)")
+        flops = (unit, per, peak)
     kinds = {name: kind for name, kind in reduce.items() if kind != "mean"}
     reserved = _RESERVED | ({"mfu"} if flops else set())
     reserved |= {"epoch_loss", "epoch"} if per_epoch else set()
@@ -319,7 +318,16 @@ def _start(options: _Options, event: Event) -> _Memory:
     if is_rank_zero():
         for sink in options.sinks:
             sink.start(state.step)
-        _check_totals(state, options.totals)
+        entry = state.extras.get(KEY)
+        through = entry.get("through") if isinstance(entry, Mapping) else None
+        if options.totals and isinstance(through, int) and through < state.step:
+            message = (
+                f"log_metrics: the run totals in the state count the updates up to step "
+                f"{through}, and the run resumes from step {state.step}: the "
+                f"{state.step - through} updates between are in no total. Save checkpoints "
+                "at multiples of log_metrics's every."
+            )
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
     return _Memory(started=options.clock(), seen=seen, lrs=(_lrs(state.optimizer), {}))
 
 
@@ -329,8 +337,7 @@ def _on_step(options: _Options, memory: _Memory, event: Event) -> TrainState | N
         used = memory.lrs[0] if event.out is not None and event.out.updated else memory.lrs[1]
         memory.lrs = (_lrs(state.optimizer), used)
     memory.windows.append(event.outs)
-    memory.times[0] += event.data_time
-    memory.times[1] += event.step_time
+    memory.times = [memory.times[0] + event.data_time, memory.times[1] + event.step_time]
     extra = _scan(memory, state)
     if due(event, options.every):
         return _publish(options, memory, state, extra, True)
@@ -395,14 +402,17 @@ def _publish(
     if elapsed > 0 and options.flops is not None:
         unit, per, peak = options.flops
         devices = dist.get_world_size() if is_distributed() else 1
-        done = samples if unit == "samples" else targets
+        done = samples if unit == "sample" else targets
         metrics["train/mfu"] = per * done / elapsed / peak / devices
-    for key in ("nonfinite", "overflow"):
-        if getattr(interval, key):
-            metrics[f"train/{key}"] = float(getattr(interval, key))
+    counted = {key: getattr(interval, key) for key in ("nonfinite", "overflow")}
+    metrics.update({f"train/{key}": float(n) for key, n in counted.items() if n})
     new_state = None
     if options.totals:
-        new_state, run_totals = _add_totals(state, options.totals, reduced)
+        entry = state.extras.get(KEY)
+        before = entry.get("totals", {}) if isinstance(entry, Mapping) else {}
+        run_totals = {name: before.get(name, 0) + reduced.get(name, 0) for name in options.totals}
+        extras = {**state.extras, KEY: {"totals": run_totals, "through": state.step}}
+        new_state = state.replace(extras=extras)
         for name, value in run_totals.items():
             _put(metrics, f"train/total/{name}", value)
     metrics.update(extra)
@@ -424,32 +434,25 @@ def _epoch_metrics(options: _Options, memory: _Memory, state: TrainState) -> dic
     sums, _ = sum_over_ranks("log_metrics", {"loss": memory.epoch_loss}, group=group)
     total, weight = sums["loss"]
     memory.epoch_loss = (0.0, 0.0)
-    metrics = {"train/epoch": float(state.epoch)}
-    if weight:
-        metrics["train/epoch_loss"] = total / weight
-    return metrics
+    loss = {"train/epoch_loss": total / weight} if weight else {}
+    return {"train/epoch": float(state.epoch), **loss}
 
 
 def _scan(memory: _Memory, state: TrainState) -> dict[str, float]:
     """The metrics of other plugins' ``state.extras`` entries whose "step" changed."""
-    out: dict[str, float] = {}
     if state.extras is memory.extras:  # extras are replaced, never mutated
-        return out
-    memory.extras = state.extras
+        return {}
+    memory.extras, out = state.extras, {}
     for name, entry in state.extras.items():
         parsed = metric_entry(entry)
-        if parsed is None or memory.seen.get(name, _NEVER) == parsed[0]:
-            continue
-        memory.seen[name] = parsed[0]
-        for key, value in flat_scalars(parsed[1]).items():
-            fix = "Store python floats in extras[NAME]['metrics'] (no host sync)."
-            ok = not isinstance(value, torch.Tensor)
-            check(ok, "log_metrics", f"metric {name}/{key}", "a float", "a tensor", fix, TypeError)
-            out[f"{name}/{key}"] = value
+        if parsed is not None and (name, parsed[0]) not in memory.seen.items():
+            memory.seen[name] = parsed[0]
+            out.update({f"{name}/{key}": v for key, v in flat_scalars(parsed[1]).items()})
+    tensors = [key for key, value in out.items() if isinstance(value, torch.Tensor)]
+    fix = "Store python floats in extras[NAME]['metrics'] (no host sync)."
+    what = f"metric {', '.join(tensors)}"
+    check(not tensors, "log_metrics", what, "a float", "a tensor", fix, TypeError)
     return out
-
-
-_NEVER = object()
 
 
 def _lrs(optimizer: Any) -> dict[str, Any]:
@@ -486,33 +489,6 @@ def _over_ranks(
         for slot in slots(key):  # another rank's slot adds 0
             sums[f"{key}\0{slot}"] = (float(value) if slot in ("", str(rank)) else 0.0, 0.0)
     sums, counts = sum_over_ranks("log_metrics", sums, counts, group)
-    out = {
-        key: functools.reduce(
-            functools.partial(combine, kinds[key]), [sums[f"{key}\0{s}"][0] for s in slots(key)]
-        )
-        for key in reduced
-    }
+    ranks = {key: [sums[f"{key}\0{slot}"][0] for slot in slots(key)] for key in reduced}
+    out = {k: functools.reduce(functools.partial(combine, kinds[k]), v) for k, v in ranks.items()}
     return sorted((k, pair) for k, pair in sums.items() if "\0" not in k), out, counts
-
-
-def _add_totals(
-    state: TrainState, names: Sequence[str], reduced: Mapping[str, Any]
-) -> tuple[TrainState, dict[str, Any]]:
-    """The state with the interval's sums added to its run totals, and those totals."""
-    entry = state.extras.get(KEY)
-    before = entry.get("totals", {}) if isinstance(entry, Mapping) else {}
-    run_totals = {name: before.get(name, 0) + reduced.get(name, 0) for name in names}
-    extras = {**state.extras, KEY: {"totals": run_totals, "through": state.step}}
-    return state.replace(extras=extras), run_totals
-
-
-def _check_totals(state: TrainState, names: Sequence[str]) -> None:
-    entry = state.extras.get(KEY)
-    through = entry.get("through") if names and isinstance(entry, Mapping) else None
-    if isinstance(through, int) and through < state.step:
-        message = (
-            f"log_metrics: the run totals in the state count the updates up to step {through}, "
-            f"and the run resumes from step {state.step}: the {state.step - through} updates "
-            "between are in no total. Save checkpoints at multiples of log_metrics's every."
-        )
-        warnings.warn(message, RuntimeWarning, stacklevel=5)

@@ -1,4 +1,4 @@
-"""One image (tensor or matplotlib figure) as the uint8 HWC pixels every image sink writes."""
+"""One image (tensor or matplotlib figure) as the uint8 pixels every image sink writes."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ _CHANNELS = (1, 3, 4)  # grey, RGB, RGBA
 
 
 def pixels(who: str, name: str, image: Any) -> torch.Tensor:
-    """``image`` as a contiguous CPU ``uint8`` tensor of shape ``(H, W, C)``, C in 1, 3, 4.
+    """``image`` as a contiguous CPU ``uint8`` tensor: ``(H, W)`` grey, or ``(H, W, C)``, C in 3, 4.
 
     A tensor is ``(H, W)`` (grey), or 3-D: **CHW when its first dimension is 1, 3 or 4**
     (torch's convention), else HWC (its last dimension must then be 1, 3 or 4); so an HWC
@@ -38,15 +38,15 @@ def pixels(who: str, name: str, image: Any) -> torch.Tensor:
     tensor = isinstance(image, torch.Tensor)
     check(tensor, who, what, "a tensor or a matplotlib figure", type(image), "", TypeError)
     dtype = image.dtype == torch.uint8 or image.is_floating_point()
-    check(
-        dtype, who, what, "uint8 pixels or float intensities in [0, 1]", image.dtype, "", TypeError
-    )
+    expected = "uint8 pixels or float intensities in [0, 1]"
+    check(dtype, who, what, expected, image.dtype, "", TypeError)
     image = image.detach().cpu()
-    if image.dim() == 2:
-        image = image.unsqueeze(-1)
-    elif image.dim() == 3 and image.shape[0] in _CHANNELS:
+    if image.dim() == 3 and image.shape[0] in _CHANNELS:
         image = image.permute(1, 2, 0)
-    shaped = image.dim() == 3 and image.shape[-1] in _CHANNELS and image.numel() > 0
+    if image.dim() == 3 and image.shape[-1] == 1:
+        image = image[..., 0]  # grey: (H, W), as Pillow and W&B take it
+    shaped = image.dim() == 2 or (image.dim() == 3 and image.shape[-1] in _CHANNELS)
+    shaped = shaped and image.numel() > 0
     shapes = "(H, W), (C, H, W) or (H, W, C) with C in 1, 3 or 4 and H, W > 0"
     check(shaped, who, f"{what}'s shape", shapes, tuple(image.shape))
     if image.dtype != torch.uint8:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib
 import inspect
+import itertools
 import json
 import os
 import pathlib
@@ -26,12 +28,8 @@ _LOGGERS = 'pip install -e ".[loggers]" from a checkout of toolkit'
 _EXISTING = ("refuse", "replace", "append")  # what a fresh run does with logs already there
 
 
-def _no_start(step: int) -> None:
-    """The default ``Sink.start``: a sink with nothing to check or align."""
-
-
-def _no_images(step: int, images: dict[str, Any]) -> None:
-    """The default ``Sink.images``: a sink that records no images."""
+def _nothing(*args: Any) -> None:
+    """The default ``Sink.start`` and ``Sink.images``: nothing to check, nothing recorded."""
 
 
 class Sink(NamedTuple):
@@ -74,8 +72,8 @@ class Sink(NamedTuple):
 
     write: Callable[[int, dict[str, float]], None]
     close: Callable[[], None]
-    start: Callable[[int], None] = _no_start
-    images: Callable[[int, dict[str, Any]], None] = _no_images
+    start: Callable[[int], None] = _nothing
+    images: Callable[[int, dict[str, Any]], None] = _nothing
 
 
 def check_sinks(who: str, sinks: Any, images: bool = False) -> list[Sink]:
@@ -87,7 +85,7 @@ def check_sinks(who: str, sinks: Any, images: bool = False) -> list[Sink]:
     members = ("images", "close", "start") if images else ("write", "close", "start")
     for i, sink in enumerate(sinks):
         ok = all(callable(getattr(sink, name, None)) for name in members)
-        ok = ok and not (images and sink.images is _no_images)
+        ok = ok and not (images and sink.images is _nothing)
         fix = "Use png_dir, tensorboard or wandb (jsonl records metrics only), or a Sink."
         check(ok, who, f"sinks[{i}]", f"a sink with {', '.join(members)}", sink, fix, TypeError)
         once = not any(sink is other for other in sinks[:i])
@@ -102,35 +100,35 @@ def close_all(sinks: Sequence[Sink]) -> None:
             stack.callback(sink.close)
 
 
-def _refuse(who: str, what: str, where: pathlib.Path, arg: str) -> FileExistsError:
-    return FileExistsError(
-        f"{who}: {str(where)!r} already holds {what} of another run, and this run starts "
-        f"fresh (step 0). Pass {who}({arg}, existing='replace') to start afresh, "
-        f"existing='append' to add this run after them, or choose another {arg}."
-    )
+def _need(who: str, pip: str, *modules: str) -> Any:
+    """The last of ``modules``, imported (with those before it), or how to install them."""
+    try:
+        return [importlib.import_module(module) for module in modules][-1]
+    except ImportError as exc:
+        what = " and ".join(pip.split())
+        raise ImportError(f"{who}() needs {what}: pip install {pip} (or {_LOGGERS}).") from exc
+
+
+def _replaces(who: str, arg: str, where: pathlib.Path, old: str, policy: str) -> bool:
+    """Whether a fresh run replaces ``old`` (what another run left in ``where``; "": none);
+    FileExistsError when ``policy`` refuses."""
+    if old and policy == "refuse":
+        raise FileExistsError(
+            f"{who}: {str(where)!r} already holds {old} of another run, and this run starts "
+            f"fresh (step 0). Pass {who}({arg}, existing='replace') to start afresh, "
+            f"existing='append' to add this run after them, or choose another {arg}."
+        )
+    return bool(old) and policy == "replace"
 
 
 def _check_folder(who: str, name: str, folder: pathlib.Path) -> None:
     """Create ``folder`` and check that a file can be written in it, or say why not."""
-    parent = next(p for p in (folder, *folder.parents) if p.exists() or p.is_symlink())
-    if not parent.is_dir():
-        raise NotADirectoryError(
-            f"{who}: {name} needs the folder {str(folder)!r}, but {str(parent)!r} is a "
-            f"file, not a folder; choose another {name} or move the file."
-        )
     try:
         folder.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=folder).close()
-    except OSError as exc:
-        raise type(exc)(
-            f"{who}: cannot write in {str(folder)!r} ({exc.strerror or exc}); make it "
-            f"writable or choose another {name}."
-        ) from exc
-
-
-def _replace_file(path: pathlib.Path, data: bytes) -> None:
-    """Write ``path`` atomically: a crash leaves the old file or the new one, never half."""
-    replace_file(path, lambda temp: write_bytes(temp, data))
+    except OSError as exc:  # a parent that is a file, a folder that is read-only...
+        where, fix = repr(str(folder)), f"choose another {name}, or make it a writable folder"
+        raise type(exc)(f"{who}: cannot write in {where} ({exc.strerror or exc}); {fix}.") from exc
 
 
 @dataclasses.dataclass(slots=True, weakref_slot=True, eq=False)  # hashed by identity
@@ -170,15 +168,14 @@ class _Lazy:
 
     def close(self) -> None:
         self.users = max(self.users - 1, 0)
-        target = self.target
-        if not self.users and target is not None:
-            self.target = None
+        if not self.users and self.target is not None:
+            target, self.target = self.target, None
             self.shut(target)
 
     def sink(self) -> Sink:
         put, put_images = self.put, self.put_images
-        write = (lambda step, m: put(self.opened(), step, m)) if put else (lambda step, m: None)
-        images = _no_images if put_images is None else lambda s, i: put_images(self.opened(), s, i)
+        write = _nothing if put is None else lambda step, m: put(self.opened(), step, m)
+        images = _nothing if put_images is None else lambda s, i: put_images(self.opened(), s, i)
         return Sink(write, self.close, self.start, images)
 
 
@@ -198,21 +195,17 @@ def _kept_lines(data: bytes, step: int) -> bytes:
     if lines and not lines[-1].endswith(b"\n"):
         lines.pop()  # a line the crash cut short
     steps = [_step_of(line) for line in lines]
-    last_run, before = 0, None
-    for i, value in enumerate(steps):
-        if value is not None:
-            last_run = i if before is not None and value < before else last_run
-            before = value
+    known = [(i, s) for i, s in enumerate(steps) if s is not None]
+    last_run = max((i for (_, a), (i, b) in itertools.pairwise(known) if b < a), default=0)
     tail = zip(lines[last_run:], steps[last_run:])
     return b"".join(lines[:last_run] + [ln for ln, s in tail if s is None or s <= step])
 
 
 def _step_of(line: bytes) -> int | None:
-    try:
+    with contextlib.suppress(ValueError, AttributeError):
         step = json.loads(line).get("step")
-    except (ValueError, AttributeError):
-        return None
-    return step if isinstance(step, int) else None
+        return step if isinstance(step, int) else None
+    return None
 
 
 def jsonl(path: str | os.PathLike[str], *, existing: str = "refuse") -> Sink:
@@ -289,12 +282,11 @@ def jsonl(path: str | os.PathLike[str], *, existing: str = "refuse") -> Sink:
         check(other is lazy, "jsonl", "path", "written by one sink", key, fix)
         _check_folder("jsonl", "path", file_path.parent)
         data = file_path.read_bytes() if file_path.exists() else b""
-        if step > 0 and _kept_lines(data, step) != data:
-            _replace_file(file_path, _kept_lines(data, step))
-        elif step == 0 and first and data and policy == "refuse":
-            raise _refuse("jsonl", f"{len(data.splitlines())} lines", file_path, "path")
-        elif step == 0 and first and data and policy == "replace":
-            _replace_file(file_path, b"")
+        old = f"{len(data.splitlines())} lines" if data and first and not step else ""
+        kept = b"" if _replaces("jsonl", "path", file_path, old, policy) else data
+        kept = _kept_lines(kept, step) if step else kept
+        if kept != data:
+            replace_file(file_path, functools.partial(write_bytes, data=kept))  # atomically
 
     def open_file() -> Any:
         _HOLDERS[key] = lazy
@@ -368,26 +360,20 @@ def tensorboard(log_dir: str | os.PathLike[str], *, existing: str = "refuse") ->
     """
     directory = check_path("tensorboard", "log_dir", log_dir)
     policy = check_one_of("tensorboard", "existing", existing, _EXISTING)
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError as exc:
-        raise ImportError(
-            f"tensorboard(): needs the tensorboard package: pip install tensorboard (or "
-            f"{_LOGGERS}), or log with jsonl(path), which needs nothing."
-        ) from exc
+    board = _need("tensorboard", "tensorboard", "torch.utils.tensorboard")
     purge: list[int] = []  # the purge step of the next writer, after a resumed start
 
     def prepare(step: int, first: bool) -> None:
         _check_folder("tensorboard", "log_dir", directory)
         purge[:] = [step + 1] if step > 0 else []  # events at steps > step are hidden
-        events = sorted(directory.glob("events.out.tfevents.*"))
-        if step == 0 and first and events and policy == "refuse":
-            raise _refuse("tensorboard", f"{len(events)} event files", directory, "log_dir")
-        for event_file in events if step == 0 and first and policy == "replace" else ():
+        events = list(directory.glob("events.out.tfevents.*"))
+        old = f"{len(events)} event files" if events and first and not step else ""
+        replaced = _replaces("tensorboard", "log_dir", directory, old, policy)
+        for event_file in events if replaced else ():
             event_file.unlink()
 
     def open_writer() -> Any:
-        return SummaryWriter(log_dir=str(directory), purge_step=purge.pop() if purge else None)
+        return board.SummaryWriter(str(directory), purge_step=purge.pop() if purge else None)
 
     def put(writer: Any, step: int, metrics: dict[str, float]) -> None:
         for key, value in metrics.items():
@@ -396,8 +382,8 @@ def tensorboard(log_dir: str | os.PathLike[str], *, existing: str = "refuse") ->
 
     def put_images(writer: Any, step: int, images: dict[str, Any]) -> None:
         for name, image in images.items():
-            hwc = pixels("tensorboard", name, image)
-            writer.add_image(name, hwc.numpy(), step, dataformats="HWC")
+            hwc = pixels("tensorboard", name, image)  # (H, W) when grey
+            writer.add_image(name, hwc.numpy(), step, dataformats="HWC"[: hwc.dim()])
         writer.flush()
 
     return _Lazy(prepare, open_writer, lambda w: w.close(), put, put_images).sink()
@@ -475,13 +461,7 @@ def wandb(**init_kwargs: Any) -> Sink:
         ...     sink.write(1, {"train/loss": 0.5})
         ...     sink.close()
     """
-    try:
-        import wandb as wandb_module
-    except ImportError as exc:
-        raise ImportError(
-            f"wandb(): needs the wandb package: pip install wandb (or {_LOGGERS}), or log "
-            "with jsonl(path), which needs nothing."
-        ) from exc
+    wandb_module = _need("wandb", "wandb", "wandb")
     _check_wandb(wandb_module.init, init_kwargs)
     folder = init_kwargs.get("dir") or os.environ.get("WANDB_DIR") or os.getcwd()
     run_file = pathlib.Path(folder) / "wandb" / RUN_FILE
@@ -512,26 +492,24 @@ def wandb(**init_kwargs: Any) -> Sink:
             kwargs.update(id=memory["id"], resume=kwargs.get("resume", "allow"))
         run = wandb_module.init(**kwargs)
         memory["id"] = run.id
-        logged(memory["step"], force=True)
+        logged(memory["step"])
         return run
 
     def put(run: Any, step: int, metrics: dict[str, Any]) -> None:
         if step > memory["floor"]:
             run.log(metrics, step=step)
-            logged(step)
+            if step > memory["step"]:
+                logged(step)
 
     def put_images(run: Any, step: int, images: dict[str, Any]) -> None:
-        logs = {}
-        for name, image in images.items():
-            hwc = pixels("wandb", name, image).numpy()
-            logs[name] = wandb_module.Image(hwc[..., 0] if hwc.shape[-1] == 1 else hwc)
+        logs = {k: wandb_module.Image(pixels("wandb", k, v).numpy()) for k, v in images.items()}
         put(run, step, logs)
 
-    def logged(step: int, force: bool = False) -> None:
-        if (step > memory["step"] or force) and isinstance(memory["id"], str):
-            memory["step"] = max(step, memory["step"])
-            data = json.dumps({"id": memory["id"], "step": memory["step"]}).encode()
-            _replace_file(run_file, data)
+    def logged(step: int) -> None:  # the run's id and last logged step, for a resume
+        memory["step"] = step
+        if isinstance(memory["id"], str):
+            data = json.dumps({"id": memory["id"], "step": step}).encode()
+            replace_file(run_file, functools.partial(write_bytes, data=data))
 
     def shut(run: Any) -> None:
         run.finish()
@@ -589,31 +567,21 @@ def png_dir(path: str | os.PathLike[str], *, existing: str = "refuse") -> Sink:
     """
     directory = check_path("png_dir", "path", path)
     policy = check_one_of("png_dir", "existing", existing, _EXISTING)
-    try:
-        import numpy  # noqa: F401  (Pillow reads the pixels through it)
-        from PIL import Image
-    except ImportError as exc:
-        raise ImportError(
-            f"png_dir(): needs Pillow and numpy: pip install pillow numpy (or {_LOGGERS})."
-        ) from exc
+    # Pillow reads the pixels through numpy.
+    pil = _need("png_dir", "pillow numpy", "numpy", "PIL", "PIL.Image")
 
     def prepare(step: int, first: bool) -> None:
         _check_folder("png_dir", "path", directory)
-        pngs = {
-            p: int(m.group(1))
-            for p in directory.rglob("step_*.png")
-            if (m := _PNG.fullmatch(p.name))
-        }
-        if first and step == 0 and pngs and policy == "refuse":
-            raise _refuse("png_dir", f"{len(pngs)} step_*.png files", directory, "path")
-        for png, number in pngs.items():
-            if number > step > 0 or (first and step == 0 and policy == "replace"):
-                png.unlink()
+        found = directory.rglob("step_*.png")
+        pngs = {p: int(m[1]) for p in found if (m := _PNG.fullmatch(p.name))}
+        old = f"{len(pngs)} step_*.png files" if pngs and first and not step else ""
+        replaced = _replaces("png_dir", "path", directory, old, policy)
+        for png in [p for p, number in pngs.items() if number > step > 0 or replaced]:
+            png.unlink()
 
     def put_images(folder: pathlib.Path, step: int, images: dict[str, Any]) -> None:
         for name, image in images.items():
-            hwc = pixels("png_dir", check_name("png_dir", name), image).numpy()
-            picture = Image.fromarray(hwc[..., 0] if hwc.shape[-1] == 1 else hwc)
+            picture = pil.fromarray(pixels("png_dir", check_name("png_dir", name), image).numpy())
             target = folder / name / f"step_{step:06d}.png"
             target.parent.mkdir(parents=True, exist_ok=True)
             replace_file(target, functools.partial(picture.save, format="PNG"))
