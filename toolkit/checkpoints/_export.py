@@ -9,18 +9,20 @@ from typing import Any
 
 import torch
 
+from toolkit._checks import check, check_one_of
 from toolkit.checkpoints._codec import host_tensor, separate_shared
 from toolkit.checkpoints._files import replace_file, write_tensors
 from toolkit.checkpoints._load import full_model, full_tree, verified_manifest
-from toolkit.checkpoints._model_state import expand, model_state, split_aliases
+from toolkit.checkpoints._model_state import model_state, split_aliases
 from toolkit.step._state import TrainState
-
-__all__ = ["export_model"]
 
 _WHO = "export_model"
 
 
-def _ema_entry(extras: Mapping[str, Any], key: str, where: str) -> Mapping[str, Any]:
+def _with_average(
+    full: dict[str, torch.Tensor], aliases: Mapping[str, str], extras: Any, key: str, where: str
+) -> dict[str, torch.Tensor]:
+    """``full`` with the EMA's parameters and buffers (``extras[key]``) for the live ones."""
     entry = extras.get(key)
     if not isinstance(entry, Mapping) or not isinstance(entry.get("params"), Mapping):
         raise KeyError(
@@ -28,13 +30,6 @@ def _ema_entry(extras: Mapping[str, Any], key: str, where: str) -> Mapping[str, 
             f"{sorted(extras)}); train with the ema(key={key!r}) plugin, or export "
             "weights='model'."
         )
-    return entry
-
-
-def _with_average(
-    full: dict[str, torch.Tensor], aliases: Mapping[str, str], entry: Mapping[str, Any]
-) -> dict[str, torch.Tensor]:
-    """``full`` with the EMA's parameters and buffers in place of the live ones."""
     averaged = {**entry["params"], **(entry.get("buffers") or {})}
     unknown = sorted(set(averaged) - set(full))
     if unknown:
@@ -42,31 +37,8 @@ def _with_average(
             f"{_WHO}: the EMA holds names the model lacks: {unknown[:5]}; it was made for "
             "another model."
         )
-    out = dict(full)
-    for name, value in averaged.items():
-        out[name] = value
-    for alias, name in aliases.items():  # the EMA names a tied tensor once
-        if name in averaged:
-            out[alias] = averaged[name]
-    return out
-
-
-def _from_folder(path: Path, weights: str, key: str) -> dict[str, torch.Tensor]:
-    manifest = verified_manifest(path)
-    full = full_model(manifest)
-    if weights == "model":
-        return full
-    extras = full_tree(manifest, "extras") if manifest.has("extras") else {}
-    entry = _ema_entry(extras, key, f"checkpoint {path}")
-    return _with_average(full, manifest.aliases, entry)
-
-
-def _from_state(state: TrainState, weights: str, key: str) -> dict[str, torch.Tensor]:
-    tensors, aliases = split_aliases(model_state(state.model), _WHO)
-    full = expand(tensors, aliases)
-    if weights == "model":
-        return full
-    return _with_average(full, aliases, _ema_entry(state.extras, key, "the state"))
+    tied = {alias: averaged[name] for alias, name in aliases.items() if name in averaged}
+    return {**full, **averaged, **tied}  # the EMA names a tied tensor once
 
 
 def export_model(
@@ -117,29 +89,29 @@ def export_model(
         >>> torch.nn.Linear(2, 1).load_state_dict(load_file(path), strict=True)
         <All keys matched successfully>
     """
-    if weights not in ("model", "ema"):
-        raise ValueError(f"{_WHO}: weights must be 'model' or 'ema'; got {weights!r}.")
-    if isinstance(source, TrainState):
-        full = _from_state(source, weights, key)
-    elif isinstance(source, torch.nn.Module):
-        if weights == "ema":
+    check_one_of(_WHO, "weights", weights, ("model", "ema"))
+    if isinstance(source, (str, os.PathLike)):
+        manifest = verified_manifest(source)
+        full, aliases, where = full_model(manifest), manifest.aliases, f"checkpoint {source}"
+        ema = weights == "ema" and manifest.has("extras")
+        extras = full_tree(manifest, "extras") if ema else {}
+    else:
+        model = source.model if isinstance(source, TrainState) else source
+        kinds = "a module, a TrainState or a checkpoint folder"
+        check(isinstance(model, torch.nn.Module), _WHO, "source", kinds, source, "", TypeError)
+        full, where = model_state(model), "the state"
+        aliases = split_aliases(full, _WHO)[1]  # and a clear error for a non-tensor entry
+        extras = source.extras if isinstance(source, TrainState) else None
+    if weights == "ema":
+        if extras is None:
             raise ValueError(
                 f"{_WHO}: weights='ema' needs a TrainState or a checkpoint folder (the EMA "
                 "lives in state.extras); got a bare module."
             )
-        full = expand(*split_aliases(model_state(source), _WHO))
-    elif isinstance(source, (str, os.PathLike)):
-        full = _from_folder(Path(source), weights, key)
-    else:
-        raise TypeError(
-            f"{_WHO}: source must be a module, a TrainState or a checkpoint folder; got "
-            f"{type(source).__name__}."
-        )
-    tensors = {}
-    for name, value in full.items():
-        if dtype is not None and value.is_floating_point():
-            value = value.to(dtype)
-        tensors[name] = host_tensor(value)
+        full = _with_average(full, aliases, extras, key, where)
+    if dtype is not None:
+        full = {n: v.to(dtype) if v.is_floating_point() else v for n, v in full.items()}
+    tensors = {name: host_tensor(value) for name, value in full.items()}
     separate_shared(tensors)  # a tied tensor is written under each name: copies
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -18,20 +18,6 @@ import torch
 import xxhash
 from safetensors.torch import save_file
 
-__all__ = [
-    "CHECKSUM",
-    "checksum",
-    "fsync_dir",
-    "new_token",
-    "read_json",
-    "replace_file",
-    "temp_name",
-    "to_json",
-    "write_bytes",
-    "write_json",
-    "write_tensors",
-]
-
 CHECKSUM = "xxh3_128"  # ~20 GB/s here; the standard library's crc32 made loads 1.3-2.5x slower
 
 
@@ -93,12 +79,11 @@ def write_tensors(
 def temp_name(kind: str, name: str, token: int | None = None) -> str:
     """A hidden sibling name, unique per process and call: ``.{kind}-{name}-{pid}-{hex}``.
 
-    ``token`` (a non-negative int) replaces the pid and random part: ranks that write one
-    checkpoint together name its temporary folder from the token rank 0 drew.
+    ``token`` (from :func:`new_token`) replaces a new one: ranks that write one checkpoint
+    together name its temporary folder from the token rank 0 drew.
     """
-    if token is not None:
-        return f".{kind}-{name}-{token >> 32}-{token & 0xFFFFFFFF:08x}"
-    return f".{kind}-{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    token = new_token() if token is None else token
+    return f".{kind}-{name}-{token >> 32}-{token & 0xFFFFFFFF:08x}"
 
 
 def replace_file(path: Path, write: Callable[[Path], None]) -> None:

@@ -25,18 +25,6 @@ from toolkit.checkpoints._codec import TreeError, decode, encode
 from toolkit.checkpoints._files import CHECKSUM, checksum, read_json
 from toolkit.checkpoints._sharded import SHARDS
 
-__all__ = [
-    "FORMAT",
-    "MANIFEST",
-    "VERSION",
-    "DamagedCheckpointError",
-    "Manifest",
-    "check_metrics",
-    "file_problems",
-    "manifest_document",
-    "read_manifest",
-]
-
 FORMAT = "toolkit-checkpoint"
 VERSION = 2  # 2: no "components"; optimizer state through torch.distributed.checkpoint
 MANIFEST = "manifest.json"
@@ -76,10 +64,10 @@ class Manifest:
     step: int
     time: float
     metrics: Mapping[str, float]
-    rules: Mapping[str, Any] | None
     files: Mapping[str, Mapping[str, Any]]
-    classes: Mapping[str, Any]
-    aliases: Mapping[str, str]
+    rules: Mapping[str, Any] | None = None
+    classes: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    aliases: Mapping[str, str] = dataclasses.field(default_factory=dict)
     sharded: bool = False
     world_size: int = 1
 
@@ -101,11 +89,8 @@ def check_metrics(metrics: Any) -> dict[str, float]:
             f"{{'val/loss': 0.25}}; got {type(metrics).__name__}."
         )
     for key, value in metrics.items():
-        if (
-            not isinstance(key, str)
-            or isinstance(value, bool)
-            or not isinstance(value, (int, float))
-        ):
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not (isinstance(key, str) and number):
             raise ValueError(
                 f"save_checkpoint: metrics[{key!r}] must be a number under a str key; got "
                 f"{type(value).__name__}. Pass python floats, e.g. float(loss)."
@@ -155,43 +140,31 @@ def _parsed(folder: Path) -> dict[str, Any]:
         raise DamagedCheckpointError(
             folder, [f"{path}: content does not match its own checksum (edited or corrupted)"]
         )
-    if document.get("format") != FORMAT:
+    kind = (document.get("format"), document.get("version"))
+    if kind != (FORMAT, VERSION):
         raise ValueError(
-            f"{path}: expected a manifest of format {FORMAT!r}, got "
-            f"{document.get('format')!r}; this folder is not a toolkit checkpoint."
-        )
-    if document.get("version") != VERSION:
-        raise ValueError(
-            f"{path}: checkpoint format version {document.get('version')!r}, this toolkit "
-            f"reads version {VERSION} only; load it with the toolkit that wrote it."
+            f"{path}: expected a {FORMAT!r} manifest of version {VERSION}, got {kind[0]!r} "
+            f"version {kind[1]!r}; load it with the toolkit version that wrote it."
         )
     return document
 
 
 def _fields(document: dict[str, Any]) -> dict[str, Any] | None:
     """The Manifest fields of a parsed document, or None when it is not of that shape."""
+    names = [field.name for field in dataclasses.fields(Manifest)[1:]]
+    fields = {name: document[name] for name in names if document.get(name) is not None}
     try:
-        files, metrics = document["files"], decode(document["metrics"], {}, "metrics")
-        fields = {
-            "step": document["step"],
-            "time": float(document["time"]),
-            "metrics": {key: float(value) for key, value in metrics.items()},
-            "rules": document.get("rules"),
-            "files": files,
-            "classes": document.get("classes") or {},
-            "aliases": document.get("aliases") or {},
-            "sharded": bool(document.get("sharded")),
-            "world_size": int(document.get("world_size", 1)),
-        }
+        metrics = decode(fields["metrics"], {}, "metrics")
+        numbers = all(type(value) in (int, float) for value in metrics.values())
+        fields.update(time=float(fields["time"]), metrics=metrics)
+        step, entries = fields["step"], fields["files"].values()
     except (TreeError, KeyError, TypeError, AttributeError, ValueError):
         return None
-    numbers = all(type(value) in (int, float) for value in metrics.values())
-    entries = all(
+    entries_ok = all(
         isinstance(e, dict) and type(e.get("size")) is int and isinstance(e.get(CHECKSUM), str)
-        for e in files.values()
+        for e in entries
     )
-    step = fields["step"]
-    return fields if numbers and entries and type(step) is int and step >= 0 else None
+    return fields if numbers and entries_ok and type(step) is int and step >= 0 else None
 
 
 def read_manifest(folder: str | os.PathLike[str]) -> Manifest:
@@ -246,14 +219,8 @@ def file_problems(manifest: Manifest, *, checksums: bool = True) -> list[str]:
                 f"{path}: {CHECKSUM} checksum {checksum(path)}, the manifest says "
                 f"{entry[CHECKSUM]} (corrupted)"
             )
-    if manifest.sharded:
-        try:
-            present = os.listdir(manifest.path / SHARDS)
-        except OSError as error:
-            return [*problems, f"{manifest.path / SHARDS}: unreadable ({error})"]
-        for name in sorted(set(present) - {n.removeprefix(f"{SHARDS}/") for n in manifest.files}):
-            problems.append(
-                f"{manifest.path / SHARDS / name}: not listed in the manifest (planted or left "
-                "over); remove it"
-            )
+    listed = {manifest.path / name for name in manifest.files}
+    for path in sorted((manifest.path / SHARDS).glob("*")) if manifest.sharded else ():
+        if path not in listed:
+            problems.append(f"{path}: not listed in the manifest (planted or left over); remove it")
     return problems

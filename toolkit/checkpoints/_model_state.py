@@ -25,18 +25,6 @@ from toolkit._unwrap import unwrap
 from toolkit.checkpoints._codec import TreeError, describe
 from toolkit.checkpoints._sharded import is_sharded
 
-__all__ = [
-    "expand",
-    "few",
-    "model_differences",
-    "model_state",
-    "optimizer_state",
-    "parameter_names",
-    "put_model",
-    "put_optimizer",
-    "split_aliases",
-]
-
 
 def model_state(model: torch.nn.Module) -> dict[str, Any]:
     """The unwrapped model's state dict (DTensors kept sharded), no copies."""
@@ -143,13 +131,12 @@ def model_differences(
                 f"{list(live_shape)} in the model"
             )
     saved_ties, live_ties = _ties(aliases, common), _ties(live_aliases, common)
-    for pair in sorted(
-        {(saved_ties[n], live_ties[n]) for n in common if saved_ties[n] != live_ties[n]}, key=str
-    ):
+    differ = {(saved_ties[n], live_ties[n]) for n in common if saved_ties[n] != live_ties[n]}
+    for saved, tied in sorted(differ, key=str):
         out.append(
             f"model: tied weights differ: the checkpoint shares one tensor among "
-            f"{sorted(pair[0])}, the model among {sorted(pair[1])} (tie the weights as "
-            "in the saved model)"
+            f"{sorted(saved)}, the model among {sorted(tied)} (tie the weights as in the "
+            "saved model)"
         )
     return out
 

@@ -26,10 +26,9 @@ import dataclasses
 import os
 import re
 import shutil
-import threading
 import time
 from collections.abc import Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +53,6 @@ from toolkit.checkpoints._sharded import SHARDS, is_dtensor, is_sharded, save_sh
 from toolkit.distributed._collectives import Group, agree, broadcast_int, group_of, rank_of
 from toolkit.step._components import check_objects, fields_of
 from toolkit.step._state import TrainState
-
-__all__ = ["rank_component", "save_checkpoint", "save_in_background"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,33 +109,26 @@ def _snapshot(state: TrainState, objects: dict[str, Any], copy: bool) -> _Snapsh
     return _Snapshot(fields, trees, shards, own)
 
 
-def _write_tree(folder: Path, name: str, tree: tuple[Any, dict[str, torch.Tensor]]) -> None:
-    document, tensors = tree
-    if name == "model":  # a plain state dict that safetensors and hub tools open alone
-        write_tensors(folder / "model.safetensors", tensors, {"format": "pt"})
-        return
-    write_json(folder / f"{name}.json", document)
-    if tensors:
-        write_tensors(folder / f"{name}.safetensors", tensors)
-
-
 def _write_parts(snapshot: _Snapshot, folder: Path, rank: int) -> None:
     """Write this rank's files of the snapshot into ``folder``."""
-    if rank > 0:
-        _write_tree(folder, rank_component(rank), snapshot.own)
-    for name, tree in snapshot.trees.items() if rank == 0 else ():
-        _write_tree(folder, name, tree)
+    trees = snapshot.trees if rank == 0 else {rank_component(rank): snapshot.own}
+    for name, (document, tensors) in trees.items():
+        if name == "model":  # a plain state dict that safetensors and hub tools open alone
+            write_tensors(folder / "model.safetensors", tensors, {"format": "pt"})
+            continue
+        write_json(folder / f"{name}.json", document)
+        if tensors:
+            write_tensors(folder / f"{name}.safetensors", tensors)
 
 
 def _write_manifest(snapshot: _Snapshot, folder: Path, extra: Mapping[str, Any]) -> None:
     files = {}
-    shards = [folder / SHARDS] if snapshot.manifest["sharded"] else []
-    for entry in sorted([*folder.iterdir(), *(p for sub in shards for p in sub.iterdir())]):
+    for entry in sorted(folder.rglob("*")):  # sharded/'s files too
         if entry.is_file():
             name = entry.relative_to(folder).as_posix()
             files[name] = {"size": entry.stat().st_size, CHECKSUM: checksum(entry)}
-    for sub in shards:
-        fsync_dir(sub)
+    if snapshot.manifest["sharded"]:
+        fsync_dir(folder / SHARDS)
     document = manifest_document(**snapshot.manifest, **extra, time=time.time(), files=files)
     write_json(folder / MANIFEST, document)
     fsync_dir(folder)
@@ -294,16 +284,10 @@ def save_in_background(
             "one (DDP or FSDP2), whose ranks save together; use save_checkpoint on every rank."
         )
     snapshot = _prepare(state, path, objects, metrics, rules, copy=True)
-    future: Future[Path] = Future()
-
-    def write() -> None:
-        if future.set_running_or_notify_cancel():
-            try:
-                future.set_result(_write(snapshot, path, None))
-            except BaseException as error:  # handed to whoever waits on the future
-                future.set_exception(error)
-
-    threading.Thread(target=write, name=f"save_checkpoint {path}").start()
+    # Its worker is joined at interpreter exit (as a non-daemon thread would be).
+    pool = ThreadPoolExecutor(1, thread_name_prefix=f"save_checkpoint {path}")
+    future = pool.submit(_write, snapshot, path, None)
+    pool.shutdown(wait=False)  # the submitted write still runs
     return future
 
 

@@ -12,6 +12,8 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from toolkit._checks import check, check_count, check_one_of, check_path
 from toolkit.checkpoints._folder import (
     clean_temporaries,
@@ -33,18 +35,22 @@ from toolkit.step._state import TrainState
 __all__ = ["SIGNAL_EVERY", "checkpoints"]
 
 _SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+_FLAGS = ("per_epoch", "at_end", "restore_best", "background")
 SIGNAL_EVERY = 10  # data-parallel ranks agree on a received signal every this many updates
 
 
 @dataclasses.dataclass(frozen=True)
 class _Config:
-    """The plugin's arguments, checked."""
+    """The plugin's arguments (see :func:`checkpoints`), checked when made."""
 
-    root: Path
+    folder: str | os.PathLike[str]
     every: int | None
     per_epoch: bool
     at_end: bool
-    rules: Retention
+    keep_last: int
+    keep_every: int | None
+    keep_steps: Sequence[int]
+    keep_best: Any
     resume: Any
     signals: Sequence[int]
     exit_code: int | None
@@ -52,18 +58,49 @@ class _Config:
     objects: Mapping[str, Any] | None
     background: bool
     on_error: str
+    rules: Retention = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        who, resume, code = "checkpoints", self.resume, self.exit_code
+        check_path(who, "folder", self.folder)
+        if self.every is not None:
+            check_count(who, "every", self.every, 1, "applied updates between saves, or None")
+        check_one_of(who, "on_error", self.on_error, ("raise", "warn"))
+        ok = resume is None or isinstance(resume, (str, os.PathLike))
+        check(ok, who, "resume", "'latest', a checkpoint folder or None", resume, "", TypeError)
+        ok = all(isinstance(s, int) and not isinstance(s, bool) for s in self.signals)
+        example = "a sequence of signal numbers, e.g. (signal.SIGTERM, signal.SIGUSR1)"
+        check(ok, who, "signals", example, self.signals, "", TypeError)
+        ok = code is None or type(code) is int
+        check(ok, who, "exit_code", "an int or None", code, "", TypeError)
+        for name in _FLAGS:
+            value = getattr(self, name)
+            check(type(value) is bool, who, name, "True or False", value, "", TypeError)
+        best, triple = self.keep_best, isinstance(self.keep_best, (tuple, list))
+        if best is not None or self.restore_best:
+            example = "(metric, mode, count), e.g. ('val/loss', 'min', 3)"
+            fix = "restore_best=True picks the best checkpoint by it." if self.restore_best else ""
+            check(triple and len(best) == 3, who, "keep_best", example, best, fix, TypeError)
+        metric, mode, count = best or (None, "min", 0)
+        rules = Retention(
+            self.keep_last, self.keep_every, tuple(self.keep_steps), count, metric, mode
+        )
+        object.__setattr__(self, "rules", rules)  # derived once; Retention checks its rules
+
+    @property
+    def root(self) -> Path:
+        return Path(self.folder)
 
 
 @dataclasses.dataclass(slots=True)
 class _Run:
     """What the plugin remembers during one run."""
 
+    group: Group | None  # the data-parallel group that saves together, if any
     saved_step: int | None = None  # the step of the newest checkpoint written or loaded
     signum: int | None = None  # set by the signal handler: only a flag, nothing else
     handlers: dict[int, Any] = dataclasses.field(default_factory=dict)
-    writing: Future[Path] | None = None  # a background save not yet finished
-    group: Group | None = None  # the data-parallel group that saves together, if any
-    lead: bool = True  # rank 0 of the group (or no group): writes the pointer, prunes
+    writing: Future[Path] | Path | None = None  # a save whose pointer and pruning are due
     epoch_due: bool = False  # per_epoch: an epoch ended inside an accumulation window
     steps: int = 0  # "step" events seen: the ranks agree on signals every SIGNAL_EVERY
 
@@ -72,35 +109,6 @@ def _share_signal(config: _Config, run_: _Run) -> None:
     """Give every rank of the group the highest signal any rank received."""
     if run_.group is not None and config.signals:
         run_.signum = max_over_ranks(run_.signum or 0, run_.group) or None
-
-
-def _check(config: _Config) -> None:
-    who, every, resume, signals = "checkpoints", config.every, config.resume, config.signals
-    if every is not None:
-        check_count(who, "every", every, 1, "applied updates between saves, or None")
-    resumable = resume is None or isinstance(resume, (str, os.PathLike))
-    check(resumable, who, "resume", "'latest', a checkpoint folder or None", resume, "", TypeError)
-    numbers = all(isinstance(s, int) and not isinstance(s, bool) for s in signals)
-    example = "a sequence of signal numbers, e.g. (signal.SIGTERM, signal.SIGUSR1)"
-    check(numbers, who, "signals", example, signals, "", TypeError)
-    code = config.exit_code is None or type(config.exit_code) is int
-    check(code, who, "exit_code", "an int or None", config.exit_code, "", TypeError)
-    check_one_of(who, "on_error", config.on_error, ("raise", "warn"))
-    for name in ("per_epoch", "at_end", "restore_best", "background"):
-        value = getattr(config, name)
-        check(isinstance(value, bool), who, name, "True or False", value, "", TypeError)
-
-
-def _rules(
-    keep_last: int, keep_every: int | None, keep_steps: Sequence[int], keep_best: Any, best: bool
-) -> Retention:
-    triple = isinstance(keep_best, (tuple, list)) and len(keep_best) == 3
-    if keep_best is not None or best:
-        example = "(metric, mode, count), e.g. ('val/loss', 'min', 3)"
-        fix = "restore_best=True picks the best checkpoint by it." if best else ""
-        check(triple, "checkpoints", "keep_best", example, keep_best, fix, TypeError)
-    metric, mode, count = keep_best or (None, "min", 0)
-    return Retention(keep_last, keep_every, tuple(keep_steps), count, metric, mode)
 
 
 def _fresh_metrics(state: TrainState) -> dict[str, float]:
@@ -118,25 +126,27 @@ def _fresh_metrics(state: TrainState) -> dict[str, float]:
 def _failed(config: _Config, error: BaseException) -> None:
     if config.on_error == "raise":
         raise error
-    warnings.warn(
-        f"checkpoints: a save failed and training goes on (on_error='warn'): {error}",
-        RuntimeWarning,
-        stacklevel=5,
-    )
+    message = f"checkpoints: a save failed and training goes on (on_error='warn'): {error}"
+    warnings.warn(message, RuntimeWarning, stacklevel=5)
 
 
 def _finish(config: _Config, run_: _Run) -> None:
-    """Wait for a background save; then the pointer and retention (only after success)."""
-    if run_.writing is None:
-        return
+    """Wait for the save in flight; then rank 0 moves the pointer and prunes (after success)."""
     writing, run_.writing = run_.writing, None
+    if writing is None:
+        return
     try:
-        path = writing.result()
+        path = writing.result() if isinstance(writing, Future) else writing
+        problem = None
+        try:
+            if rank_of(run_.group)[0] == 0:
+                write_pointer(config.root, path)
+                prune_checkpoints(config.root, config.rules)
+        except Exception as caught:
+            problem = caught
+        agree(problem, run_.group, "checkpoints")  # the other ranks wait for rank 0
     except Exception as error:
         _failed(config, error)
-        return
-    write_pointer(config.root, path)
-    prune_checkpoints(config.root, config.rules)
 
 
 def _save(config: _Config, run_: _Run, state: TrainState, data: Any) -> None:
@@ -145,86 +155,61 @@ def _save(config: _Config, run_: _Run, state: TrainState, data: Any) -> None:
     _finish(config, run_)
     path = config.root / f"step_{state.step:06d}"
     state = state.replace(data_state=position(data, state.data_state))
-    options: dict[str, Any] = {
-        "objects": config.objects,
-        "metrics": _fresh_metrics(state),
-        "rules": config.rules,
-    }
+    save = save_in_background if config.background else save_checkpoint
     try:
-        if config.background:
-            run_.writing = save_in_background(state, path, **options)
-        else:
-            save_checkpoint(state, path, **options)
+        run_.writing = save(
+            state, path, objects=config.objects, metrics=_fresh_metrics(state), rules=config.rules
+        )
     except Exception as error:
         _failed(config, error)
         return
     run_.saved_step = state.step
     if not config.background:
-        problem = None
-        try:
-            if run_.lead:
-                write_pointer(config.root, path)
-                prune_checkpoints(config.root, config.rules)
-        except Exception as caught:
-            problem = caught
-        agree(problem, run_.group, "checkpoints")
+        _finish(config, run_)
 
 
 def _install(config: _Config, run_: _Run) -> None:
-    if threading.current_thread() is not threading.main_thread():
-        names = [signal.Signals(s).name for s in config.signals]
-        warnings.warn(
-            "checkpoints: run() is not on the main thread, where Python delivers signals; "
-            f"{names} keep their handlers.",
-            RuntimeWarning,
-            stacklevel=5,
-        )
-        return
-
     def handler(signum: int, frame: Any) -> None:
         run_.signum = signum  # only a flag: the loop acts on it between updates
 
-    for signum in config.signals:
-        run_.handlers[signum] = signal.signal(signum, handler)
+    if threading.current_thread() is threading.main_thread():  # the only one Python allows
+        for signum in config.signals:
+            run_.handlers[signum] = signal.signal(signum, handler)
 
 
 def _resumed(config: _Config, run_: _Run, state: TrainState) -> TrainState:
     root = config.root
     if config.resume == "latest":
-        found = load_latest(root, like=state, objects=config.objects)
-        if found is not None:
-            state = found[0]
+        loaded = load_latest(root, like=state, objects=config.objects)
+        if loaded is not None:
+            state = loaded[0]
             run_.saved_step = state.step
     elif config.resume is not None:
         state = load_checkpoint(config.resume, like=state, objects=config.objects)
-    elif list_checkpoints(root):
-        names = ", ".join(i.path.name for i in list_checkpoints(root)[-3:])
+    elif found := list_checkpoints(root):
         raise ValueError(
-            f"checkpoints: {str(root)!r} already holds checkpoints ({names}) and resume=None; "
+            f"checkpoints: {str(root)!r} already holds checkpoints "
+            f"({', '.join(i.path.name for i in found[-3:])}) and resume=None; "
             "pass resume='latest' to continue from them, or use an empty folder."
         )
     return state
 
 
 def _start(config: _Config, event: Event) -> tuple[_Run, TrainState]:
-    group = group_of(event.state.model)
-    if group is not None and config.background:
-        raise ValueError(
-            "checkpoints: expected background=False with a data-parallel model (DDP or FSDP2), "
-            "whose ranks save together; got background=True."
-        )
     if event.state.optimizer is not None:  # refuse what no save could name, before training
         parameter_names(event.state.model, event.state.optimizer)
-    run_ = _Run(group=group, lead=rank_of(group)[0] == 0)
+    run_ = _Run(group_of(event.state.model))
+    expected = "False with a data-parallel model (DDP or FSDP2), whose ranks save together"
+    check(run_.group is None or not config.background, "checkpoints", "background", expected, True)
     _install(config, run_)
     error = None
     try:
-        if run_.lead:  # one rank cleans; the others wait for it in agree()
+        if rank_of(run_.group)[0] == 0:  # one rank cleans; the others wait for it in agree()
             config.root.mkdir(parents=True, exist_ok=True)
             clean_temporaries(config.root)
     except Exception as caught:
         error = caught
-    agree(error, group, "checkpoints")
+    agree(error, run_.group, "checkpoints")
     state = _resumed(config, run_, event.state)
     _share_signal(config, run_)
     if run_.signum is not None:  # a signal while starting: stop before any update
@@ -255,8 +240,7 @@ def _on_step(config: _Config, run_: _Run, event: Event) -> TrainState | None:
     return None
 
 
-def _end(config: _Config, run_: _Run, event: Event) -> TrainState | None:
-    state: TrainState | None = None
+def _end(config: _Config, run_: _Run, event: Event) -> None:
     try:
         if event.error is None:
             _share_signal(config, run_)  # a signal after the last update: all save, or none
@@ -273,13 +257,12 @@ def _end(config: _Config, run_: _Run, event: Event) -> TrainState | None:
                 _save(config, run_, event.state, event.loop.data)
         _finish(config, run_)
         if event.error is None and config.restore_best and run_.signum is None:
-            state = _restore_best(config.root, config.rules, event.state)
+            _restore_best(config.root, config.rules, event.state.model)
     finally:
         for signum, old in run_.handlers.items():
             signal.signal(signum, old)
     if run_.signum is not None:
         raise SystemExit(128 + run_.signum if config.exit_code is None else config.exit_code)
-    return state
 
 
 @plugin_factory(order=80)
@@ -326,7 +309,8 @@ def checkpoints(
     checkpoints is refused rather than mixed with a new run.
 
     **Signals.** For each of ``signals`` (SIGTERM and SIGUSR1 by default, as SLURM and
-    Kubernetes send them before preemption) the handler only sets a flag. The update in
+    Kubernetes send them before preemption) the handler only sets a flag (Python delivers
+    signals to the main thread only: a run() on another thread installs none). The update in
     progress finishes, the state is saved (unless this step already was), the loop stops,
     every plugin's ``"end"`` runs, and the process exits with ``exit_code`` (default
     ``128 + signal``: 143 for SIGTERM; 0 suits setups that requeue on success). A signal
@@ -401,22 +385,7 @@ def checkpoints(
         >>> again.step  # resumed at 6, trained 2 more
         8
     """
-    rules = _rules(keep_last, keep_every, keep_steps, keep_best, restore_best)
-    config = _Config(
-        check_path("checkpoints", "folder", folder),
-        every,
-        per_epoch,
-        at_end,
-        rules,
-        resume,
-        signals if isinstance(signals, (str, bytes)) else tuple(signals),
-        exit_code,
-        restore_best,
-        objects,
-        background,
-        on_error,
-    )
-    _check(config)
+    config = _Config(**locals())  # the arguments, checked
     live: dict[str, _Run] = {}  # one run at a time
 
     def plugin(event: Event) -> TrainState | None:
@@ -434,25 +403,24 @@ def checkpoints(
             else:
                 _save(config, run_, event.state, event.loop.data)
         if event.kind == "end":
-            return _end(config, live.pop("run"), event)
+            _end(config, live.pop("run"), event)
         return None
 
     return plugin
 
 
-def _restore_best(root: Path, rules: Retention, state: TrainState) -> TrainState:
-    """The state with the best checkpoint's weights loaded into its model."""
+def _restore_best(root: Path, rules: Retention, model: torch.nn.Module) -> None:
+    """Load the best checkpoint's weights into ``model``."""
     infos = {i.name: i for i in list_checkpoints(root) if i.intact and i.step is not None}
     best_only = dataclasses.replace(rules, keep_best=1)
     kept = retain(((i.name, i.step, i.metrics) for i in infos.values()), best_only)  # type: ignore[misc]
     best = [name for name, why in kept.items() if "keep_best" in why]
-    if not best:
+    if best:
+        put_model(model, full_model(verified_manifest(infos[best[0]].path)))
+    else:
         warnings.warn(
             f"checkpoints: restore_best found no checkpoint with {rules.metric!r} in "
             f"{str(root)!r}; the model keeps its final weights.",
             RuntimeWarning,
             stacklevel=4,
         )
-        return state
-    put_model(state.model, full_model(verified_manifest(infos[best[0]].path)))
-    return state
