@@ -8,7 +8,9 @@ JSON and safetensors, so it could not rebuild it without running code.
 
 Values JSON has no form for become tagged objects: ``{"$tensor": name}`` (plus ``device``
 when not on the CPU, ``"dcp": true`` when kept in the sharded files), ``{"$tuple": [...]}``,
-``{"$float": "nan"}`` and ``{"$dict": {...}}`` (a dict with a key starting with ``$``).
+``{"$float": "nan"}``, ``{"$items": [[key, value], ...]}`` (a dict with keys other than
+str: int, float, bool, None, str or tuples of these) and ``{"$dict": {...}}`` (a dict with
+a key starting with ``$``).
 """
 
 from __future__ import annotations
@@ -99,6 +101,16 @@ def encode(
             ref["device"] = str(value.device)
         return ref
 
+    def key(value: Any, path: tuple[Any, ...]) -> Any:
+        if type(value) is tuple:
+            return {"$tuple": [key(item, path) for item in value]}
+        if type(value) not in _SCALARS:
+            raise TreeError(
+                f"{_where(root, path)}: a dict key that is {describe(value)}, which a "
+                "checkpoint cannot store; use str, int, float, bool, None or tuple keys."
+            )
+        return walk(value, path)
+
     def walk(value: Any, path: tuple[Any, ...]) -> Any:
         kind = type(value)
         if kind is float and not math.isfinite(value):
@@ -111,12 +123,8 @@ def encode(
             items = [walk(item, (*path, i)) for i, item in enumerate(value)]
             return {"$tuple": items} if kind is tuple else items
         if kind is dict or kind is OrderedDict:
-            bad = [k for k in value if type(k) is not str]
-            if bad:
-                raise TreeError(
-                    f"{_where(root, path)}: a dict key that is {describe(bad[0])}, which a "
-                    "checkpoint cannot store; use str keys."
-                )
+            if any(type(k) is not str for k in value):  # JSON keys are strings: keep the kind
+                return {"$items": [[key(k, path), walk(v, (*path, k))] for k, v in value.items()]}
             body = {k: walk(v, (*path, k)) for k, v in value.items()}
             return {"$dict": body} if any(k.startswith("$") for k in value) else body
         raise _refused(root, path, value)
@@ -161,6 +169,10 @@ def separate_shared(tensors: dict[str, torch.Tensor]) -> None:
             tensors[name] = tensors[name].clone()
 
 
+def _hashable(value: Any) -> Any:
+    return tuple(_hashable(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
 def _child(template: Any, key: Any) -> Any:
     if isinstance(template, Mapping):
         return template.get(key)
@@ -202,6 +214,9 @@ def decode(
             return tensor(node, template, path)
         if tag == "$float":
             return _FLOATS[node[tag]]
+        if tag == "$items":
+            pairs = [(_hashable(walk(k, None, path)), v) for k, v in node[tag]]
+            return {k: walk(v, _child(template, k), (*path, k)) for k, v in pairs}
         if tag not in (None, "$dict", "$tuple"):
             raise TreeError(f"{_where(root, path)}: unknown tag {tag!r} in the document.")
         node = node if tag is None else node[tag]
