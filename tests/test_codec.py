@@ -92,12 +92,13 @@ def test_user_keys_that_look_like_tags_are_escaped() -> None:
         torch.bool,
         torch.uint8,
         torch.complex64,
+        torch.complex128,
         torch.float8_e4m3fn,
     ],
     ids=str,
 )
-def test_tensors_of_the_stored_dtypes_round_trip_bitwise(dtype: torch.dtype) -> None:
-    # Bug caught: a dtype mangled (bfloat16 read as float16, float8 as uint8).
+def test_tensors_of_any_dtype_round_trip_bitwise(dtype: torch.dtype) -> None:
+    # Bug caught: dtypes safetensors has no code for (complex128) refused or mangled.
     base = torch.randn(3, 4, dtype=torch.float64) * 10
     value = (base.to(torch.complex128) * (1 + 2j) if dtype.is_complex else base).to(dtype)
     tree = {"t": value, "scalar": value[0, 0].clone(), "empty": value[:0]}
@@ -178,10 +179,9 @@ def _function() -> None:
             torch.ones(2).to_sparse(),
             "tree['plugin']['fn']: a tensor with layout "
             "torch.sparse_coo, which a checkpoint cannot store; keep dense, materialised tensors "
-            "of safetensors' dtypes in checkpointed state.",
+            "in checkpointed state.",
         ),
         (torch.empty(2, device="meta"), "tree['plugin']['fn']: a tensor on the meta device"),
-        (torch.ones(2, dtype=torch.complex128), "tree['plugin']['fn']: a tensor of dtype "),
     ],
     ids=[
         "function",
@@ -194,7 +194,6 @@ def _function() -> None:
         "tensor_key",
         "sparse",
         "meta",
-        "complex128",
     ],
 )
 def test_values_outside_the_rule_are_refused_naming_their_path(value: Any, message: str) -> None:

@@ -2,7 +2,7 @@
 
 The rule every checkpointed tree follows (optimizer and scheduler state, ``state.extras``,
 the state of extra objects): dicts with ``str`` keys, lists, tuples, ints, floats (also
-inf and NaN), bools, ``None``, strings and tensors of the dtypes safetensors stores, nested
+inf and NaN), bools, ``None``, strings and tensors (any dtype and device), nested
 freely. Anything else is refused when saving, naming its path: the load path only reads
 JSON and safetensors, so it could not rebuild it without running code.
 
@@ -27,6 +27,7 @@ __all__ = ["TreeError", "decode", "describe", "encode", "host_tensor", "separate
 
 _SCALARS = (bool, int, float, str, type(None))
 # The dtypes safetensors stores (not complex128, float8_e8m0fnu, ...).
+# The dtypes safetensors codes; others (complex128, ...) are stored as their raw bytes.
 _STORED = {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64}
 _STORED |= {torch.bool, torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.uint8}
 _STORED |= {getattr(torch, f"{sign}int{bits}") for sign in ("", "u") for bits in (16, 32, 64)}
@@ -85,8 +86,7 @@ def encode(
         if not outside and _unstorable(value):
             raise TreeError(
                 f"{_where(root, path)}: {_unstorable(value)}, which a checkpoint cannot "
-                "store; keep dense, materialised tensors of safetensors' dtypes in "
-                "checkpointed state."
+                "store; keep dense, materialised tensors in checkpointed state."
             )
         if id(value) not in names:
             name = "/".join(str(p) for p in (root, *path))
@@ -97,6 +97,8 @@ def encode(
         ref: dict[str, Any] = {"$tensor": names[id(value)]}
         if outside:
             return {**ref, "dcp": True}
+        if value.dtype not in _STORED:
+            ref.update(dtype=str(value.dtype).removeprefix("torch."), shape=list(value.shape))
         if value.device.type != "cpu":
             ref["device"] = str(value.device)
         return ref
@@ -141,8 +143,8 @@ def _unstorable(value: torch.Tensor) -> str:
         return f"a {type(value).__name__} (sharded or subclassed tensors are not supported)"
     if value.layout != torch.strided:
         return f"a tensor with layout {value.layout}"
-    if value.is_quantized or value.dtype not in _STORED:
-        return f"a tensor of dtype {value.dtype}"
+    if value.is_quantized:
+        return "a quantized tensor"
     if value.device.type == "meta":
         return "a tensor on the meta device (no data)"
     return ""
@@ -155,7 +157,8 @@ def host_tensor(value: torch.Tensor, copy: bool = False) -> torch.Tensor:
         host = host.to("cpu")  # a new tensor already: no extra copy needed
     elif copy or not host.is_contiguous():
         host = host.clone(memory_format=torch.contiguous_format)
-    return host.contiguous()
+    host = host.contiguous()
+    return host if host.dtype in _STORED else host.reshape(-1).view(torch.uint8)
 
 
 def separate_shared(tensors: dict[str, torch.Tensor]) -> None:
@@ -204,6 +207,11 @@ def decode(
         if name not in tensors:
             raise TreeError(f"{_where(root, path)}: tensor {name!r} is not in the file.")
         value = tensors[name]
+        if "dtype" in ref:  # raw bytes of a dtype safetensors has no code for
+            dtype = getattr(torch, ref["dtype"], None)
+            if not isinstance(dtype, torch.dtype):
+                raise TreeError(f"{_where(root, path)}: unknown dtype {ref['dtype']!r}.")
+            value = value.view(dtype).reshape(ref["shape"])
         if isinstance(template, torch.Tensor):
             return value.to(template.device)
         return value.to(_usable(ref["device"])) if "device" in ref else value
