@@ -13,7 +13,9 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -49,6 +51,24 @@ def test_periodic_saves_keep_the_newest_and_point_to_it(tmp_path: Path) -> None:
     run(_step(), _state(), DATA, max_steps=9, plugins=[checkpoints(folder, every=2, keep_last=2)])
     assert _steps(folder) == [8, 9]  # every 2, and at the end; the two newest kept
     assert read_pointer(folder) == folder / "step_000009"
+
+
+def test_off_the_main_thread_it_says_that_signals_keep_their_handlers(tmp_path: Path) -> None:
+    # Bug caught: a run in a worker thread silently left SIGTERM to kill the job unsaved.
+    caught: list[warnings.WarningMessage] = []
+
+    def train() -> None:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            run(_step(), _state(), DATA, max_steps=2, plugins=[checkpoints(tmp_path / "c")])
+        caught.extend(seen)
+
+    worker = threading.Thread(target=train)
+    worker.start()
+    worker.join(TIMEOUT)
+    messages = [str(w.message) for w in caught if w.category is RuntimeWarning]
+    assert any("not on the main thread" in m and "SIGTERM" in m for m in messages), messages
+    assert _steps(tmp_path / "c") == [2]  # it still saves
 
 
 def test_retention_rules_are_a_union(tmp_path: Path) -> None:

@@ -172,9 +172,18 @@ def _install(config: _Config, run_: _Run) -> None:
     def handler(signum: int, frame: Any) -> None:
         run_.signum = signum  # only a flag: the loop acts on it between updates
 
-    if threading.current_thread() is threading.main_thread():  # the only one Python allows
-        for signum in config.signals:
-            run_.handlers[signum] = signal.signal(signum, handler)
+    if threading.current_thread() is not threading.main_thread():  # Python allows no other
+        if config.signals:
+            names = [signal.Signals(s).name for s in config.signals]
+            warnings.warn(
+                f"checkpoints: run() is not on the main thread, where Python delivers signals; "
+                f"{names} keep their handlers.",
+                RuntimeWarning,
+                stacklevel=5,
+            )
+        return
+    for signum in config.signals:
+        run_.handlers[signum] = signal.signal(signum, handler)
 
 
 def _resumed(config: _Config, run_: _Run, state: TrainState) -> TrainState:
