@@ -124,6 +124,9 @@ _SKIPPED = StepOutput(None, _NO_RECORDS, None, None, updated=False, closed=False
 
 def _leading_dim(batch: Any) -> int | None:
     """The leading dimension of the first tensor found depth-first in common containers."""
+    first = batch[0] if type(batch) is tuple and batch else batch  # (inputs, targets): 1 step
+    if type(first) is torch.Tensor and first.ndim:
+        return first.shape[0]
     while True:
         if isinstance(batch, torch.Tensor):
             return int(batch.shape[0]) if batch.ndim else None
@@ -246,7 +249,12 @@ class Step:
             scaler = state.scaler
         sync = sync_kind(state.model)  # "none", "ddp" or "fsdp2"
         closes = close or state.window.micro_step + 1 == k
-        window, out = self._micro_batch(state, batch, k, closes, scaler, sync)
+        if closes or sync == "none":
+            window, out = self._micro_batch(state, batch, k, closes, scaler, sync)
+        else:
+            # (3) gradients are synced on the window's closing micro-batch only
+            with suppress_grad_sync(state.model, sync) or contextlib.nullcontext():
+                window, out = self._micro_batch(state, batch, k, closes, scaler, sync)
         if window is None:  # skipped: the window does not advance
             if sync == "none":
                 return state, out
@@ -261,34 +269,40 @@ class Step:
     ) -> tuple[WindowState | None, StepOutput]:
         """Phases 1-3: the advanced window (None when skipped) and the output."""
         model, optimizer, window = state.model, state.optimizer, state.window
-        # (3) gradients are synced on the window's closing micro-batch only
-        no_sync = None if closes else suppress_grad_sync(model, sync)
-        with no_sync or contextlib.nullcontext():
-            # 1. forward, under autocast
-            with self.amp.autocast(optimizer) if self.amp else contextlib.nullcontext():
-                if self._with_step:  # loss_fn(model, batch, step=...) reads the update number
-                    result = self.loss_fn(model, batch, step=state.step)
-                else:
-                    result = self.loss_fn(model, batch)
-            if result is None:
-                return None, _SKIPPED
+        # 1. forward, under autocast
+        if self.amp is None:
+            result = self._loss(state, batch)
+        else:
+            with self.amp.autocast(optimizer):
+                result = self._loss(state, batch)
+        if result is None:
+            return None, _SKIPPED
+        if type(result) is torch.Tensor and result.ndim == 0 and result.requires_grad:
+            loss, count, records = result, None, _NO_RECORDS  # the common case, unparsed
+        else:
             loss, count, records = _parse(result)
-            # 2. loss normalisation: 1/k, or a sum whose gradients phase 5 divides
-            if window.micro_step and (count is None) != (window.count is None):
-                raise _mixed_counts(count is None)
-            objective = loss / k if count is None and k > 1 else loss
-            window = _advanced(window, k, loss.detach(), count, self.guard is not None)
-            # 3. backward, through the GradScaler under fp16
-            if closes and sync == "ddp" and self.grad_transforms is None:
-                # DDP: this rank's window loss and skips ride on the gradient all-reduce.
-                carrier = carrier_of(model)
-                if carrier is not None:
-                    first = optimizer.param_groups[0]["params"][0]
-                    carrier.send(window.loss, window.skipped, first)
-            (scaler.scale(objective) if scaler is not None else objective).backward()
-        shown = loss.detach() if count is None else loss.detach() / count
+        # 2. loss normalisation: 1/k, or a sum whose gradients phase 5 divides
+        if window.micro_step and (count is None) != (window.count is None):
+            raise _mixed_counts(count is None)
+        objective = loss / k if count is None and k > 1 else loss
+        detached = loss.detach()
+        window = _advanced(window, k, detached, count, self.guard is not None)
+        # 3. backward, through the GradScaler under fp16
+        if closes and sync == "ddp" and self.grad_transforms is None:
+            # DDP: this rank's window loss and skips ride on the gradient all-reduce.
+            carrier = carrier_of(model)
+            if carrier is not None:
+                first = optimizer.param_groups[0]["params"][0]
+                carrier.send(window.loss, window.skipped, first)
+        (scaler.scale(objective) if scaler is not None else objective).backward()
+        shown = detached if count is None else detached / count
         out = StepOutput(shown, records, count, _leading_dim(batch), updated=False, closed=False)
         return window, out
+
+    def _loss(self, state: TrainState, batch: Any) -> Any:
+        if self._with_step:  # loss_fn(model, batch, step=...) reads the update number
+            return self.loss_fn(state.model, batch, step=state.step)
+        return self.loss_fn(state.model, batch)
 
     def _close(
         self, state: TrainState, window: WindowState, out: StepOutput, scaler: Scaler, sync: str
