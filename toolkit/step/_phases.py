@@ -212,6 +212,9 @@ class Verdict(NamedTuple):
     uneven: bool = False  # data-parallel ranks skipped different numbers of micro-batches
 
 
+_FINE = Verdict()
+
+
 def decide(
     guard: GuardConfig | None,
     scaler: torch.amp.GradScaler | None,
@@ -233,6 +236,11 @@ def decide(
     with the gradients (see :class:`Carrier`): then every flag agrees without one.
     """
     loss, flags = window.loss, {}
+    if scaler is None and total is None and group is None and guard is not None:
+        # The guard alone: as few kernels as a hand-written loop needs, and one read.
+        assert loss is not None and grad_norm is not None
+        finite = bool((torch.isfinite(loss) & torch.isfinite(grad_norm)).item())  # the sync
+        return _FINE if finite else Verdict(nonfinite=True)
     if carried is not None:
         loss = carried[0]  # the ranks' summed losses: finite when every rank's is
         # Equal counts exactly when sum**2 == world * sum of squares (Cauchy-Schwarz).

@@ -119,6 +119,7 @@ class StepOutput(NamedTuple):
 _NOT_PER_UPDATE = (torch.optim.lr_scheduler.ReduceLROnPlateau, PerEpoch)
 Scaler = torch.amp.GradScaler | None
 _NO_RECORDS: Mapping[str, Any] = types.MappingProxyType({})  # shared, so read-only
+_APPLY = Verdict()  # nothing against applying the window
 _SKIPPED = StepOutput(None, _NO_RECORDS, None, None, updated=False, closed=False, skipped=True)
 
 
@@ -335,7 +336,7 @@ class Step:
             grad_norm = clip_norm = torch.nn.utils.get_total_norm(grads, norm_type)
             if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor; clipping takes it so
                 grad_norm = grad_norm.full_tensor()
-        verdict = Verdict()
+        verdict = _APPLY
         if guard is not None or scaler is not None or group is not None:
             # DDP: the ranks' flags that rode on the gradient all-reduce, if they did.
             carrier = carrier_of(state.model) if sync == "ddp" and transforms is None else None
@@ -343,7 +344,7 @@ class Step:
             verdict = decide(
                 guard, scaler, self.amp, optimizer, window, grad_norm, total, group, carried
             )
-        verdict = reported(verdict, empty)
+        verdict = reported(verdict, empty) if verdict != _APPLY or empty else verdict
         apply, counters, failure = self._judge(state, window, verdict, grad_norm, group)
         lr = optimizer.param_groups[0]["lr"]
         if apply:
@@ -374,15 +375,12 @@ class Step:
         # 11. counters
         step = state.step + 1 if apply else state.step
         new = _successor(state, step=step, window=WindowState(), guard=counters)
-        return new, out._replace(
-            updated=apply,
-            closed=True,
-            nonfinite=verdict.nonfinite,
-            overflow=verdict.overflow,
-            empty=verdict.empty,
-            grad_norm=grad_norm,
-            lr=lr,
-        )
+        loss, records, count, samples = out[:4]
+        v = verdict
+        return new, StepOutput(
+            loss, records, count, samples, apply, True, False, v.nonfinite, v.overflow, v.empty,
+            grad_norm, lr,
+        )  # fmt: skip
 
     def _judge(
         self, state: TrainState, window: WindowState, verdict: Verdict, norm: Any, group: Any
@@ -401,8 +399,8 @@ class Step:
                 apply = guard.on_exhaust == "accept"
                 if not apply:
                     failure = guard.exhausted(counters, window.loss, norm, state.step)
-        elif guard is not None and not verdict.empty:  # a finite window ends a series
-            counters = counters._replace(notfinite_count=0)
+        elif guard is not None and not verdict.empty and counters.notfinite_count:
+            counters = counters._replace(notfinite_count=0)  # a finite window ends a series
         if verdict.uneven:  # a bug in the loss function or the data, not a numerical accident
             # On the error path only: one more small all-reduce, for the message.
             fewest, most = skip_range(window.skipped, group, state.optimizer)
