@@ -334,7 +334,7 @@ class Step:
         if clipping is not None or guard is not None:
             norm_type = clipping.norm_type if clipping is not None else 2.0
             grad_norm = clip_norm = torch.nn.utils.get_total_norm(grads, norm_type)
-            if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor; clipping takes it so
+            if type(grad_norm) is not torch.Tensor:  # FSDP2: a DTensor; clipping takes it so
                 grad_norm = grad_norm.full_tensor()
         verdict = _APPLY
         if guard is not None or scaler is not None or group is not None:
