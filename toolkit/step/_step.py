@@ -333,9 +333,10 @@ class Step:
         grad_norm = clip_norm = None
         if clipping is not None or guard is not None:
             norm_type = clipping.norm_type if clipping is not None else 2.0
-            grad_norm = clip_norm = torch.nn.utils.get_total_norm(grads, norm_type)
-            if type(grad_norm) is not torch.Tensor:  # FSDP2: a DTensor; clipping takes it so
-                grad_norm = grad_norm.full_tensor()
+            norm: Any = torch.nn.utils.get_total_norm(grads, norm_type)
+            grad_norm = clip_norm = norm
+            if type(norm) is not torch.Tensor:  # FSDP2: a DTensor; clipping takes it so
+                grad_norm = norm.full_tensor()
         verdict = _APPLY
         if guard is not None or scaler is not None or group is not None:
             # DDP: the ranks' flags that rode on the gradient all-reduce, if they did.
