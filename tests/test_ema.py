@@ -74,6 +74,23 @@ def test_matches_closed_form_without_warmup():
     assert not torch.allclose(entry["params"]["0.weight"].double(), last, atol=1e-3)
 
 
+def test_one_ema_plugin_follows_a_new_model_in_its_next_run():
+    # Bug caught: the fused update's tensor lists cached for the first model and reused, so
+    # the second run would average the first model's weights into the first entry.
+    plugin = ema(0.8, warmup=False)
+    run(make_step(_loss), _state(_model(0)), _data(3), max_steps=3, plugins=[plugin])
+    model = _model(1)
+    trajectory: list = []
+    state = run(
+        make_step(_loss),
+        _state(model),
+        _data(4),
+        max_steps=4,
+        plugins=[_recorder(trajectory), plugin],
+    )
+    _assert_close(state.extras["ema"]["params"], _closed_form(trajectory, 0.8, [1, 2, 3, 4]))
+
+
 def test_warmup_schedule():
     model = _model()
     trajectory: list = []

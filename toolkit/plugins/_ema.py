@@ -134,6 +134,11 @@ def ema(
         entry = EmaEntry(step=state.step, num_updates=0, params=params, buffers=bufs)
         return state.replace(extras={**state.extras, key: entry})
 
+    # The fused update's lists, rebuilt only when the model or the entry's dicts change (a
+    # resume, ema_model's adoption at "start"): walking the module tree per update costs
+    # about as much as the lerp itself on a model of many small tensors.
+    lists: dict[str, Any] = {"for": None}
+
     def plugin(event: Event) -> TrainState | None:
         state = event.state
         if event.kind == "restore":  # the template a checkpoint restores the average into
@@ -152,7 +157,10 @@ def ema(
             return fresh(state)
         n = entry["num_updates"]
         d = min(decay, (1 + n) / (10 + n)) if warmup else decay
-        averaged, live, copied, sources = _lists(state.model, entry, buffers)
+        held = (state.model, entry["params"], entry["buffers"])
+        if lists["for"] is None or any(a is not b for a, b in zip(lists["for"], held)):
+            lists.update({"for": held, "lists": _lists(state.model, entry, buffers)})
+        averaged, live, copied, sources = lists["lists"]
         with torch.no_grad():
             if averaged:
                 # lerp(ema, p, 1 - d) = d * ema + (1 - d) * p, one fused kernel per device/dtype.
