@@ -1,6 +1,6 @@
 # Every target builds its own virtual environment on first use.
 # make bench BENCH_ARGS="--repeat 5" measures five times and prints the range (the compiled
-# transformer rows of overhead.py take about 10 minutes of it);
+# transformer rows of overhead.py take 5 to 10 minutes of each pass);
 # CHECKPOINT_BENCH_ARGS="--rounds 9 --dir /mnt/fast" goes to the checkpoint benchmark.
 #
 # torch is installed first, pinned, from pip's configured index: on an ordinary Linux x86

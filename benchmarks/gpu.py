@@ -33,7 +33,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from toolkit import TrainState, accumulate, amp_wrap, clip, compose, guard_nonfinite, make_step
+from toolkit import (
+    Step,
+    TrainState,
+    accumulate,
+    amp_wrap,
+    clip,
+    compose,
+    guard_nonfinite,
+    make_step,
+)
 
 K = 4  # micro-batches per update
 MAX_NORM = 1.0
@@ -101,13 +110,18 @@ def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch
     return model(*batch)
 
 
-def toolkit_updates(state: list[TrainState], data: list) -> Callable[[int], None]:
-    step = compose(
+def toolkit_step() -> Step:
+    """The step both the timing and the sync count use: bf16, accumulate K, clip, guard."""
+    return compose(
         amp_wrap(dtype="bf16"),
         accumulate(micro_batches=K),
         clip(max_norm=MAX_NORM),
         guard_nonfinite(),
     )(make_step(loss_fn))
+
+
+def toolkit_updates(state: list[TrainState], data: list) -> Callable[[int], None]:
+    step = toolkit_step()
 
     def updates(n: int) -> None:
         for _ in range(n):
@@ -156,12 +170,7 @@ def counted_syncs() -> Iterator[list[str]]:
 
 def sync_counts(state: list[TrainState], hand: Callable[[int], None], data: list) -> dict[str, int]:
     """Host syncs: toolkit's per open micro-batch (worst), per closing one; by hand per update."""
-    step = compose(
-        amp_wrap(dtype="bf16"),
-        accumulate(micro_batches=K),
-        clip(max_norm=MAX_NORM),
-        guard_nonfinite(),
-    )(make_step(loss_fn))
+    step = toolkit_step()
     open_counts = []
     for batch in data[:-1]:
         with counted_syncs() as syncs:
