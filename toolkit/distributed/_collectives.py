@@ -247,7 +247,7 @@ def suppress_grad_sync(
 def sync_kind(model: torch.nn.Module) -> str:
     """How ``model`` syncs gradients over ranks: "ddp", "fsdp2" or "none", once per class.
 
-    A train step reads ``SYNC_KIND.get(type(model)) or sync_kind(model)``: the cache first.
+    Worked out once per class and cached in ``SYNC_KIND``: the step asks per micro-batch.
     """
     kind = SYNC_KIND.get(type(model))
     if kind is None:
