@@ -517,6 +517,21 @@ def test_metrics_must_be_numbers(tmp_path: Path) -> None:
     )
 
 
+def test_settings_are_recorded_in_the_manifest_and_read_back(tmp_path: Path) -> None:
+    from toolkit.checkpoints import save_in_background
+    from toolkit.checkpoints._load import verified_manifest
+
+    state = TrainState(model=nn.Linear(1, 1))
+    settings = {"groups": [{"lr": 0.1, "betas": (0.9, 0.999)}], "clip": float("inf")}
+    path = save_checkpoint(state, tmp_path / "a", settings=settings)
+    assert verified_manifest(path).settings == settings  # the tuple stays a tuple
+    background = save_in_background(state, tmp_path / "b", settings={"batch_size": 4}).result()
+    assert verified_manifest(background).settings == {"batch_size": 4}
+    assert verified_manifest(save_checkpoint(state, tmp_path / "c")).settings == {}
+    with pytest.raises(ValueError, match="settings must be a tree of JSON values"):
+        save_checkpoint(state, tmp_path / "d", settings={"w": torch.ones(1)})
+
+
 def test_a_folder_that_is_not_a_checkpoint_is_not_replaced(tmp_path: Path) -> None:
     # Bug caught: save_checkpoint deleting an unrelated folder that happens to be at path.
     (tmp_path / "data").mkdir()

@@ -157,6 +157,7 @@ def test_the_newest_by_step_ties_are_all_kept() -> None:
         ({"keep_every": 0}, "Retention: keep_every must be an int >= 1 (or None); got 0."),
         ({"keep_steps": "10"}, "Retention: keep_steps must be a sequence of ints; got '10'."),
         ({"mode": "lowest"}, "Retention: mode must be one of ['min', 'max']; got 'lowest'."),
+        ({"keep_full": 0}, "Retention: keep_full must be an int >= 1 (or None); got 0."),
         (
             {"keep_best": 2},
             "Retention: metric must be the manifest metric to rank by (e.g. 'val/loss') "

@@ -70,6 +70,7 @@ class Manifest:
     aliases: Mapping[str, str] = dataclasses.field(default_factory=dict)
     sharded: bool = False
     world_size: int = 1
+    settings: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -156,7 +157,8 @@ def _fields(document: dict[str, Any]) -> dict[str, Any] | None:
     try:
         metrics = decode(fields["metrics"], {}, "metrics")
         numbers = all(type(value) in (int, float) for value in metrics.values())
-        fields.update(time=float(fields["time"]), metrics=metrics)
+        settings = decode(fields.get("settings", {}), {}, "settings")
+        fields.update(time=float(fields["time"]), metrics=metrics, settings=settings)
         step, entries = fields["step"], fields["files"].values()
     except (TreeError, KeyError, TypeError, AttributeError, ValueError):
         return None
@@ -164,7 +166,8 @@ def _fields(document: dict[str, Any]) -> dict[str, Any] | None:
         isinstance(e, dict) and type(e.get("size")) is int and isinstance(e.get(CHECKSUM), str)
         for e in entries
     )
-    return fields if numbers and entries_ok and type(step) is int and step >= 0 else None
+    ok = numbers and entries_ok and isinstance(settings, dict)
+    return fields if ok and type(step) is int and step >= 0 else None
 
 
 def read_manifest(folder: str | os.PathLike[str]) -> Manifest:

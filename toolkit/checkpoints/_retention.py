@@ -35,6 +35,11 @@ class Retention:
         metric: the manifest metric ``keep_best`` ranks by (a key of ``metrics=`` given to
             ``save_checkpoint``).
         mode: ``"min"`` (lower is better) or ``"max"``.
+        keep_full: keep the optimizer, scheduler, RNG and data state only in the
+            ``keep_full`` newest checkpoints (``None``: in all); older ones that a rule
+            keeps are reduced to model-only (weights, ``extras`` such as EMA) when pruning,
+            as fairseq2's ``keep_last_n_models``. Resume skips model-only checkpoints;
+            :func:`toolkit.checkpoints.export_model` still reads them.
 
     Example:
         >>> from toolkit.checkpoints import Retention
@@ -48,6 +53,7 @@ class Retention:
     keep_best: int = 0
     metric: str | None = None
     mode: str = "min"
+    keep_full: int | None = None
 
     def __post_init__(self) -> None:
         who = "Retention"
@@ -60,6 +66,8 @@ class Retention:
         check(ints and not isinstance(steps, str), who, "keep_steps", "a sequence of ints", steps)
         object.__setattr__(self, "keep_steps", tuple(sorted(set(steps))))
         check_one_of(who, "mode", self.mode, ("min", "max"))
+        if self.keep_full is not None:
+            check_count(who, "keep_full", self.keep_full, 1, "or None")
         named = not self.keep_best or (isinstance(self.metric, str) and bool(self.metric))
         expected = (
             f"the manifest metric to rank by (e.g. 'val/loss') with keep_best={self.keep_best}"
@@ -79,6 +87,8 @@ class Retention:
             parts.append(f"keep_steps={list(self.keep_steps)}")
         if self.keep_best:
             parts.append(f"keep_best={self.keep_best} by {self.metric} ({self.mode})")
+        if self.keep_full is not None:
+            parts.append(f"keep_full={self.keep_full}")
         return ", ".join(parts)
 
 

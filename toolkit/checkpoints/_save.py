@@ -46,7 +46,7 @@ from toolkit.checkpoints._files import (
     write_tensors,
 )
 from toolkit.checkpoints._manifest import MANIFEST, check_metrics, manifest_document
-from toolkit.checkpoints._model_state import model_state, optimizer_state, split_aliases
+from toolkit.checkpoints._model_state import few, model_state, optimizer_state, split_aliases
 from toolkit.checkpoints._retention import Retention
 from toolkit.checkpoints._rng import capture_rng
 from toolkit.checkpoints._sharded import SHARDS, is_dtensor, is_sharded, save_shards
@@ -157,6 +157,7 @@ def save_checkpoint(
     objects: Mapping[str, Any] | None = None,
     metrics: Mapping[str, float] | None = None,
     rules: Retention | None = None,
+    settings: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write ``state`` (and ``objects``) as a checkpoint folder, atomically.
 
@@ -198,6 +199,8 @@ def save_checkpoint(
             ``python -m toolkit.checkpoints``).
         rules: the retention rules in force, recorded in the manifest so the shell tool can
             say which rule keeps each checkpoint.
+        settings: the run's configuration (JSON values, tuples and inf/NaN kept), recorded
+            in the manifest; read back as ``verified_manifest(path).settings``.
 
     Returns:
         The checkpoint folder's path.
@@ -225,7 +228,7 @@ def save_checkpoint(
     group = group_of(state.model) if isinstance(state, TrainState) else None
     snapshot, error = None, None
     try:
-        snapshot = _prepare(state, Path(path), objects, metrics, rules, copy=False)
+        snapshot = _prepare(state, Path(path), objects, metrics, rules, settings, copy=False)
     except Exception as caught:
         error = caught
     agree(error, group, "save_checkpoint")
@@ -240,6 +243,7 @@ def save_in_background(
     objects: Mapping[str, Any] | None = None,
     metrics: Mapping[str, float] | None = None,
     rules: Retention | None = None,
+    settings: Mapping[str, Any] | None = None,
 ) -> Future[Path]:
     """Like :func:`toolkit.save_checkpoint`, but write the files in a background thread.
 
@@ -257,6 +261,7 @@ def save_in_background(
         objects: extra stateful objects by name (their ``state_dict()`` is taken now).
         metrics: flat ``{name: number}`` recorded in the manifest.
         rules: the retention rules in force, recorded in the manifest.
+        settings: the run's configuration, recorded in the manifest.
 
     Returns:
         A ``concurrent.futures.Future`` whose ``result()`` is the checkpoint's path, or
@@ -283,7 +288,7 @@ def save_in_background(
             "save_in_background: expected a model of this process alone, got a data-parallel "
             "one (DDP or FSDP2), whose ranks save together; use save_checkpoint on every rank."
         )
-    snapshot = _prepare(state, path, objects, metrics, rules, copy=True)
+    snapshot = _prepare(state, path, objects, metrics, rules, settings, copy=True)
     # Its worker is joined at interpreter exit (as a non-daemon thread would be).
     pool = ThreadPoolExecutor(1, thread_name_prefix=f"save_checkpoint {path}")
     future = pool.submit(_write, snapshot, path, None)
@@ -297,6 +302,7 @@ def _prepare(
     objects: Mapping[str, Any] | None,
     metrics: Mapping[str, float] | None,
     rules: Retention | None,
+    settings: Mapping[str, Any] | None,
     copy: bool,
 ) -> _Snapshot:
     """Check the arguments and gather everything in memory; nothing is written yet."""
@@ -321,9 +327,13 @@ def _prepare(
             f"{who}: {path} exists and is not a checkpoint folder (no {MANIFEST}); refusing "
             "to replace it. Pick another path or remove it."
         )
+    settings_document, tensors = encode(dict(settings or {}), "settings")
+    check(not tensors, who, "settings", "a tree of JSON values (no tensors)", few(tensors))
     snapshot = _snapshot(state, check_objects(objects, who), copy)
     snapshot.manifest.update(
-        metrics=check_metrics(metrics or {}), rules=rules and rules.to_document()
+        metrics=check_metrics(metrics or {}),
+        rules=rules and rules.to_document(),
+        settings=settings_document,
     )
     return snapshot
 
