@@ -15,6 +15,7 @@ checkpoint.
 """
 
 from toolkit.checkpoints._cli import main
+from toolkit.checkpoints._codec import TreeError
 from toolkit.checkpoints._folder import (
     POINTER,
     CheckpointInfo,
@@ -36,6 +37,7 @@ __all__ = [
     "CheckpointInfo",
     "DamagedCheckpointError",
     "Retention",
+    "TreeError",
     "clean_temporaries",
     "latest_checkpoint",
     "list_checkpoints",

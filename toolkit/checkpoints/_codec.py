@@ -3,8 +3,10 @@
 The rule every checkpointed tree follows (optimizer and scheduler state, ``state.extras``,
 the state of extra objects): dicts with ``str`` keys, lists, tuples, ints, floats (also
 inf and NaN), bools, ``None``, strings and tensors (any dtype and device), nested
-freely. Anything else is refused when saving, naming its path: the load path only reads
-JSON and safetensors, so it could not rebuild it without running code.
+freely; subclasses of str, int, float and dict (``torch.__version__``, enums,
+``defaultdict``) and NumPy scalars are stored as their base type. Anything else is refused
+when saving, naming its path: the load path only reads JSON and safetensors, so it could
+not rebuild it without running code.
 
 Values JSON has no form for become tagged objects: ``{"$tensor": name}`` (plus ``device``
 when not on the CPU, ``"dcp": true`` when kept in the sharded files), ``{"$tuple": [...]}``,
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import math
 import types
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -26,7 +27,12 @@ import torch
 __all__ = ["TreeError", "decode", "describe", "encode", "host_tensor", "separate_shared"]
 
 _SCALARS = (bool, int, float, str, type(None))
-# The dtypes safetensors stores (not complex128, float8_e8m0fnu, ...).
+# The base types' own conversions: a subclass may override __str__ (class Mode(str, Enum)).
+_BASES: tuple[tuple[type, Callable[[Any], Any]], ...] = (
+    (str, str.__str__),
+    (int, int.__int__),
+    (float, float.__float__),
+)
 # The dtypes safetensors codes; others (complex128, ...) are stored as their raw bytes.
 _STORED = {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64}
 _STORED |= {torch.bool, torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.uint8}
@@ -52,10 +58,17 @@ def _where(root: str, path: tuple[Any, ...]) -> str:
     return root + "".join(f"[{part!r}]" for part in path)
 
 
+def _plain(value: Any) -> Any:
+    """A NumPy scalar or a str, int or float subclass as the Python base type, else ``value``."""
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
+        return value.item()  # np.bool_ -> bool, np.int64 -> int: also 0-d arrays
+    return next((plain(value) for b, plain in _BASES if isinstance(value, b)), value)
+
+
 def _refused(root: str, path: tuple[Any, ...], value: Any) -> TreeError:
     hint = ""
     if type(value).__module__ == "numpy":
-        hint = " Convert numpy values with .item() or torch.from_numpy()."
+        hint = " Convert NumPy arrays with torch.from_numpy()."
     elif isinstance(value, tuple):
         hint = " Store a dict of its fields (value._asdict()) instead."
     return TreeError(
@@ -104,6 +117,7 @@ def encode(
         return ref
 
     def key(value: Any, path: tuple[Any, ...]) -> Any:
+        value = _plain(value)
         if type(value) is tuple:
             return {"$tuple": [key(item, path) for item in value]}
         if type(value) not in _SCALARS:
@@ -124,12 +138,15 @@ def encode(
         if kind is tuple or kind is list:
             items = [walk(item, (*path, i)) for i, item in enumerate(value)]
             return {"$tuple": items} if kind is tuple else items
-        if kind is dict or kind is OrderedDict:
+        if isinstance(value, dict):  # OrderedDict, defaultdict, ...
             if any(type(k) is not str for k in value):  # JSON keys are strings: keep the kind
                 return {"$items": [[key(k, path), walk(v, (*path, k))] for k, v in value.items()]}
             body = {k: walk(v, (*path, k)) for k, v in value.items()}
             return {"$dict": body} if any(k.startswith("$") for k in value) else body
-        raise _refused(root, path, value)
+        plain = _plain(value)
+        if plain is value:
+            raise _refused(root, path, value)
+        return walk(plain, path)
 
     document = walk(tree, ())
     local = {n: t for n, t in tensors.items() if external is None or not external(t)}
