@@ -151,12 +151,30 @@ def test_live_bar_in_a_terminal_is_refreshed_and_stopped() -> None:
     text = console.export_text()
     assert "━" in text  # a bar was drawn
     assert "step 2/4" in text and "loss 0.5 | lr 1.00e-03 | 4 samples/s" in text
-    assert "step 4/4" in text and "loss 2.5 | lr 1.00e-03 | 4 samples/s | eta 0:00:00" in text
+    assert "step 4/4" in text and "eta 0:00:00 loss 2.5 | lr 1.00e-03 | 4 samples/s" in text
     raw = console.file.getvalue()
     assert raw.startswith("\x1b[?25l") and raw.endswith("\x1b[?25h")  # cursor hidden, restored
     # Stopped: a new live display may start on the same console.
     with rich.progress.Progress(console=console, auto_refresh=False):
         pass
+
+
+@pytest.mark.parametrize("width", [80, 100, 160])
+def test_a_narrow_terminal_cuts_the_fields_not_the_step_bar_or_eta(width: int) -> None:
+    # Validation, memory, tokens and grad_norm make the fields longer than any of these
+    # widths: the step count, the bar and the ETA stay whole, the fields are cut at the end.
+    console = rich.console.Console(record=True, force_terminal=True, width=width, file=io.StringIO())
+    clock = FakeTime(lambda i: 1.0)
+    val = _publishes("val", {"loss": 0.2512345, "accuracy": 0.9375123, "perplexity": 1.2856})
+    memory = _publishes("memory", {"peak_gib": 1.51234})
+    plugin = progress(every=10, warmup=1, console=console, clock=clock)
+    wrapper = lambda s: clip(s, max_norm=1.0)  # noqa: E731
+    train(plugin, clock, max_steps=1000, plugins_before=[val, memory], counts=True,
+          step_wrapper=wrapper)  # fmt: skip
+    frames = console.export_text().split("step ")  # the live bar's renders, one by one
+    assert frames[-1].startswith("1000/1000 ━") and "eta 0:00:00 loss 994.5 |" in frames[-1]
+    assert frames[-1].rstrip().endswith("…") and len(frames[-1]) < width
+    assert any(f.startswith("500/1000 ━") and "eta 0:08:20 loss" in f for f in frames)
 
 
 @pytest.mark.parametrize("terminal", [False, True])

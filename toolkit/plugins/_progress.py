@@ -10,7 +10,9 @@ from typing import Any
 
 import rich
 import rich.console
-from rich.progress import BarColumn, Progress, TextColumn
+from rich.progress import BarColumn, Progress, RenderableColumn, TextColumn
+from rich.table import Column
+from rich.text import Text
 
 from toolkit._checks import check, check_count
 from toolkit.distributed._collectives import is_rank_zero
@@ -50,6 +52,7 @@ class _Bar:
     shown_step: int = 0  # state.step of the last line
     live: Progress | None = None
     task: Any = None
+    info: RenderableColumn | None = None  # the live bar's fields
 
 
 @plugin_factory(order=90)
@@ -96,7 +99,8 @@ def progress(
     resume) times the updates left; it appears once an update has been timed.
 
     When the console is a terminal, a live bar is drawn (refreshed only at those points: no
-    background thread). Otherwise (CI logs, output redirected to a file) one plain line is
+    background thread): the step, the bar and the ETA, then the fields, cut at their end
+    (``…``) where the terminal is too narrow for them all. Otherwise (CI logs, output redirected to a file) one plain line is
     written to the console's file and flushed per refresh, for example::
 
         step 20/100 | loss 0.4312 | lr 1.00e-03 | grad_norm 0.53 | 1234 samples/s | eta 0:00:12
@@ -205,11 +209,17 @@ def _start(bar: _Bar, event: Event) -> None:
     bar.shown, bar.last_time, bar.shown_step = shown, now, step
     bar.warm_from, bar.warm_at = step + bar.warmup, now if bar.warmup == 0 else None
     if shown.is_terminal:
-        columns = TextColumn("{task.fields[head]}"), BarColumn(), TextColumn("{task.fields[info]}")
+        # The step count, the bar and the ETA are never cut (no_wrap); the fields are the one
+        # column the table may narrow, cut at its end with an ellipsis (no_wrap Text).
+        whole = Column(no_wrap=True)
+        head, eta = TextColumn("{task.fields[head]}", table_column=whole), TextColumn(
+            "{task.fields[eta]}", table_column=whole)  # fmt: skip
+        columns = head, BarColumn(min(40, shown.width // 5), table_column=whole), eta, Column()
+        bar.info = RenderableColumn(Text(""), table_column=columns[-1])
         # Redrawn at refreshes only (no auto_refresh): no thread competing with training.
-        bar.live = Progress(*columns, console=shown, auto_refresh=False)
-        head = _head(step, bar.total)
-        bar.task = bar.live.add_task("train", total=bar.total, completed=step, head=head, info="")
+        bar.live = Progress(*columns[:3], bar.info, console=shown, auto_refresh=False)
+        fields = {"head": _head(step, bar.total), "eta": ""}
+        bar.task = bar.live.add_task("train", total=bar.total, completed=step, **fields)
         bar.live.start()
 
 
@@ -251,17 +261,17 @@ def _refresh(bar: _Bar, state: TrainState, now: float, open_window: Any = ()) ->
         for name, value in parsed[1].items() if parsed is not None else ():
             if isinstance(value, (int, float)):
                 parts.append(f"{entry_name}/{name} {value:.4g}")
-    parts.append(_eta(bar, now, state.step))
-    bar.shown_step = state.step
+    bar.shown_step, eta = state.step, _eta(bar, now, state.step)
     info, head = " | ".join(part for part in parts if part), _head(state.step, bar.total)
     if bar.live is None:
         # A plain line straight to the console's file: rendering it through rich would cost
         # ~100x more, for nothing to style in a log.
         file = bar.shown.file  # type: ignore[union-attr]
-        file.write(f"{head} | {info}\n" if info else f"{head}\n")
+        file.write(" | ".join(part for part in (head, info, eta) if part) + "\n")
         file.flush()
     else:
-        bar.live.update(bar.task, completed=state.step, head=head, info=info)
+        bar.info.renderable = Text(info, no_wrap=True, overflow="ellipsis")  # type: ignore[union-attr]
+        bar.live.update(bar.task, completed=state.step, head=head, eta=eta)
         bar.live.refresh()
 
 
