@@ -20,7 +20,7 @@ from counting import CountOps, read_as_on_an_accelerator
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from toolkit import key_average, map_nested_tensor
+from toolkit import key_average, map_nested_tensor, to_device
 
 # ---------------------------------------------------------------------------------------------
 # map_nested_tensor
@@ -230,6 +230,32 @@ def test_non_containers_are_leaves() -> None:
     out = map_nested_tensor(lambda t: pytest.fail("no tensor here"), tree)
     for key in tree:
         assert out[key] is tree[key]
+
+
+class Held:
+    """A stand-in for a Hugging Face Cache or a torch_geometric Data: tensors behind .to()."""
+
+    def __init__(self, keys: torch.Tensor) -> None:
+        self.keys = keys
+
+    def to(self, device: Any, non_blocking: bool = False) -> Held:
+        return Held(self.keys.to(device, non_blocking=non_blocking))
+
+
+def test_objects_with_a_to_method_are_moved_modules_are_not() -> None:
+    model = torch.nn.Linear(1, 1)
+    batch = {"past": Held(torch.ones(2)), "ids": [torch.zeros(3)], "model": model}
+    moved = to_device(batch, "meta")
+    assert isinstance(moved["past"], Held) and moved["past"].keys.device.type == "meta"
+    assert moved["ids"][0].device.type == "meta"
+    # a module is not data: moving it would move the training model's weights
+    assert moved["model"] is model and model.weight.device.type == "cpu"
+    assert batch["past"].keys.device.type == "cpu"
+
+
+def test_fn_that_cannot_take_an_object_with_to_is_named() -> None:
+    with pytest.raises(TypeError, match=r"fn failed on a Held .*make fn handle it"):
+        map_nested_tensor(lambda t: t * 2, {"past": Held(torch.ones(2))})
 
 
 def test_mapping_that_cannot_be_rebuilt_raises() -> None:

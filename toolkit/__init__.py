@@ -21,6 +21,7 @@ from toolkit.step._multi import MultiOptimizer, MultiScheduler, PerEpoch, per_ep
 from toolkit.step._phases import LossScaleError, NonFiniteError
 from toolkit.step._state import GuardState, TrainState, WindowState
 from toolkit.step._step import LossSum, Step, StepOutput, make_step
+from toolkit.step._weighted import causal_lm_loss
 
 __version__ = "0.1.0"
 
@@ -28,9 +29,9 @@ __version__ = "0.1.0"
 __all__ = [
     "Event", "GuardState", "LoopInfo", "LossScaleError", "LossSum", "MultiOptimizer",
     "MultiScheduler", "NonFiniteError", "PerEpoch", "Step", "StepOutput", "TrainState",
-    "WindowState", "accumulate", "amp_wrap", "clip", "compose", "data_parallel_group", "evaluate",
-    "export_model", "guard_nonfinite", "key_average", "load_checkpoint", "make_step",
-    "map_nested_tensor", "per_epoch", "run", "save_checkpoint", "set_data_parallel_group",
-    "to_device", "transform_grads", "unwrap",
+    "WindowState", "accumulate", "amp_wrap", "causal_lm_loss", "clip", "compose",
+    "data_parallel_group", "evaluate", "export_model", "guard_nonfinite", "key_average",
+    "load_checkpoint", "make_step", "map_nested_tensor", "per_epoch", "run", "save_checkpoint",
+    "set_data_parallel_group", "to_device", "transform_grads", "unwrap",
 ]
 # fmt: on

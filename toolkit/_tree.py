@@ -25,9 +25,14 @@ def map_nested_tensor(fn: Callable[[torch.Tensor], Any], tree: T) -> T:
     (``OrderedDict``, ``defaultdict`` with its ``default_factory``, ...), ``list``, ``tuple``,
     namedtuples and ``torch.return_types``, and dataclass instances (frozen ones too, rebuilt
     through ``dataclasses.replace`` so their ``__post_init__`` runs; fields declared with
-    ``init=False`` are left to the dataclass to recompute). Key order is kept. Everything else
-    (numbers, strings, ``None``, arrays, modules) is returned unchanged, as the same object.
-    ``fn`` is called exactly once per tensor occurrence, in depth-first order.
+    ``init=False`` are left to the dataclass to recompute). Key order is kept. An object that
+    is none of these but has a ``.to`` method (a Hugging Face ``Cache``, a torch_geometric
+    ``Data``: tensors the walk cannot see) is given to ``fn`` whole, so that
+    ``fn = lambda t: t.to(device)`` moves it too (a ``BatchEncoding`` is a mapping: rebuilt,
+    its tensors mapped). Modules have ``.to`` too but are not data: a model moved from inside
+    a batch would move the training model's own weights; they stay, as everything else
+    (numbers, strings, ``None``, arrays), unchanged, as the same object. ``fn`` is called
+    exactly once per tensor (or ``.to`` object) occurrence, in depth-first order.
 
     Args:
         fn: called as ``fn(tensor)``; its result takes the tensor's place.
@@ -38,8 +43,9 @@ def map_nested_tensor(fn: Callable[[torch.Tensor], Any], tree: T) -> T:
         modified.
 
     Raises:
-        TypeError: when ``fn`` is not callable, or a ``Mapping`` subclass cannot be rebuilt
-            from a ``dict`` of its items (its constructor takes something else).
+        TypeError: when ``fn`` is not callable, a ``Mapping`` subclass cannot be rebuilt
+            from a ``dict`` of its items (its constructor takes something else), or ``fn``
+            fails on an object with ``.to`` (it expected a tensor).
         ValueError: when ``tree`` contains itself (a list holding itself, a dict holding
             a dict that holds the first, ...); the message names the path where the cycle
             closes. (A structure nested deeper than Python's recursion limit, without a
@@ -100,6 +106,15 @@ def _map(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
     if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
         fields = [field.name for field in dataclasses.fields(tree) if field.init]
         return dataclasses.replace(tree, **{f: _map(fn, getattr(tree, f)) for f in fields})
+    if callable(getattr(tree, "to", None)) and not isinstance(tree, (torch.nn.Module, type)):
+        try:
+            return fn(tree)
+        except (AttributeError, TypeError) as error:
+            raise TypeError(
+                f"map_nested_tensor: fn failed on a {type(tree).__name__} ({error}); it holds "
+                "tensors the walk cannot see and moves them with .to(): make fn handle it "
+                "(e.g. lambda t: t.to(device)) or take it out of the tree."
+            ) from error
     return tree
 
 
