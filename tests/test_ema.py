@@ -256,7 +256,7 @@ def test_resume_with_other_model_is_a_clear_error():
 def test_resume_with_other_buffer_option_is_a_clear_error():
     model = _bn_model()
     state = run(make_step(_loss), _state(model), _data(2), max_steps=2, plugins=[ema()])
-    with pytest.raises(ValueError, match=r"same ema\(buffers=\.\.\.\) option"):
+    with pytest.raises(ValueError, match=r"ema\(buffers=, frozen=\) options"):
         run(make_step(_loss), state, _data(2), max_steps=3, plugins=[ema(buffers=True)])
 
 
@@ -370,3 +370,37 @@ def test_custom_key_for_the_average_and_for_ema_model():
     assert all(torch.equal(p, expected[name]) for name, p in averaged.named_parameters())
     with pytest.raises(KeyError):
         ema_model(state)  # the default key holds nothing
+
+
+def test_frozen_parameters_are_not_averaged_and_ema_model_takes_them_from_the_model():
+    # Bug caught: the average copied every parameter, frozen ones too (a second copy of a
+    # frozen base); ema_model must still return the whole model.
+    model = _model()
+    model[0].requires_grad_(False)
+    trajectory: list = []
+    state = run(
+        make_step(_loss),
+        _state(model),
+        _data(6),
+        max_steps=6,
+        plugins=[_recorder(trajectory), ema(0.8, warmup=False)],
+    )
+    params = state.extras["ema"]["params"]
+    assert sorted(params) == ["2.bias", "2.weight"]
+    assert sum(t.numel() for t in params.values()) == 5  # not 21: the frozen 16 are not held
+    trainable = [{k: v for k, v in t.items() if k.startswith("2.")} for t in trajectory]
+    _assert_close(params, _closed_form(trainable, 0.8, list(range(1, 7))))
+    averaged = ema_model(state)
+    assert averaged.state_dict().keys() == model.state_dict().keys()
+    torch.testing.assert_close(averaged[0].weight, model[0].weight, rtol=0, atol=0)
+    torch.testing.assert_close(averaged[2].weight, params["2.weight"], rtol=0, atol=0)
+
+
+def test_frozen_true_averages_every_parameter():
+    model = _model()
+    model[0].requires_grad_(False)
+    state = run(make_step(_loss), _state(model), _data(2), max_steps=2, plugins=[ema(frozen=True)])
+    assert sorted(state.extras["ema"]["params"]) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    torch.testing.assert_close(ema_model(state)[0].weight, model[0].weight, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"unexpected \['0.bias', '0.weight'\]"):
+        run(make_step(_loss), state, _data(2), max_steps=3, plugins=[ema()])

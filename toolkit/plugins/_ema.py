@@ -17,11 +17,18 @@ from toolkit.step._state import TrainState
 __all__ = ["ema", "ema_model"]
 
 
-def _placed(entry: Mapping[str, Any], model: torch.nn.Module, buffers: bool, key: str) -> dict:
+def _averaged(model: torch.nn.Module, frozen: bool) -> dict[str, torch.nn.Parameter]:
+    """The parameters the average holds: the trainable ones, with ``frozen`` all of them."""
+    return {n: p for n, p in model.named_parameters() if frozen or p.requires_grad}
+
+
+def _placed(
+    entry: Mapping[str, Any], model: torch.nn.Module, buffers: bool, key: str, frozen: bool
+) -> dict:
     """``entry`` with its tensors on the weights' devices and dtypes, once its names match."""
     out = dict(entry)
     for kind, live in (
-        ("params", dict(model.named_parameters())),
+        ("params", _averaged(model, frozen)),
         ("buffers", dict(model.named_buffers()) if buffers else {}),
     ):
         held = entry[kind]
@@ -29,19 +36,20 @@ def _placed(entry: Mapping[str, Any], model: torch.nn.Module, buffers: bool, key
             raise ValueError(
                 f"ema: state.extras[{key!r}][{kind!r}] does not match the model's {kind}: "
                 f"missing {sorted(live.keys() - held.keys())[:5]}, unexpected "
-                f"{sorted(held.keys() - live.keys())[:5]}. Resume with the same model and the "
-                f"same ema(buffers=...) option, or drop state.extras[{key!r}] to restart it."
+                f"{sorted(held.keys() - live.keys())[:5]}. Resume with the same model, trainable "
+                f"parameters and ema(buffers=, frozen=) options, or drop state.extras[{key!r}]."
             )
         # The average lives on the weights' device for the fused update.
         out[kind] = {n: t.to(device=live[n].device, dtype=live[n].dtype) for n, t in held.items()}
     return out
 
 
-def _lists(model: torch.nn.Module, entry: Mapping[str, Any], buffers: bool) -> tuple[list, ...]:
+def _lists(model: torch.nn.Module, entry: Mapping[str, Any], buffers: bool, frozen: bool) -> tuple:
     """The fused update's lists: averaged and live tensors, copied and source buffers."""
     bare = unwrap(model)
-    averaged = [entry["params"][name] for name, _ in bare.named_parameters()]
-    live: list[torch.Tensor] = list(bare.parameters())
+    params = _averaged(bare, frozen)
+    averaged = [entry["params"][name] for name in params]
+    live: list[torch.Tensor] = list(params.values())
     copied: list[torch.Tensor] = []  # integer buffers (counters) are copied
     sources: list[torch.Tensor] = []
     for name, b in bare.named_buffers() if buffers else ():
@@ -58,6 +66,7 @@ def ema(
     warmup: bool = True,
     every: int = 1,
     buffers: bool = False,
+    frozen: bool = False,
     key: str = "ema",
 ) -> Plugin:
     """A plugin keeping an exponential moving average (EMA) of the model's weights.
@@ -74,6 +83,11 @@ def ema(
     TensorFlow's ``ExponentialMovingAverage(num_updates=...)`` and timm's ``ModelEma``): the
     early average follows the fast-moving weights instead of being dominated by the random
     initialisation. With ``warmup=False``, ``d_n = decay`` always.
+
+    Only trainable parameters (``requires_grad``) are averaged: a frozen one never changes,
+    so its average is itself, and for a LoRA adapter on a 7B base a copy of the base would
+    be a second 7B model in memory. :func:`ema_model` and ``export_model(weights="ema")``
+    take the frozen parameters from the model.
 
     The average lives in ``state.extras[key]`` as ``{"step": state.step of the last EMA
     update, "num_updates": n, "params": {name: tensor}, "buffers": {name: tensor}}``. Names
@@ -94,6 +108,8 @@ def ema(
         buffers: also average floating-point buffers (e.g. BatchNorm running statistics);
             other buffers (e.g. ``num_batches_tracked``) are copied. With ``False`` only
             parameters are averaged and :func:`ema_model` keeps the live model's buffers.
+        frozen: also average parameters with ``requires_grad=False``, for a run that
+            unfreezes them later (a frozen base fine-tuned in a second phase).
         key: the ``state.extras`` key.
 
     Returns:
@@ -103,7 +119,7 @@ def ema(
         ValueError: ``decay`` outside ``[0, 1)``, ``every < 1``, an empty ``key``; at
             ``"start"``, ``key`` kept by another plugin of the run, or an existing entry
             whose names do not match the model.
-        TypeError: ``warmup`` or ``buffers`` not a bool.
+        TypeError: ``warmup``, ``buffers`` or ``frozen`` not a bool.
 
     Example:
         >>> import torch
@@ -122,14 +138,14 @@ def ema(
     number = isinstance(decay, (int, float)) and not isinstance(decay, bool)
     check(number and 0 <= decay < 1, "ema", "decay", "a number in [0, 1), e.g. 0.999", decay)
     check_count("ema", "every", every, 1, "applied updates between averages")
-    for name, value in (("warmup", warmup), ("buffers", buffers)):
+    for name, value in (("warmup", warmup), ("buffers", buffers), ("frozen", frozen)):
         check(isinstance(value, bool), "ema", name, "True or False", value, error=TypeError)
     check_key("ema", key)
 
     def fresh(state: TrainState) -> TrainState:
         """The state with a new average: a copy of the current weights."""
         bare = unwrap(state.model)
-        params = {name: p.detach().clone() for name, p in bare.named_parameters()}
+        params = {name: p.detach().clone() for name, p in _averaged(bare, frozen).items()}
         bufs = {name: b.detach().clone() for name, b in bare.named_buffers()} if buffers else {}
         entry = EmaEntry(step=state.step, num_updates=0, params=params, buffers=bufs)
         return state.replace(extras={**state.extras, key: entry})
@@ -148,7 +164,7 @@ def ema(
             entry = state.extras.get(key)
             if entry is None:
                 return fresh(state)
-            entry = _placed(entry, unwrap(state.model), buffers, key)
+            entry = _placed(entry, unwrap(state.model), buffers, key, frozen)
             return state.replace(extras={**state.extras, key: entry})
         if not due(event, every):
             return None
@@ -159,7 +175,7 @@ def ema(
         d = min(decay, (1 + n) / (10 + n)) if warmup else decay
         held = (state.model, entry["params"], entry["buffers"])
         if lists["for"] is None or any(a is not b for a, b in zip(lists["for"], held)):
-            lists.update({"for": held, "lists": _lists(state.model, entry, buffers)})
+            lists.update({"for": held, "lists": _lists(state.model, entry, buffers, frozen)})
         averaged, live, copied, sources = lists["lists"]
         with torch.no_grad():
             if averaged:
@@ -176,8 +192,9 @@ def ema(
 def ema_model(state: TrainState, key: str = "ema") -> torch.nn.Module:
     """A copy of the (unwrapped) model carrying the EMA weights, in eval mode.
 
-    The training model is not touched. Buffers that the average does not hold (all of them
-    with ``ema(buffers=False)``) keep the training model's current values.
+    The training model is not touched. Parameters and buffers that the average does not
+    hold (frozen parameters, and all buffers with ``ema(buffers=False)``) keep the training
+    model's current values.
 
     Args:
         state: a state that went through a run with the :func:`ema` plugin.
@@ -209,7 +226,10 @@ def ema_model(state: TrainState, key: str = "ema") -> torch.nn.Module:
             f"add ema(key={key!r}) to run()'s plugins, or pass the key that ema() used."
         )
     averaged = copy.deepcopy(unwrap(state.model))
-    placed = _placed(entry, averaged, bool(entry["buffers"]), key)
+    frozen = any(
+        not p.requires_grad for n, p in averaged.named_parameters() if n in entry["params"]
+    )
+    placed = _placed(entry, averaged, bool(entry["buffers"]), key, frozen)
     tensors = dict(averaged.named_parameters()) | dict(averaged.named_buffers())
     with torch.no_grad():
         for name, t in (placed["params"] | placed["buffers"]).items():
