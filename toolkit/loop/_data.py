@@ -21,7 +21,10 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from toolkit.checkpoints._rng import capture_rng, restore_rng
 
-__all__ = ["batches_per_epoch", "is_stateful", "position", "snapshot", "unseen"]
+__all__ = [
+    "batches_per_epoch", "is_stateful", "pass_settings", "position", "restore_generators",
+    "seen_after_change", "snapshot", "unseen",
+]  # fmt: skip
 
 # Where a DataLoader keeps the generators its passes draw from.
 _ROLES = ("generator", "sampler.generator", "batch_sampler.sampler.generator")
@@ -42,13 +45,59 @@ def is_stateful(data: Any) -> bool:
     )
 
 
-def position(data: Any, data_state: Any) -> dict[str, Any]:
+def position(data: Any, data_state: Any, between_passes: bool = False) -> dict[str, Any]:
     """``data_state`` with a stateful source's own position (its ``state_dict()``) added.
 
     Taken when a checkpoint is written: the source's position moves with every batch, so
-    run() does not record it per batch.
+    run() does not record it per batch. ``between_passes`` (no batch of the next pass
+    drawn yet): the randomness that pass will draw from is taken now instead, since the
+    loader's own generator moved on during the pass before (see :func:`restore_generators`).
     """
+    if between_passes and not isinstance(data, Iterator):
+        data_state = snapshot(data)
     return {**data_state, "loader": data.state_dict()} if is_stateful(data) else dict(data_state)
+
+
+def restore_generators(data: Any, data_state: Mapping[str, Any]) -> None:
+    """Put back the states of ``data``'s own generators that ``data_state`` recorded."""
+    for role in _ROLES:
+        generator = _attr(data, role)
+        if role in data_state and isinstance(generator, torch.Generator):
+            generator.set_state(data_state[role])
+
+
+def pass_settings(data: Any) -> dict[str, Any]:
+    """What a pass over ``data`` is made of: samples per batch, samples, batches (or None)."""
+    dataset = getattr(data, "dataset", None)
+    samples = None if dataset is None else batches_per_epoch(dataset)
+    size = data.batch_size if isinstance(data, DataLoader) else None
+    return {"batch_size": size, "samples": samples, "batches": batches_per_epoch(data)}
+
+
+def seen_after_change(
+    data: Any, seen: int, saved: Mapping[str, Any], now: Mapping[str, Any]
+) -> int:
+    """The batches of ``now``'s pass over ``data`` that hold ``seen`` batches of ``saved``'s.
+
+    A changed batch size of a DataLoader that is not stateful is mapped by samples (rounded
+    down: a partly seen batch is read again, no unseen sample skipped); any other change of
+    a started pass cannot be mapped.
+
+    Raises:
+        ValueError: the saved position cannot be mapped onto the pass as it is now.
+    """
+    old, new = saved.get("batch_size") or 0, now.get("batch_size") or 0
+    by_samples = bool(old and new) and not is_stateful(data)
+    keys = ("samples", "world_size") + (() if by_samples else ("batch_size", "batches"))
+    changed = [f"{k} {saved.get(k)} -> {now.get(k)}" for k in keys if saved.get(k) != now.get(k)]
+    if changed:
+        raise ValueError(
+            f"checkpoints: the checkpoint stopped {seen} batches into a pass over data with "
+            f"other {', '.join(changed)}; that position cannot be mapped onto the data now "
+            "without skipping or repeating samples. Resume with the saved settings until an "
+            "epoch ends, or start fresh in another folder."
+        )
+    return seen * old // new if by_samples else seen
 
 
 def snapshot(data: Any) -> dict[str, Any]:
@@ -164,7 +213,4 @@ def _attr(obj: Any, path: str) -> Any:
 
 def _restore(snap: Mapping[str, Any], data: Any) -> None:
     restore_rng(snap["rng"])
-    for role in _ROLES:
-        generator = _attr(data, role)
-        if role in snap and isinstance(generator, torch.Generator):
-            generator.set_state(snap[role])
+    restore_generators(data, snap)

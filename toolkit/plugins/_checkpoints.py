@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
+import inspect
 import os
 import signal
+import socket
+import sys
 import threading
 import warnings
 from collections.abc import Mapping, Sequence
@@ -23,19 +28,21 @@ from toolkit.checkpoints._folder import (
     write_pointer,
 )
 from toolkit.checkpoints._load import full_model, load_checkpoint, verified_manifest
+from toolkit.checkpoints._manifest import read_manifest
 from toolkit.checkpoints._model_state import parameter_names, put_model
 from toolkit.checkpoints._retention import Retention, retain
 from toolkit.checkpoints._save import save_checkpoint, save_in_background
 from toolkit.distributed._collectives import Group, agree, group_of, max_over_ranks, rank_of
-from toolkit.loop._data import position
-from toolkit.loop._run import Event, Plugin, plugin_factory
+from toolkit.loop._data import pass_settings, position, restore_generators, seen_after_change
+from toolkit.loop._run import Event, LoopInfo, Plugin, plugin_factory
 from toolkit.plugins._shared import metric_entry
 from toolkit.step._state import TrainState
 
 __all__ = ["SIGNAL_EVERY", "checkpoints"]
 
-_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 _FLAGS = ("per_epoch", "at_end", "restore_best", "background")
+_NOT_SETTINGS = {"params", "initial_lr", "last_epoch", "verbose"}  # in state dicts, not settings
 SIGNAL_EVERY = 10  # data-parallel ranks agree on a received signal every this many updates
 
 
@@ -58,6 +65,8 @@ class _Config:
     objects: Mapping[str, Any] | None
     background: bool
     on_error: str
+    keep_full: int | None
+    on_change: str
     rules: Retention = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
@@ -66,6 +75,7 @@ class _Config:
         if self.every is not None:
             check_count(who, "every", self.every, 1, "applied updates between saves, or None")
         check_one_of(who, "on_error", self.on_error, ("raise", "warn"))
+        check_one_of(who, "on_change", self.on_change, ("warn", "error"))
         ok = resume is None or isinstance(resume, (str, os.PathLike))
         check(ok, who, "resume", "'latest', a checkpoint folder or None", resume, "", TypeError)
         ok = all(isinstance(s, int) and not isinstance(s, bool) for s in self.signals)
@@ -82,9 +92,8 @@ class _Config:
             fix = "restore_best=True picks the best checkpoint by it." if self.restore_best else ""
             check(triple and len(best) == 3, who, "keep_best", example, best, fix, TypeError)
         metric, mode, count = best or (None, "min", 0)
-        rules = Retention(
-            self.keep_last, self.keep_every, tuple(self.keep_steps), count, metric, mode
-        )
+        steps, full = tuple(self.keep_steps), self.keep_full
+        rules = Retention(self.keep_last, self.keep_every, steps, count, metric, mode, full)
         object.__setattr__(self, "rules", rules)  # derived once; Retention checks its rules
 
     @property
@@ -103,6 +112,8 @@ class _Run:
     writing: Future[Path] | Path | None = None  # a save whose pointer and pruning are due
     epoch_due: bool = False  # per_epoch: an epoch ended inside an accumulation window
     steps: int = 0  # "step" events seen: the ranks agree on signals every SIGNAL_EVERY
+    lock: int | None = None  # rank 0's open lock file: the folder is this run's
+    settings: dict[str, Any] = dataclasses.field(default_factory=dict)  # what saves record
 
 
 def _share_signal(config: _Config, run_: _Run) -> None:
@@ -121,6 +132,18 @@ def _fresh_metrics(state: TrainState) -> dict[str, float]:
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     metrics[f"{name}/{key}"] = float(value)
     return metrics
+
+
+def _check_metric(metric: str, state: TrainState, claimed: Mapping[str, str]) -> None:
+    """Refuse a keep_best metric that no plugin publishes (a typo), once that is known."""
+    published = {n: p[1] for n, e in state.extras.items() if (p := metric_entry(e)) is not None}
+    known = [f"{name}/{key}" for name, metrics in published.items() for key in metrics]
+    owners = [name for name in (*published, *claimed) if metric.startswith(f"{name}/")]
+    if metric not in known and all(name in published for name in owners):
+        raise ValueError(
+            f"checkpoints: keep_best ranks by {metric!r}, which no plugin publishes (known: "
+            f"{known}); name one of them, e.g. 'val/loss' for validate(key='val')."
+        )
 
 
 def _failed(config: _Config, error: BaseException) -> None:
@@ -149,16 +172,19 @@ def _finish(config: _Config, run_: _Run) -> None:
         _failed(config, error)
 
 
-def _save(config: _Config, run_: _Run, state: TrainState, data: Any) -> None:
+def _save(config: _Config, run_: _Run, state: TrainState, loop: LoopInfo) -> None:
     if run_.saved_step == state.step:
         return
+    if config.rules.metric is not None:
+        _check_metric(config.rules.metric, state, loop.claimed)
     _finish(config, run_)
     path = config.root / f"step_{state.step:06d}"
-    state = state.replace(data_state=position(data, state.data_state))
+    state = state.replace(data_state=position(loop.data, state.data_state, not state.batches_seen))
     save = save_in_background if config.background else save_checkpoint
+    metrics, rules, settings = _fresh_metrics(state), config.rules, run_.settings
     try:
         run_.writing = save(
-            state, path, objects=config.objects, metrics=_fresh_metrics(state), rules=config.rules
+            state, path, objects=config.objects, metrics=metrics, rules=rules, settings=settings
         )
     except Exception as error:
         _failed(config, error)
@@ -186,20 +212,130 @@ def _install(config: _Config, run_: _Run) -> None:
         run_.handlers[signum] = signal.signal(signum, handler)
 
 
-def _resumed(config: _Config, run_: _Run, state: TrainState) -> TrainState:
-    root = config.root
+def _lock(root: Path) -> int:
+    """Hold ``root``'s lock file open and locked: the kernel frees it when the process ends."""
+    fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode(errors="replace") or "another process"
+        os.close(fd)
+        raise RuntimeError(
+            f"checkpoints: {str(root)!r} is in use by {holder}; two runs in one folder would "
+            "delete each other's checkpoints. Wait for that run to end, or use another folder."
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"the run of pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+    return fd
+
+
+def _settings(state: TrainState, loop: LoopInfo, group: Group | None) -> dict[str, Any]:
+    """What the run is made with: each parameter group's hyperparameters (its starting lr),
+    the scheduler's constructor arguments, micro-batches, the data's pass and world size."""
+    groups = getattr(state.optimizer, "param_groups", [])
+    optimizer = [_plain({**g, "lr": g.get("initial_lr", g.get("lr"))}) for g in groups]
+    scheduler, arguments = state.scheduler, {}
+    if callable(getattr(scheduler, "state_dict", None)):
+        with contextlib.suppress(TypeError, ValueError):  # a signature Python cannot read
+            names = inspect.signature(type(scheduler)).parameters
+            arguments = {k: v for k, v in scheduler.state_dict().items() if k in names}
+    kind = None if scheduler is None else {"class": type(scheduler).__name__, **_plain(arguments)}
+    data = {**pass_settings(loop.data), "world_size": rank_of(group)[1]}
+    return {
+        "optimizer": optimizer,
+        "scheduler": kind,
+        "micro_batches": loop.micro_batches,
+        "data": data,
+    }
+
+
+def _plain(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings among ``values``: numbers, strings and tuples of them (0-d tensors too)."""
+    plain = {}
+    for key, value in values.items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        items = value if isinstance(value, (tuple, list)) else (value,)
+        if key not in _NOT_SETTINGS and all(
+            isinstance(v, (int, float, str, type(None))) for v in items
+        ):
+            plain[key] = tuple(value) if isinstance(value, list) else value
+    return plain
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, (Mapping, list)):
+        return {prefix.rstrip("."): tree}
+    pairs = tree.items() if isinstance(tree, Mapping) else enumerate(tree)
+    return {k: v for key, value in pairs for k, v in _flat(value, f"{prefix}{key}.").items()}
+
+
+def _changed(
+    config: _Config, run_: _Run, state: TrainState, loop: LoopInfo, saved: Any
+) -> TrainState:
+    """``state`` resumed into the current settings ``run_.settings``, differences reported."""
+    was, now = _flat(saved), _flat(run_.settings)
+    changes = [
+        f"{k} {was.get(k, '-')} -> {now.get(k, '-')}"
+        for k in sorted(was.keys() | now.keys())
+        if was.get(k, "-") != now.get(k, "-")
+    ]
+    if not saved or not changes:
+        return state
+    seen = state.batches_seen
+    if seen:  # the pass position, in the current batches: no unseen sample skipped
+        seen = seen_after_change(loop.data, seen, saved["data"], run_.settings["data"])
+    run_.settings = {
+        **run_.settings,
+        "optimizer": saved["optimizer"],
+        "scheduler": saved["scheduler"],
+    }
+    message = (
+        f"checkpoints: the run in {str(config.root)!r} started with other settings than now "
+        f"(saved -> now): {'; '.join(changes)}. The checkpoint's optimizer and scheduler "
+        f"values are used; data and micro_batches are the current ones (this pass goes on "
+        f"after {seen} batches). To start afresh with the new values, use another folder; "
+        "on_change='error' refuses a changed run."
+    )
+    if config.on_change == "error":
+        raise ValueError(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=6)
+    return state._evolve({"batches_seen": seen})
+
+
+def _resumed(config: _Config, run_: _Run, event: Event) -> TrainState:
+    root, state, loop = config.root, event.state, event.loop
+    run_.settings = _settings(state, loop, run_.group)  # the user's, before any load
+    path = None
     if config.resume == "latest":
         loaded = load_latest(root, like=state, objects=config.objects)
         if loaded is not None:
-            state = loaded[0]
+            state, path = loaded
             run_.saved_step = state.step
     elif config.resume is not None:
-        state = load_checkpoint(config.resume, like=state, objects=config.objects)
+        path = Path(config.resume)
+        state = load_checkpoint(path, like=state, objects=config.objects)
     elif found := list_checkpoints(root):
         raise ValueError(
             f"checkpoints: {str(root)!r} already holds checkpoints "
             f"({', '.join(i.path.name for i in found[-3:])}) and resume=None; "
             "pass resume='latest' to continue from them, or use an empty folder."
+        )
+    if path is None:
+        return state
+    state = _changed(config, run_, state, loop, read_manifest(path).settings)
+    if not state.batches_seen:  # between passes: the next one draws from the saved generators
+        restore_generators(loop.data, state.data_state)
+    if rank_of(run_.group)[0] == 0:
+        at = f"update {state.step}, epoch {state.epoch}, batch {state.batches_seen}"
+        ended = (loop.max_steps is not None and state.step >= loop.max_steps) or (
+            loop.epochs is not None and state.epoch >= loop.epochs
+        )
+        then = "; the run had already reached its end (raise max_steps or epochs to go on)"
+        print(
+            f"checkpoints: resumed from {path} at {at}{then if ended else ''}",
+            file=sys.stderr,
+            flush=True,
         )
     return state
 
@@ -213,22 +349,36 @@ def _start(config: _Config, event: Event) -> tuple[_Run, TrainState]:
     _install(config, run_)
     error = None
     try:
-        if rank_of(run_.group)[0] == 0:  # one rank cleans; the others wait for it in agree()
-            config.root.mkdir(parents=True, exist_ok=True)
-            clean_temporaries(config.root)
-    except Exception as caught:
-        error = caught
-    agree(error, run_.group, "checkpoints")
-    state = _resumed(config, run_, event.state)
+        try:
+            if rank_of(run_.group)[0] == 0:  # one rank locks and cleans; the others wait
+                config.root.mkdir(parents=True, exist_ok=True)
+                run_.lock = _lock(config.root)
+                clean_temporaries(config.root)
+        except Exception as caught:
+            error = caught
+        agree(error, run_.group, "checkpoints")
+        state = _resumed(config, run_, event)
+    except BaseException:
+        _release(run_, handlers=True)
+        raise
     _share_signal(config, run_)
     if run_.signum is not None:  # a signal while starting: stop before any update
-        state = _stop(config, run_, state, event.loop.data)
+        state = _stop(config, run_, state, event.loop)
     return run_, state
 
 
-def _stop(config: _Config, run_: _Run, state: TrainState, data: Any) -> TrainState:
+def _release(run_: _Run, handlers: bool) -> None:
+    """Unlock the folder (closing the lock file frees it); put the old handlers back."""
+    if run_.lock is not None:
+        os.close(run_.lock)
+        run_.lock = None
+    for signum, old in run_.handlers.items() if handlers else ():
+        signal.signal(signum, old)
+
+
+def _stop(config: _Config, run_: _Run, state: TrainState, loop: LoopInfo) -> TrainState:
     assert run_.signum is not None
-    _save(config, run_, state, data)
+    _save(config, run_, state, loop)
     name = signal.Signals(run_.signum).name
     return state.replace(
         stop=f"checkpoints: {name} received; saved step {state.step} in {str(config.root)!r}"
@@ -236,16 +386,18 @@ def _stop(config: _Config, run_: _Run, state: TrainState, data: Any) -> TrainSta
 
 
 def _on_step(config: _Config, run_: _Run, event: Event) -> TrainState | None:
-    state, out = event.state, event.out
-    due = run_.epoch_due or (config.every is not None and state.step % config.every == 0)
+    state, out, rules = event.state, event.out, config.rules
+    due = run_.epoch_due or state.step in rules.keep_steps
+    for every in (config.every, rules.keep_every):
+        due = due or (every is not None and state.step % every == 0)
     if out is not None and out.updated and due:
         run_.epoch_due = False
-        _save(config, run_, state, event.loop.data)
+        _save(config, run_, state, event.loop)
     run_.steps += 1
     if run_.steps % SIGNAL_EVERY == 0:
         _share_signal(config, run_)
     if run_.signum is not None and (run_.group is None or run_.steps % SIGNAL_EVERY == 0):
-        return _stop(config, run_, state, event.loop.data)
+        return _stop(config, run_, state, event.loop)
     return None
 
 
@@ -263,13 +415,15 @@ def _end(config: _Config, run_: _Run, event: Event) -> None:
                     stacklevel=4,
                 )
             elif run_.signum is not None or config.at_end:
-                _save(config, run_, event.state, event.loop.data)
+                _save(config, run_, event.state, event.loop)
         _finish(config, run_)
         if event.error is None and config.restore_best and run_.signum is None:
             _restore_best(config.root, config.rules, event.state.model)
     finally:
-        for signum, old in run_.handlers.items():
-            signal.signal(signum, old)
+        # After a signal the process is on its way out: the flag-only handlers stay, so that
+        # a second signal (or torchrun stopping the other ranks) cannot cut short the "end"
+        # of the plugins after this one, nor the exit with 128 + signal.
+        _release(run_, handlers=run_.signum is None)
     if run_.signum is not None:
         raise SystemExit(128 + run_.signum if config.exit_code is None else config.exit_code)
 
@@ -292,6 +446,8 @@ def checkpoints(
     objects: Mapping[str, Any] | None = None,
     background: bool = False,
     on_error: str = "raise",
+    keep_full: int | None = None,
+    on_change: str = "warn",
 ) -> Plugin:
     """A plugin that saves checkpoints, keeps some, resumes from the newest, stops on a signal.
 
@@ -410,7 +566,7 @@ def checkpoints(
             if event.state.window.micro_step:  # its gradients fit in no checkpoint
                 run_.epoch_due = True
             else:
-                _save(config, run_, event.state, event.loop.data)
+                _save(config, run_, event.state, event.loop)
         if event.kind == "end":
             _end(config, live.pop("run"), event)
         return None
