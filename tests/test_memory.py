@@ -1,4 +1,4 @@
-"""peak_memory: process peak RSS on the CPU, CUDA peak allocated (via fakes; no GPU here)."""
+"""peak_memory: process peak RSS on the CPU (rss_peak_gib), CUDA peak allocated (peak_gib)."""
 
 from __future__ import annotations
 
@@ -23,13 +23,14 @@ _STEP = make_step(lambda m, b: m(b).square().mean())
 _DATA = [torch.ones(2, 3)] * 12
 
 
-def _records():
+def _records(name: str = "rss_peak_gib"):  # on the CPU; "peak_gib" on CUDA
     seen: list[tuple[int, float]] = []
 
     def spy(event: Event) -> None:
         entry = event.state.extras.get("memory")
         if entry is not None and (not seen or seen[-1][0] != entry["step"]):
-            seen.append((entry["step"], entry["metrics"]["peak_gib"]))
+            assert set(entry["metrics"]) == {name}  # one value, named by what it measures
+            seen.append((entry["step"], entry["metrics"][name]))
 
     return seen, spy
 
@@ -63,7 +64,7 @@ def test_cadence_counts_applied_updates_only():
     state = run(step, _state(), _DATA, max_steps=6, plugins=[peak_memory(every=3), spy])
     assert [s for s, _ in seen] == [3, 6]
     assert state.extras["memory"]["step"] == 6
-    assert set(state.extras["memory"]["metrics"]) == {"peak_gib"}
+    assert set(state.extras["memory"]["metrics"]) == {"rss_peak_gib"}  # not CUDA's name
 
 
 def test_custom_key():
@@ -89,7 +90,7 @@ def test_cuda_branch_with_fakes(monkeypatch):
     monkeypatch.setattr(_memory, "_cuda_device", lambda model: device)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", max_memory_allocated)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset_peak_memory_stats)
-    seen, spy = _records()
+    seen, spy = _records("peak_gib")
     run(_STEP, _state(), _DATA, max_steps=4, plugins=[peak_memory(every=2), spy])
     assert seen == [(2, 3.0), (4, 0.5)]
     # Read-and-reset at start (the reading dropped), then at each record.

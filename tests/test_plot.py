@@ -69,6 +69,7 @@ def test_every_group_of_a_full_file_is_written_and_decodes(
             "train/total/tokens": 100 * step,
             "train/nonfinite": 0.0,
             "memory/peak_gib": 0.5,
+            "memory/rss_peak_gib": 0.5,
             "note": "not a number",
         }
         for step in (10, 20, 30)
@@ -92,7 +93,10 @@ def test_every_group_of_a_full_file_is_written_and_decodes(
             ("seconds per update", ["time/data", "time/step"]),
         ],
         "metrics": [("accuracy", ["train/accuracy", "val/accuracy", "val_ema/accuracy"])],
-        "memory": [("memory/peak_gib", ["memory/peak_gib"])],
+        "memory": [
+            ("CUDA peak allocated (GiB)", ["memory/peak_gib"]),
+            ("process peak RSS, CPU (GiB)", ["memory/rss_peak_gib"]),
+        ],
         "counters": [
             ("train/total/tokens", ["train/total/tokens"]),
             ("train/nonfinite", ["train/nonfinite"]),
@@ -100,6 +104,42 @@ def test_every_group_of_a_full_file_is_written_and_decodes(
     }
     for target in written:
         assert _decoded(target)[1] == 800
+
+
+def test_a_loss_over_decades_is_on_a_log_scale_and_memory_starts_at_zero(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from matplotlib.figure import Figure
+
+    drawn: dict[str, tuple[str, str, tuple[float, float], str]] = {}  # ylabel -> its look
+    save = Figure.savefig
+
+    def record(figure: Figure, target: pathlib.Path, **kwargs: object) -> None:
+        figure.draw_without_rendering()  # lays the tick labels out, the offset text included
+        for ax in figure.axes:
+            look = ax.get_yscale(), ax.get_ylim(), ax.yaxis.get_offset_text().get_text()
+            drawn[ax.get_ylabel()] = look
+        save(figure, target, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", record)
+    lines = [
+        {
+            "step": step,
+            "train/loss": 5.0 / step,  # 5 down to 0.005: three decades
+            "train/accuracy": 0.999 + step * 1e-8,  # flat: matplotlib would offset its ticks
+            "train/grad_norm": 0.0 if step == 1 else 1.0 / step,  # a zero: no log scale
+            "memory/rss_peak_gib": 0.4687 + step * 7e-7,  # a high-water mark, nearly flat
+        }
+        for step in range(1, 1001, 9)
+    ]
+    plot_metrics(_write(tmp_path / "metrics.jsonl", lines))
+    assert drawn["loss"][0] == "log"
+    assert drawn["accuracy"][0] == drawn["gradient norm"][0] == "linear"
+    assert drawn["accuracy"][2] == ""  # ticks read as values, not as offsets from 0.999
+    scale, (bottom, top), offset = drawn["process peak RSS, CPU (GiB)"]
+    assert (scale, bottom, offset) == ("linear", 0.0, "") and 0.47 < top < 0.6
+    plot_metrics(_write(tmp_path / "metrics.jsonl", [{"step": 1, "memory/peak_gib": 2.0}]))
+    assert drawn["CUDA peak allocated (GiB)"][1][0] == 0.0
 
 
 def test_default_folder_is_plots_beside_the_file(tmp_path: pathlib.Path) -> None:
@@ -154,7 +194,9 @@ def test_group_of_names_each_kind_of_key() -> None:
     assert group_of("time/step") == ("throughput", "seconds per update")
     assert group_of("train/total/tokens") == ("counters", "train/total/tokens")
     assert group_of("train/overflow") == ("counters", "train/overflow")
-    assert group_of("memory/peak_gib") == ("memory", "memory/peak_gib")
+    assert group_of("memory/peak_gib") == ("memory", "CUDA peak allocated (GiB)")
+    assert group_of("memory/rss_peak_gib") == ("memory", "process peak RSS, CPU (GiB)")
+    assert group_of("memory/other") == ("memory", "memory/other")
     assert group_of("train/f1/macro") == ("metrics", "f1/macro")
     assert group_of("custom") == ("metrics", "custom")
 

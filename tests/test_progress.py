@@ -163,7 +163,9 @@ def test_live_bar_in_a_terminal_is_refreshed_and_stopped() -> None:
 def test_a_narrow_terminal_cuts_the_fields_not_the_step_bar_or_eta(width: int) -> None:
     # Validation, memory, tokens and grad_norm make the fields longer than any of these
     # widths: the step count, the bar and the ETA stay whole, the fields are cut at the end.
-    console = rich.console.Console(record=True, force_terminal=True, width=width, file=io.StringIO())
+    console = rich.console.Console(
+        record=True, force_terminal=True, width=width, file=io.StringIO()
+    )
     clock = FakeTime(lambda i: 1.0)
     val = _publishes("val", {"loss": 0.2512345, "accuracy": 0.9375123, "perplexity": 1.2856})
     memory = _publishes("memory", {"peak_gib": 1.51234})

@@ -44,6 +44,7 @@ _THROUGHPUT = {
     "train/mfu": "MFU",
 }
 _COUNTERS = {"train/nonfinite", "train/overflow", "train/epoch"}
+_MEMORY = {"peak_gib": "CUDA peak allocated (GiB)", "rss_peak_gib": "process peak RSS, CPU (GiB)"}
 
 _EXAMPLE = 'a JSON object such as {"step": 10, "train/loss": 0.5}'
 Series = dict[str, tuple[list[int], list[float]]]
@@ -79,8 +80,8 @@ def group_of(key: str) -> tuple[str, str]:
         return "throughput", _THROUGHPUT.get(key, "seconds per update")
     if key in _COUNTERS or key.startswith("train/total/"):
         return "counters", key
-    if key.startswith("memory/"):
-        return "memory", key
+    if key.startswith("memory/"):  # what peak_memory measured, by the name it gave
+        return "memory", _MEMORY.get(key[7:], key)
     if key.endswith("loss"):  # its last part does
         return "loss", "loss"
     # "val/accuracy" -> "accuracy"; nested records keep their path ("train/f1/macro").
@@ -173,7 +174,10 @@ def plot_metrics(
     """Write one PNG per group of metrics found in a metrics.jsonl (see :func:`group_of`).
 
     Each PNG has one axis per metric name, every series of that name drawn on it against
-    the update number, with a legend when there are several. Files of groups absent
+    the update number, with a legend when there are several. An axis whose values are all
+    positive and span more than a factor of 10 (a loss falling over decades) has a log
+    scale; memory axes start at 0 and name what was measured (the CUDA peak allocated, or
+    the process's peak RSS on the CPU). Files of groups absent
     from the metrics are not written (nor removed when an earlier call wrote them).
 
     Args:
@@ -222,6 +226,12 @@ def plot_metrics(
                 ax.plot(steps, values, label=key, marker="o" if len(steps) <= 30 else None, ms=3)
             ax.set(ylabel=axis)
             ax.grid(True, alpha=0.3)
+            ax.ticklabel_format(axis="y", useOffset=False)  # no "+4.687e-1" over a flat line
+            finite = [v for key in keys for v in series[key][1] if math.isfinite(v)]
+            if group == "memory":  # from 0: a flat high-water mark is not zoomed into noise
+                ax.set_ylim(0, max(finite, default=0) * 1.1 or 1)
+            elif finite and min(finite) > 0 and max(finite) > 10 * min(finite):
+                ax.set_yscale("log")  # a loss falling over decades stays readable after step 100
             if len(keys) > 1 or keys[0] != axis:
                 ax.legend(fontsize=8)
         ax.set(xlabel="update (step)")

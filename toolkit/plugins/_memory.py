@@ -20,15 +20,15 @@ def _cuda_device(model: torch.nn.Module) -> torch.device | None:
     return param.device if param is not None and param.device.type == "cuda" else None
 
 
-def _peak_gib(model: torch.nn.Module) -> float:
+def _peak_gib(model: torch.nn.Module) -> dict[str, float]:
     """The peak since the last call on the model's CUDA device (then reset), else the RSS."""
     device = _cuda_device(model)
     if device is not None:
         peak = torch.cuda.max_memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-        return peak / 2**30
+        return {"peak_gib": peak / 2**30}
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss / 2**30 if sys.platform == "darwin" else rss / 2**20  # bytes on macOS, else KiB
+    return {"rss_peak_gib": rss / 2**30 if sys.platform == "darwin" else rss / 2**20}  # B, KiB
 
 
 @plugin_factory(order=20)
@@ -44,8 +44,10 @@ def peak_memory(every: int = 10, *, key: str = "memory") -> Plugin:
     since it started, which the operating system cannot reset, so on the CPU successive
     records never decrease and include whatever ran before training.
 
-    Each record is ``state.extras[key] = {"step": state.step, "metrics": {"peak_gib":
-    float}}`` (GiB = 2**30 bytes), which ``log_metrics`` publishes as ``"memory/peak_gib"``.
+    Each record is ``state.extras[key] = {"step": state.step, "metrics": {name: float}}``
+    (GiB = 2**30 bytes), which ``log_metrics`` publishes as ``"memory/<name>"``; the name
+    says what was measured: ``"peak_gib"`` (the CUDA peak allocated) or ``"rss_peak_gib"``
+    (the process's peak RSS, on the CPU).
     The value is this process's; other ranks' are not gathered. The plugin claims ``key``
     for the run at ``"start"``, so another plugin keeping that key is refused before
     training.
@@ -70,7 +72,7 @@ def peak_memory(every: int = 10, *, key: str = "memory") -> Plugin:
         >>> step = make_step(lambda m, b: m(b).square().mean())
         >>> data = [torch.ones(4, 2)] * 4
         >>> state = run(step, state, data, max_steps=4, plugins=[peak_memory(every=2)])
-        >>> state.extras["memory"]["step"], state.extras["memory"]["metrics"]["peak_gib"] > 0
+        >>> state.extras["memory"]["step"], state.extras["memory"]["metrics"]["rss_peak_gib"] > 0
         (4, True)
     """
     check_count("peak_memory", "every", every, 1, "applied updates between records")
@@ -83,7 +85,7 @@ def peak_memory(every: int = 10, *, key: str = "memory") -> Plugin:
             _peak_gib(state.model)  # resets the CUDA peak counter
         if not due(event, every):
             return None
-        entry = MetricsEntry(step=state.step, metrics={"peak_gib": _peak_gib(state.model)})
+        entry = MetricsEntry(step=state.step, metrics=_peak_gib(state.model))
         return state.replace(extras={**state.extras, key: entry})
 
     return plugin

@@ -100,8 +100,9 @@ def progress(
 
     When the console is a terminal, a live bar is drawn (refreshed only at those points: no
     background thread): the step, the bar and the ETA, then the fields, cut at their end
-    (``…``) where the terminal is too narrow for them all. Otherwise (CI logs, output redirected to a file) one plain line is
-    written to the console's file and flushed per refresh, for example::
+    (``…``) where the terminal is too narrow for them all. Otherwise (CI logs, output
+    redirected to a file) one plain line is written to the console's file and flushed per
+    refresh, for example::
 
         step 20/100 | loss 0.4312 | lr 1.00e-03 | grad_norm 0.53 | 1234 samples/s | eta 0:00:12
 
@@ -211,13 +212,14 @@ def _start(bar: _Bar, event: Event) -> None:
     if shown.is_terminal:
         # The step count, the bar and the ETA are never cut (no_wrap); the fields are the one
         # column the table may narrow, cut at its end with an ellipsis (no_wrap Text).
-        whole = Column(no_wrap=True)
-        head, eta = TextColumn("{task.fields[head]}", table_column=whole), TextColumn(
-            "{task.fields[eta]}", table_column=whole)  # fmt: skip
-        columns = head, BarColumn(min(40, shown.width // 5), table_column=whole), eta, Column()
-        bar.info = RenderableColumn(Text(""), table_column=columns[-1])
+        whole, bar.info = Column(no_wrap=True), RenderableColumn(Text(""), table_column=Column())
+        columns = (
+            TextColumn("{task.fields[head]}", table_column=whole),
+            BarColumn(min(40, shown.width // 5), table_column=whole),
+            TextColumn("{task.fields[eta]}", table_column=whole),
+        )
         # Redrawn at refreshes only (no auto_refresh): no thread competing with training.
-        bar.live = Progress(*columns[:3], bar.info, console=shown, auto_refresh=False)
+        bar.live = Progress(*columns, bar.info, console=shown, auto_refresh=False)
         fields = {"head": _head(step, bar.total), "eta": ""}
         bar.task = bar.live.add_task("train", total=bar.total, completed=step, **fields)
         bar.live.start()
