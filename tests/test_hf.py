@@ -3,13 +3,28 @@
 from __future__ import annotations
 
 import copy
+import json
+import warnings
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers", reason="needs the `hf` extra")
 
-from toolkit import TrainState, accumulate, causal_lm_loss, make_step, to_device  # noqa: E402
+import safetensors.torch  # noqa: E402
+
+from toolkit import (  # noqa: E402
+    TrainState,
+    accumulate,
+    causal_lm_loss,
+    export_pretrained,
+    make_step,
+    run,
+    save_checkpoint,
+    to_device,
+    unwrap,
+)
+from toolkit.plugins import ema, ema_model  # noqa: E402
 
 VOCAB, PAD = 48, 0
 
@@ -101,3 +116,135 @@ def test_to_device_moves_a_batch_encoding_and_keeps_its_type() -> None:
     moved = to_device({"enc": encoding}, "meta")["enc"]
     assert type(moved) is transformers.BatchEncoding
     assert moved["input_ids"].device.type == "meta" and moved.input_ids.shape == (2, 3)
+
+
+def _peft():
+    with warnings.catch_warnings():  # transformers 5 deprecates an attribute that peft reads
+        warnings.filterwarnings("ignore", ".*is_gradient_checkpointing", FutureWarning)
+        return pytest.importorskip("peft", reason="needs the `hf` extra")
+
+
+def _lora(seed: int = 0) -> torch.nn.Module:
+    """A peft LoRA adapter on the attention and MLP input layers of a fresh tiny GPT-2."""
+    peft = _peft()
+    config = peft.LoraConfig(r=4, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*is_gradient_checkpointing", FutureWarning)
+        model = peft.get_peft_model(_gpt2(seed), config)
+    torch.manual_seed(seed + 100)  # LoRA B starts at 0: give it values so merging shows
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+    return model
+
+
+def _train(model: torch.nn.Module, steps: int, plugins=()) -> TrainState:
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    state = TrainState(model=model, optimizer=torch.optim.AdamW(trainable, lr=1e-2))
+    data = [_padded([6, 4], 8, seed) for seed in range(steps)]
+    return run(make_step(_lm_loss), state, data, max_steps=steps, plugins=list(plugins))
+
+
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=_padded([7, 5], 8, seed=99)).logits
+
+
+def test_export_pretrained_from_a_checkpoint_loads_with_from_pretrained(tmp_path) -> None:
+    trained = _gpt2()
+    state = _train(trained, 3)
+    assert trained.lm_head.weight is trained.transformer.wte.weight  # tied
+    checkpoint = save_checkpoint(state, tmp_path / "ckpt")
+    folder = export_pretrained(checkpoint, tmp_path / "hf", model=_gpt2(seed=1))
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "config.json", "generation_config.json", "model.safetensors",
+    ]  # fmt: skip
+    names = safetensors.torch.load_file(folder / "model.safetensors").keys()
+    assert "transformer.wte.weight" in names and "lm_head.weight" not in names  # once
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    assert loaded.dtype == torch.float64 and type(loaded) is type(trained)
+    torch.testing.assert_close(_logits(loaded), _logits(trained), rtol=0, atol=0)
+
+
+def test_export_pretrained_shards_above_max_shard_size(tmp_path) -> None:
+    trained = _gpt2()
+    folder = export_pretrained(trained, tmp_path / "hf", max_shard_size="40KB")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and not (folder / "model.safetensors").exists()
+    assert "lm_head.weight" not in index["weight_map"]
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    torch.testing.assert_close(_logits(loaded), _logits(trained), rtol=0, atol=0)
+
+
+def test_ema_of_a_lora_model_holds_the_adapter_only() -> None:
+    model = _lora()
+    trajectory: list = []
+
+    def record(event) -> None:
+        if event.kind == "start" or (event.kind == "step" and event.out.updated):
+            trainable = {n: p.detach().clone() for n, p in model.named_parameters()}
+            trajectory.append({n: p for n, p in trainable.items() if "lora_" in n})
+
+    state = _train(model, 4, [record, ema(0.7, warmup=False)])
+    params = state.extras["ema"]["params"]
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert params.keys() == trainable.keys() and all("lora_" in n for n in params)
+    held = sum(t.numel() for t in params.values())
+    assert held == sum(p.numel() for p in trainable.values()) < model.num_parameters() / 5
+    expected = dict(trajectory[0])  # by hand: ema <- 0.7 ema + 0.3 p after each update
+    for weights in trajectory[1:]:
+        expected = {n: 0.7 * v + 0.3 * weights[n] for n, v in expected.items()}
+    for name, value in expected.items():
+        torch.testing.assert_close(params[name], value, rtol=0, atol=1e-12)
+    averaged = ema_model(state)  # the whole model: frozen base from the live one
+    assert averaged.state_dict().keys() == model.state_dict().keys()
+    base = "base_model.model.transformer.wte.weight"
+    torch.testing.assert_close(averaged.state_dict()[base], model.state_dict()[base])
+
+
+def test_unwrap_peels_wrappers_around_a_peft_model_and_keeps_it() -> None:
+    model = _lora()
+    wrapped = torch.compile(torch.nn.DataParallel(model), backend="eager")
+    assert unwrap(wrapped) is model  # the PeftModel: save_pretrained writes the adapter
+
+
+def test_export_the_adapter_or_the_merged_model_from_a_checkpoint(tmp_path) -> None:
+    peft = _peft()
+    model = _lora()
+    state = _train(model, 3, [ema(0.5)])
+    checkpoint = save_checkpoint(state, tmp_path / "ckpt")
+    fresh = _lora(seed=1)  # another init: the checkpoint's weights must be what is written
+    before = {n: t.clone() for n, t in fresh.state_dict().items()}
+    adapter = export_pretrained(checkpoint, tmp_path / "adapter", model=fresh)
+    assert (adapter / "adapter_model.safetensors").stat().st_size < 100_000
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*is_gradient_checkpointing", FutureWarning)
+        loaded = peft.PeftModel.from_pretrained(_gpt2(), adapter)  # the same base (seed 0)
+    torch.testing.assert_close(_logits(loaded), _logits(model), rtol=0, atol=0)
+
+    merged = export_pretrained(checkpoint, tmp_path / "merged", model=fresh, merge=True)
+    plain = transformers.AutoModelForCausalLM.from_pretrained(merged)
+    assert type(plain) is transformers.GPT2LMHeadModel
+    torch.testing.assert_close(_logits(plain), _logits(model), rtol=1e-10, atol=1e-10)
+    after = fresh.state_dict()  # merged on a copy: the model keeps its adapter and weights
+    assert after.keys() == before.keys() and all(torch.equal(before[n], after[n]) for n in after)
+
+    averaged = export_pretrained(checkpoint, tmp_path / "ema", model=fresh, weights="ema")
+    adapter_weights = safetensors.torch.load_file(averaged / "adapter_model.safetensors")
+    name = "base_model.model.transformer.h.0.attn.c_attn.lora_A.weight"
+    expected = state.extras["ema"]["params"][name.replace("lora_A.", "lora_A.default.")]
+    torch.testing.assert_close(adapter_weights[name], expected, rtol=0, atol=0)
+
+
+def test_export_pretrained_refuses_what_it_cannot_write(tmp_path) -> None:
+    with pytest.raises(TypeError, match="model must be a transformers or peft model.*export_model"):
+        export_pretrained(torch.nn.Linear(2, 2), tmp_path / "a")
+    checkpoint = save_checkpoint(_train(_gpt2(), 1), tmp_path / "ckpt")
+    with pytest.raises(TypeError, match=r"got None\. pass model=AutoModelForCausalLM"):
+        export_pretrained(checkpoint, tmp_path / "b")
+    with pytest.raises(ValueError, match=r"do not fit the model: missing \['base_model"):
+        export_pretrained(checkpoint, tmp_path / "c", model=_lora())
+    with pytest.raises(ValueError, match="merge must be False for a model without a peft"):
+        export_pretrained(_gpt2(), tmp_path / "d", merge=True)

@@ -3,7 +3,7 @@
 from toolkit._device import to_device
 from toolkit._tree import key_average, map_nested_tensor
 from toolkit._unwrap import unwrap
-from toolkit.checkpoints._export import export_model
+from toolkit.checkpoints._export import export_model, export_pretrained
 from toolkit.checkpoints._load import load_checkpoint
 from toolkit.checkpoints._save import save_checkpoint
 from toolkit.distributed._collectives import data_parallel_group, set_data_parallel_group
@@ -30,8 +30,8 @@ __all__ = [
     "Event", "GuardState", "LoopInfo", "LossScaleError", "LossSum", "MultiOptimizer",
     "MultiScheduler", "NonFiniteError", "PerEpoch", "Step", "StepOutput", "TrainState",
     "WindowState", "accumulate", "amp_wrap", "causal_lm_loss", "clip", "compose",
-    "data_parallel_group", "evaluate", "export_model", "guard_nonfinite", "key_average",
-    "load_checkpoint", "make_step", "map_nested_tensor", "per_epoch", "run", "save_checkpoint",
-    "set_data_parallel_group", "to_device", "transform_grads", "unwrap",
+    "data_parallel_group", "evaluate", "export_model", "export_pretrained", "guard_nonfinite",
+    "key_average", "load_checkpoint", "make_step", "map_nested_tensor", "per_epoch", "run",
+    "save_checkpoint", "set_data_parallel_group", "to_device", "transform_grads", "unwrap",
 ]
 # fmt: on

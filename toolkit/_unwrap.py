@@ -25,6 +25,12 @@ def unwrap(model: nn.Module, *, keep_compile: bool = False) -> nn.Module:
     as they are. Use it to reach the parameters' real names (for a state dict without
     ``module.`` or ``_orig_mod.`` prefixes) or custom methods of the model.
 
+    A peft ``PeftModel`` is the model, not a wrapper: it is kept (wrappers around it are
+    peeled), as checkpoints, :func:`toolkit.plugins.ema` and :func:`toolkit.export_pretrained`
+    need it: its names are those ``PeftModel.from_pretrained`` reads and its
+    ``save_pretrained`` writes the adapter. Its ``get_base_model()`` is the transformers
+    model with the adapter layers inside; ``merge_and_unload()`` folds them into the weights.
+
     Args:
         model: a ``torch.nn.Module``, wrapped or not.
         keep_compile: when ``True``, stop at the first ``OptimizedModule`` and return it, so

@@ -1,7 +1,9 @@
-"""export_model: one plain safetensors file of a model's weights, for inference and hub tools."""
+"""export_model: one plain safetensors file of a model's weights; export_pretrained: a folder
+in the layout of Hugging Face's ``save_pretrained`` (config, tied weights once, shards)."""
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -10,6 +12,7 @@ from typing import Any
 import torch
 
 from toolkit._checks import check, check_one_of
+from toolkit._unwrap import unwrap
 from toolkit.checkpoints._codec import host_tensor, separate_shared
 from toolkit.checkpoints._files import replace_file, write_tensors
 from toolkit.checkpoints._load import full_model, full_tree, verified_manifest
@@ -20,13 +23,18 @@ _WHO = "export_model"
 
 
 def _with_average(
-    full: dict[str, torch.Tensor], aliases: Mapping[str, str], extras: Any, key: str, where: str
+    full: dict[str, torch.Tensor],
+    aliases: Mapping[str, str],
+    extras: Any,
+    key: str,
+    where: str,
+    who: str,
 ) -> dict[str, torch.Tensor]:
     """``full`` with the EMA's parameters and buffers (``extras[key]``) for the live ones."""
     entry = extras.get(key)
     if not isinstance(entry, Mapping) or not isinstance(entry.get("params"), Mapping):
         raise KeyError(
-            f"{_WHO}: {where} has no EMA weights under extras[{key!r}] (extras keys: "
+            f"{who}: {where} has no EMA weights under extras[{key!r}] (extras keys: "
             f"{sorted(extras)}); train with the ema(key={key!r}) plugin, or export "
             "weights='model'."
         )
@@ -34,7 +42,7 @@ def _with_average(
     unknown = sorted(set(averaged) - set(full))
     if unknown:
         raise ValueError(
-            f"{_WHO}: the EMA holds names the model lacks: {unknown[:5]}; it was made for "
+            f"{who}: the EMA holds names the model lacks: {unknown[:5]}; it was made for "
             "another model."
         )
     tied = {alias: averaged[name] for alias, name in aliases.items() if name in averaged}
@@ -89,26 +97,7 @@ def export_model(
         >>> torch.nn.Linear(2, 1).load_state_dict(load_file(path), strict=True)
         <All keys matched successfully>
     """
-    check_one_of(_WHO, "weights", weights, ("model", "ema"))
-    if isinstance(source, (str, os.PathLike)):
-        manifest = verified_manifest(source)
-        full, aliases, where = full_model(manifest), manifest.aliases, f"checkpoint {source}"
-        ema = weights == "ema" and manifest.has("extras")
-        extras = full_tree(manifest, "extras") if ema else {}
-    else:
-        model = source.model if isinstance(source, TrainState) else source
-        kinds = "a module, a TrainState or a checkpoint folder"
-        check(isinstance(model, torch.nn.Module), _WHO, "source", kinds, source, "", TypeError)
-        full, where = model_state(model), "the state"
-        aliases = split_aliases(full, _WHO)[1]  # and a clear error for a non-tensor entry
-        extras = source.extras if isinstance(source, TrainState) else None
-    if weights == "ema":
-        if extras is None:
-            raise ValueError(
-                f"{_WHO}: weights='ema' needs a TrainState or a checkpoint folder (the EMA "
-                "lives in state.extras); got a bare module."
-            )
-        full = _with_average(full, aliases, extras, key, where)
+    full = _read(source, weights, key, _WHO)[0]
     if dtype is not None:
         full = {n: v.to(dtype) if v.is_floating_point() else v for n, v in full.items()}
     tensors = {name: host_tensor(value) for name, value in full.items()}
@@ -117,3 +106,120 @@ def export_model(
     path.parent.mkdir(parents=True, exist_ok=True)
     replace_file(path, lambda temp: write_tensors(temp, tensors, {"format": "pt"}))
     return path
+
+
+def export_pretrained(
+    source: torch.nn.Module | TrainState | str | os.PathLike[str],
+    folder: str | os.PathLike[str],
+    *,
+    model: torch.nn.Module | None = None,
+    weights: str = "model",
+    key: str = "ema",
+    merge: bool = False,
+    max_shard_size: int | str = "5GB",
+) -> Path:
+    """Write a folder that ``from_pretrained`` loads: a transformers model or a peft adapter.
+
+    The weights (of ``source``, or its EMA) are handed to the model's own ``save_pretrained``
+    as its ``state_dict``, so the folder is exactly the library's layout:
+
+    * a ``transformers`` model: ``config.json``, ``generation_config.json`` and
+      ``model.safetensors``, tied weights stored once (``lm_head.weight`` rides on the
+      embedding), split into ``model-0000k-of-0000n.safetensors`` with a
+      ``model.safetensors.index.json`` above ``max_shard_size``; loads with
+      ``AutoModelForCausalLM.from_pretrained(folder)``;
+    * a peft ``PeftModel``: the adapter alone (``adapter_config.json``,
+      ``adapter_model.safetensors``, a few MB for a LoRA); loads with
+      ``PeftModel.from_pretrained(base_model, folder)``;
+    * a ``PeftModel`` with ``merge=True``: a copy with the adapter merged into the base
+      weights (peft's ``merge_and_unload``), written as a plain ``transformers`` model.
+
+    The model itself is not changed. The folder is written in place by ``save_pretrained``
+    (not atomically as :func:`export_model` writes its file): export to a fresh folder.
+
+    Args:
+        source: a module, a TrainState (its model) or a checkpoint folder written by
+            :func:`save_checkpoint`.
+        folder: the folder to write, e.g. ``"runs/a/hf"``.
+        model: the model whose ``save_pretrained`` writes the folder (its config and class);
+            needed for a checkpoint folder, e.g. ``AutoModelForCausalLM.from_config(config)``
+            or the ``PeftModel`` the run trained; by default the source's model.
+        weights: ``"model"`` or ``"ema"`` (frozen parameters come from the model), as in
+            :func:`export_model`.
+        key: the ``extras`` key of the EMA.
+        merge: merge a peft adapter into the base weights instead of exporting the adapter.
+        max_shard_size: the largest shard, bytes or a string such as ``"5GB"``.
+
+    Returns:
+        ``folder``, as a Path.
+
+    Raises:
+        TypeError: ``model`` (or the source's) has no ``save_pretrained`` (for any module,
+            :func:`export_model` writes a file), or ``source`` is none of the accepted kinds.
+        ValueError: the weights' names do not match ``model``'s, or ``merge=True`` without
+            a peft adapter; as :func:`export_model` for ``weights``.
+
+    Example:
+        >>> from transformers import AutoModelForCausalLM, GPT2Config
+        >>> from toolkit import export_pretrained
+        >>> config = GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8,
+        ...                     bos_token_id=0, eos_token_id=0)
+        >>> net = AutoModelForCausalLM.from_config(config)
+        >>> folder = export_pretrained(net, "hf")
+        >>> loaded = AutoModelForCausalLM.from_pretrained(folder)
+        >>> sorted(p.name for p in folder.iterdir())
+        ['config.json', 'generation_config.json', 'model.safetensors']
+    """
+    who = "export_pretrained"
+    full, aliases, own = _read(source, weights, key, who)
+    target: Any = unwrap(model) if isinstance(model, torch.nn.Module) else (model or own)
+    fix = "pass model=AutoModelForCausalLM.from_config(config) (or your PeftModel); for any "
+    fix += "other module, export_model writes a file"
+    ok = callable(getattr(target, "save_pretrained", None))
+    check(ok, who, "model", "a transformers or peft model", target, fix, TypeError)
+    names = target.state_dict().keys()
+    if full.keys() != names:
+        raise ValueError(
+            f"{who}: the weights do not fit the model: missing {sorted(names - full.keys())[:5]}"
+            f", unexpected {sorted(full.keys() - names)[:5]}; pass the model that was trained."
+        )
+    full.update({alias: full[name] for alias, name in aliases.items()})  # one object: once
+    if merge:
+        peft = hasattr(target, "merge_and_unload")
+        check(peft, who, "merge", "False for a model without a peft adapter", merge)
+        target = copy.deepcopy(target)
+        target.load_state_dict(full)
+        target = target.merge_and_unload()
+    target.save_pretrained(
+        folder, state_dict=None if merge else full, max_shard_size=max_shard_size
+    )
+    return Path(folder)
+
+
+def _read(
+    source: Any, weights: str, key: str, who: str
+) -> tuple[dict[str, torch.Tensor], Mapping[str, str], torch.nn.Module | None]:
+    """The full state dict (the EMA's weights with ``weights="ema"``), its aliases (tied
+    names) and the source's module (None for a checkpoint folder)."""
+    check_one_of(who, "weights", weights, ("model", "ema"))
+    model = None
+    if isinstance(source, (str, os.PathLike)):
+        manifest = verified_manifest(source)
+        full, aliases, where = full_model(manifest), manifest.aliases, f"checkpoint {source}"
+        ema = weights == "ema" and manifest.has("extras")
+        extras = full_tree(manifest, "extras") if ema else {}
+    else:
+        model = source.model if isinstance(source, TrainState) else source
+        kinds = "a module, a TrainState or a checkpoint folder"
+        check(isinstance(model, torch.nn.Module), who, "source", kinds, source, "", TypeError)
+        full, where = model_state(model), "the state"
+        aliases = split_aliases(full, who)[1]  # and a clear error for a non-tensor entry
+        extras = source.extras if isinstance(source, TrainState) else None
+    if weights == "ema":
+        if extras is None:
+            raise ValueError(
+                f"{who}: weights='ema' needs a TrainState or a checkpoint folder (the EMA "
+                "lives in state.extras); got a bare module."
+            )
+        full = _with_average(full, aliases, extras, key, where, who)
+    return full, aliases, model
