@@ -15,7 +15,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: FORCE install test test-fast lint type example example-transformer example-ddp bench bench-instructions clean
+.PHONY: FORCE install test test-fast lint type example example-transformer example-hf example-ddp bench bench-instructions clean
 
 # The torch choice is a file, rewritten only when it changes, so that a new TORCH or
 # TORCH_INDEX reinstalls instead of silently keeping the torch already in $(VENV).
@@ -27,7 +27,7 @@ $(BIN)/.installed: pyproject.toml Makefile $(VENV)/torch-choice
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
-	$(BIN)/pip install --quiet -e ".[dev,examples,loggers,plot,hydra]"
+	$(BIN)/pip install --quiet -e ".[dev,examples,loggers,plot,hydra,hf,compare]"
 	touch $@
 
 install: $(BIN)/.installed
@@ -50,6 +50,9 @@ example: install
 
 example-transformer: install
 	$(BIN)/python examples/char_transformer.py
+
+example-hf: install
+	$(BIN)/python examples/hf_causal_lm.py
 
 example-ddp: install
 	$(BIN)/torchrun --standalone --nproc_per_node=2 examples/ddp_digits.py

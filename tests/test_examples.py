@@ -117,3 +117,24 @@ def test_accel_hydra_takes_quick_device_and_out_like_the_other_examples(
     assert (config.device, config.epochs, config.log_every_n_steps) == ("cpu", 2, 8)
     records = _metrics(out / "metrics.jsonl")
     assert [r["step"] for r in records if "train/loss" in r] == [8, 16]
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_hf_causal_lm_quick_exports_a_folder_from_pretrained_loads(
+    tmp_path: pathlib.Path, lora: bool
+) -> None:
+    pytest.importorskip("transformers", reason="the hf example needs the hf extra")
+    pytest.importorskip("peft", reason="the hf example needs the hf extra")
+    stdout = _run_example("hf_causal_lm.py", tmp_path, *(["--lora"] if lora else []))
+    assert "reloaded with from_pretrained: logits equal" in stdout, stdout
+    found = re.search(r"training loss ([0-9.]+) -> ([0-9.]+) after 6 updates", stdout)
+    assert found and float(found[2]) < float(found[1]), stdout
+    out = tmp_path / "run"
+    _metrics(out / "metrics.jsonl")
+    assert (out / "checkpoints" / "step_000006").is_dir()
+    weights = "adapter_model.safetensors" if lora else "model.safetensors"
+    assert (out / "hf" / weights).is_file()
+    if lora:  # the merged model is a plain transformers folder; the EMA adapter too
+        assert (out / "merged" / "config.json").is_file()
+        assert (out / "hf_ema" / "adapter_model.safetensors").is_file()
+        assert re.search(r"largest logit difference [0-9.]+e-0[5-9]", stdout), stdout
