@@ -41,7 +41,27 @@ _FLOATS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
 class TreeError(TypeError):
-    """A value that the checkpoint format cannot store, or a document it cannot read."""
+    """A value that the checkpoint format cannot store, or a document it cannot read.
+
+    Saving raises it naming the value's path (nothing is written); on load, a document
+    that cannot be read is reported as a ``DamagedCheckpointError`` instead.
+
+    Example:
+        >>> import torch
+        >>> from toolkit import TrainState, save_checkpoint
+        >>> from toolkit.checkpoints import TreeError
+        >>> class Meter:
+        ...     def state_dict(self):
+        ...         return {"version": torch.__version__, "fn": lambda: 0}
+        ...     def load_state_dict(self, state):
+        ...         pass
+        >>> state = TrainState(model=torch.nn.Linear(1, 1))
+        >>> try:
+        ...     save_checkpoint(state, "ckpt/step_000000", objects={"meter": Meter()})
+        ... except TreeError as error:
+        ...     print(error)  # doctest: +ELLIPSIS
+        objects['meter']['fn']: a function, which a checkpoint cannot store; keep only ...
+    """
 
 
 def describe(value: Any) -> str:
