@@ -101,7 +101,10 @@ def test_verify_reports_a_flipped_bit_by_path_and_exits_1(
     assert lines[4].endswith("none (pruned at the next save)  DAMAGED")
     assert lines[5].startswith(f"    {target}: xxh3_128 checksum ")
     assert lines[5].endswith(" (corrupted)")
-    assert lines[-2:] == ["checked: manifests, sizes and checksums", "1 of 3 checkpoints damaged"]
+    assert lines[-2:] == [
+        "checked: manifests, sizes, checksums and contents",
+        "1 of 3 checkpoints damaged",
+    ]
 
 
 def test_a_truncated_file_shows_without_verify_and_exit_codes_from_the_shell(
@@ -111,7 +114,7 @@ def test_a_truncated_file_shows_without_verify_and_exit_codes_from_the_shell(
     paths = make(root)
     good = cli(str(root), "--verify")
     assert good.returncode == 0, good.stderr
-    assert good.stdout.splitlines()[-1] == "checked: manifests, sizes and checksums"
+    assert good.stdout.splitlines()[-1] == "checked: manifests, sizes, checksums and contents"
 
     with open(paths[0] / "rng.json", "r+b") as file:
         file.truncate(5)

@@ -46,7 +46,7 @@ def _row(c: CheckpointInfo, kept: dict[str, str]) -> list[str]:
         size,
         metrics,
         kept.get(c.name, "-"),
-        "ok" if c.intact else "DAMAGED",
+        ("ok" if c.intact else "DAMAGED") + (", model-only" if c.model_only else ""),
     ]
 
 
@@ -83,17 +83,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         ckpt: 1 checkpoint, ... KiB
         step  name         saved ...  kept by  check
            0  step_000000  ...        newest   ok
-        checked: manifests, sizes and checksums
+        checked: manifests, sizes, checksums and contents
         0
     """
     parser = argparse.ArgumentParser(
         prog="python -m toolkit.checkpoints",
         description="List the checkpoints of a folder (step, time, size, metrics, which "
-        "retention rule keeps each); --verify also checks every file's checksum.",
+        "retention rule keeps each); --verify also checks every file's checksum and content.",
     )
     parser.add_argument("dir", type=Path, help="a folder of checkpoints, or one checkpoint")
     parser.add_argument(
-        "--verify", action="store_true", help="check every checksum; exit 1 on damage"
+        "--verify", action="store_true", help="check as a load does; exit 1 on damage"
     )
     args = parser.parse_args(argv)
     root: Path = args.dir
@@ -116,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rules, source = next(((c.rules, c.name) for c in reversed(infos) if c.rules), (None, ""))
     if rules is not None:
         print(f"retention (recorded by {source}): {rules.describe()}")
-    checked = "manifests, sizes and checksums" if args.verify else "manifests and sizes"
+    checked = "manifests, sizes, checksums and contents" if args.verify else "manifests and sizes"
     if infos:
         _table(infos, rules)
     print(f"checked: {checked}" + ("" if args.verify else " (--verify also checks checksums)"))

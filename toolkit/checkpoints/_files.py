@@ -6,9 +6,12 @@ the disk: ``fsync`` the file, then the folder holding it (after a rename, the pa
 
 from __future__ import annotations
 
+import errno
 import json
+import math
 import mmap
 import os
+import stat
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -19,6 +22,7 @@ import xxhash
 from safetensors.torch import save_file
 
 CHECKSUM = "xxh3_128"  # ~20 GB/s here; the standard library's crc32 made loads 1.3-2.5x slower
+JSON_LIMIT = 64 << 20  # bytes: the largest JSON file read (a manifest of ~500k files)
 
 
 def checksum(path: Path) -> str:
@@ -63,9 +67,46 @@ def write_json(path: Path, document: Any) -> None:
     write_bytes(path, to_json(document))
 
 
+def read_regular(path: Path, limit: int = JSON_LIMIT) -> bytes:
+    """The bytes of ``path`` if it is a regular file (not a symlink) of at most ``limit`` bytes.
+
+    Anything else (a FIFO, a device, a link to ``/dev/zero``, a huge sparse file) is a
+    ValueError, found without blocking (``O_NONBLOCK``) and without reading it.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError as error:
+        raise ValueError("a symbolic link") if error.errno == errno.ELOOP else error from None
+    with open(fd, "rb") as file:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > limit:
+            raise ValueError(f"not a regular file of at most {limit} bytes")
+        return file.read(limit)
+
+
+def _finite(text: str) -> float:
+    if not math.isfinite(value := float(text)):
+        raise ValueError(f"{text} is out of range (the codec tags inf and NaN)")
+    return value
+
+
+def _no_constant(text: str) -> Any:
+    raise ValueError(f"{text} is not JSON (the codec tags inf and NaN)")
+
+
 def read_json(path: Path) -> Any:
-    """Parse a JSON file (UTF-8); the only reader of non-tensor data on the load path."""
-    return json.loads(path.read_bytes().decode())
+    """Parse a JSON file (UTF-8); the only reader of non-tensor data on the load path.
+
+    Raises OSError, or ValueError for anything but a regular file of at most
+    :data:`JSON_LIMIT` bytes of strict JSON (no NaN, Infinity or 1e400; nesting the parser
+    cannot follow).
+    """
+    try:
+        return json.loads(
+            read_regular(path).decode(), parse_constant=_no_constant, parse_float=_finite
+        )
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
 
 
 def write_tensors(

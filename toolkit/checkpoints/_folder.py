@@ -22,13 +22,19 @@ from pathlib import Path
 from typing import Any
 
 from toolkit._checks import check
-from toolkit.checkpoints._files import fsync_dir, replace_file, temp_name, write_bytes
-from toolkit.checkpoints._load import load_checkpoint
+from toolkit.checkpoints._files import (
+    fsync_dir,
+    read_regular,
+    replace_file,
+    temp_name,
+    write_bytes,
+)
+from toolkit.checkpoints._load import content_problems, load_checkpoint
 from toolkit.checkpoints._manifest import (
-    MANIFEST,
     DamagedCheckpointError,
     file_problems,
     read_manifest,
+    reduce_to_model,
 )
 from toolkit.checkpoints._retention import Retention, retain, retention_from_document
 from toolkit.distributed._collectives import agree, broadcast_text, group_of, rank_of
@@ -55,6 +61,7 @@ class CheckpointInfo:
         rules: the retention rules recorded at save time, or ``None``.
         problems: what is wrong with it (each line starts with a path); empty when intact
             as far as it was checked (see ``checksums`` of :func:`list_checkpoints`).
+        model_only: retention's ``keep_full`` reduced it to the model (resume skips it).
 
     Example:
         >>> from pathlib import Path
@@ -71,6 +78,7 @@ class CheckpointInfo:
     metrics: Mapping[str, float]
     rules: Retention | None
     problems: tuple[str, ...]
+    model_only: bool = False
 
     @property
     def name(self) -> str:
@@ -89,14 +97,14 @@ def _info(folder: Path, checksums: bool) -> CheckpointInfo:
     except (DamagedCheckpointError, ValueError) as error:  # ValueError: another format
         problems = getattr(error, "problems", (str(error),))
         return CheckpointInfo(folder, None, None, 0, {}, None, tuple(problems))
-    problems = tuple(file_problems(manifest, checksums=checksums))
-    try:
-        rules = retention_from_document(manifest.rules) if manifest.rules is not None else None
-    except (TypeError, ValueError) as error:
-        rules, problems = None, (*problems, f"{folder / MANIFEST}: bad rules ({error})")
+    problems = file_problems(manifest, checksums=checksums)
+    if checksums and not problems:  # what a load checks beyond the files' bytes
+        problems = content_problems(manifest)
+    rules = retention_from_document(manifest.rules) if manifest.rules is not None else None
     return CheckpointInfo(
-        folder, manifest.step, manifest.time, manifest.size, manifest.metrics, rules, problems
-    )
+        folder, manifest.step, manifest.time, manifest.size, manifest.metrics, rules,
+        tuple(problems), manifest.model_only,
+    )  # fmt: skip
 
 
 def list_checkpoints(
@@ -140,7 +148,11 @@ def list_checkpoints(
 
 
 def verify_checkpoint(path: str | os.PathLike[str]) -> list[str]:
-    """Check one checkpoint folder completely: manifest, sizes and every checksum.
+    """Check one checkpoint folder as a load does, without a template.
+
+    The manifest, every listed file (a regular file inside the folder, its size and
+    checksum), every safetensors header and JSON tree, the RNG states and TrainState's
+    fields; a load then compares shapes, dtypes and hyperparameters with its template.
 
     Args:
         path: the checkpoint folder.
@@ -168,7 +180,8 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> list[str]:
 
 
 def latest_checkpoint(root: str | os.PathLike[str], *, checksums: bool = True) -> Path | None:
-    """The newest intact checkpoint of ``root`` (highest step), warning about damaged newer ones.
+    """The newest intact full checkpoint of ``root`` (highest step; not a model-only one),
+    warning about damaged newer ones.
 
     Args:
         root: the folder of checkpoints.
@@ -192,7 +205,7 @@ def latest_checkpoint(root: str | os.PathLike[str], *, checksums: bool = True) -
         >>> latest_checkpoint("ckpt").name
         'step_000010'
     """
-    found = list_checkpoints(root)
+    found = [c for c in list_checkpoints(root) if not c.model_only]  # no resuming from those
     unknown = [c for c in found if c.step is None]  # warned first: each might be the newest
     for info in unknown + [c for c in reversed(found) if c.step is not None]:
         if info.intact and checksums:
@@ -316,8 +329,8 @@ def read_pointer(root: str | os.PathLike[str]) -> Path | None:
         True
     """
     try:
-        name = (Path(root) / POINTER).read_text().strip()
-    except (OSError, UnicodeDecodeError):
+        name = read_regular(Path(root) / POINTER, limit=4096).decode().strip()
+    except (OSError, ValueError):  # UnicodeDecodeError, not a small regular file
         return None
     plain = name and name == os.path.basename(name) and not name.startswith(".")
     return Path(root) / name if plain else None
@@ -373,12 +386,14 @@ def clean_temporaries(root: str | os.PathLike[str]) -> list[Path]:
 def prune_checkpoints(
     root: str | os.PathLike[str], rules: Retention, *, dry_run: bool = False
 ) -> list[Path]:
-    """Delete the checkpoints of ``root`` that no retention rule keeps.
+    """Delete the checkpoints of ``root`` that no retention rule keeps; reduce old ones.
 
     The decision is :func:`retain` over the checkpoints whose manifest can be read (step
     and metrics from disk); folders with an unreadable manifest are never deleted. Call it
     only after a save succeeded. Each folder is first renamed to a hidden ``.del-`` name,
     so a prune cut short never leaves a half-deleted folder that looks like a checkpoint.
+    With ``rules.keep_full``, kept intact checkpoints older than the ``keep_full`` newest
+    full ones are then reduced to model-only (see :class:`Retention`; sharded ones stay).
 
     Args:
         root: the folder of checkpoints.
@@ -412,4 +427,7 @@ def prune_checkpoints(
         os.rename(path, hidden)
         fsync_dir(root)
         shutil.rmtree(hidden)
+    full = [c for c, _ in readable if keep[c.name] and c.intact and not c.model_only]
+    for info in full[: -rules.keep_full] if rules.keep_full else ():  # oldest first
+        reduce_to_model(info.path)
     return doomed

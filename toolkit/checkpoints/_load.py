@@ -10,6 +10,7 @@ together: the ranks agree on the outcome of the checks before any rank restores.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import warnings
 from collections.abc import Callable, Mapping
@@ -34,18 +35,22 @@ from toolkit.checkpoints._model_state import (
     few,
     model_differences,
     model_state,
+    optimizer_state,
     parameter_names,
     put_model,
     put_optimizer,
 )
 from toolkit.checkpoints._rng import restore_rng
 from toolkit.checkpoints._save import rank_component
-from toolkit.checkpoints._sharded import load_shards, saved_shapes
+from toolkit.checkpoints._sharded import SHARDS, load_shards, saved_shapes
 from toolkit.distributed._collectives import Group, agree, group_of, rank_of
 from toolkit.step._components import check_objects, fields_of, is_namedtuple
-from toolkit.step._state import TrainState
+from toolkit.step._state import TrainState, WindowState
 
-__all__ = ["full_model", "full_tree", "load_checkpoint", "read_tree", "verified_manifest"]
+__all__ = [
+    "content_problems", "full_model", "full_tree", "load_checkpoint", "read_tree",
+    "verified_manifest",
+]  # fmt: skip
 
 
 def verified_manifest(path: str | os.PathLike[str]) -> Manifest:
@@ -57,14 +62,34 @@ def verified_manifest(path: str | os.PathLike[str]) -> Manifest:
     return manifest
 
 
-def _tensors(path: Path, owned: bool) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file: memory-mapped, or (``owned``) in memory of their own."""
+def _tensors(manifest: Manifest, name: str, owned: bool) -> dict[str, torch.Tensor]:
+    """A listed safetensors file's tensors: memory-mapped, or (``owned``) in memory of their own."""
+    path = manifest.path / name
     try:
+        if name not in manifest.files:
+            raise FileNotFoundError("the manifest does not list it")
         # pread: kept tensors (optimizer state) must not stay mapped onto a file that may change.
         return load_file(path, backend="pread") if owned else load_file(path)
     except Exception as error:  # checksum-valid but not safetensors: written by something else
         problem = f"{path}: not a safetensors file ({error})"
-        raise DamagedCheckpointError(path.parent, [problem]) from None
+        raise DamagedCheckpointError(manifest.path, [problem]) from None
+
+
+def _model_file(manifest: Manifest) -> dict[str, torch.Tensor]:
+    """model.safetensors (memory-mapped), whose tensors the manifest's aliases must name."""
+    tensors = _tensors(manifest, "model.safetensors", owned=False)
+    if not set(manifest.aliases.values()) <= tensors.keys():
+        problem = f"{manifest.path}/manifest.json: aliases of tensors model.safetensors lacks"
+        raise DamagedCheckpointError(manifest.path, [problem])
+    return tensors
+
+
+def _saved_shapes(manifest: Manifest) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    try:  # DCP's reader of the headers of sharded/'s files
+        return saved_shapes(manifest.path)
+    except Exception as error:
+        problem = f"{manifest.path / SHARDS}: unreadable ({error})"
+        raise DamagedCheckpointError(manifest.path, [problem]) from None
 
 
 def read_tree(
@@ -76,10 +101,10 @@ def read_tree(
 ) -> Any:
     """Component ``name`` of a verified checkpoint, decoded (see :func:`._codec.decode`)."""
     json_path, stored = manifest.path / f"{name}.json", manifest.path / f"{name}.safetensors"
-    tensors = _tensors(stored, owned=True) if stored.name in manifest.files else {}
+    tensors = _tensors(manifest, stored.name, owned=True) if stored.name in manifest.files else {}
     try:  # UnicodeDecodeError and json's errors are ValueErrors
         return decode(read_json(json_path), tensors, name, like=like, sharded=sharded)
-    except (TreeError, KeyError, TypeError, AttributeError, ValueError) as error:
+    except (TreeError, KeyError, TypeError, AttributeError, ValueError, RecursionError) as error:
         problem = f"{json_path}: not JSON, or not a tree this format writes ({error})"
         raise DamagedCheckpointError(manifest.path, [problem]) from None
 
@@ -93,13 +118,12 @@ def full_model(manifest: Manifest) -> dict[str, torch.Tensor]:
         model = {k: v for k, v in _empty(manifest).items() if k.startswith("model/")}
         load_shards(model, manifest.path, None)
         return {key.removeprefix("model/"): value for key, value in model.items()}
-    return expand(_tensors(manifest.path / "model.safetensors", owned=False), manifest.aliases)
+    return expand(_model_file(manifest), manifest.aliases)
 
 
 def _empty(manifest: Manifest) -> dict[str, torch.Tensor]:
     return {
-        k: torch.empty(size, dtype=dtype)
-        for k, (size, dtype) in saved_shapes(manifest.path).items()
+        k: torch.empty(size, dtype=dtype) for k, (size, dtype) in _saved_shapes(manifest).items()
     }
 
 
@@ -129,21 +153,59 @@ def _compare(what: str, saved: Mapping[str, Any], live: Mapping[str, Any]) -> li
     ]
 
 
-def _shapes(tree: Any) -> dict[str, str]:
-    """Every tensor of ``tree`` by path (``['ema']['params']['w']``), with its shape."""
-    paths, leaves, _ = optree.tree_flatten_with_path(tree, none_is_leaf=True)
-    return {
-        "".join(f"[{key!r}]" for key in path): f"shape {list(leaf.shape)}"
-        for path, leaf in zip(paths, leaves)
-        if isinstance(leaf, torch.Tensor)
-    }
+def _kind(value: Any) -> str:
+    tensor = isinstance(value, torch.Tensor)
+    return f"shape {list(value.shape)} {value.dtype}" if tensor else repr(value)[:40]
+
+
+def _fits(saved: Any, live: Any) -> bool:
+    if isinstance(live, torch.Tensor):
+        return isinstance(saved, torch.Tensor) and (saved.shape, saved.dtype) == (
+            live.shape,
+            live.dtype,
+        )
+    if isinstance(live, bool):
+        return isinstance(saved, bool)
+    if isinstance(live, (int, float)):
+        number = isinstance(saved, (int, float)) and not isinstance(saved, bool)
+        finite = number and (abs(saved) < math.inf or abs(live) == math.inf)
+        return finite and (saved > 0 or not (type(live) is int and live > 0))
+    return not isinstance(live, (dict, list, tuple))
+
+
+def _mismatches(where: str, saved: Any, live: Any, required: bool = False) -> list[str]:
+    """Where ``saved`` holds what could not replace the template's ``live`` value.
+
+    Tensors of the same shape and dtype, a bool for a bool, a finite number for a finite
+    one (no NaN learning rate), a number > 0 for an int > 0 (``StepLR``'s ``step_size``),
+    lists of the same length, a dict for a dict; with ``required`` (an optimizer's state)
+    also every key of the template that holds more than a flag.
+    """
+    out: list[str] = []
+    if isinstance(live, dict) and isinstance(saved, dict):
+        flags = (bool, str, type(None))
+        lacking = [k for k, v in live.items() if k not in saved and not isinstance(v, flags)]
+        out = [f"{where}[{k!r}]: missing from the checkpoint" for k in lacking if required]
+        children = [(k, saved[k], live[k]) for k in live if k in saved]
+    elif isinstance(live, (list, tuple)) and isinstance(saved, (list, tuple)):
+        children = list(zip(range(len(live)), saved, live))
+        if len(saved) != len(live):
+            return [f"{where}: {len(saved)} items in the checkpoint, {len(live)} in the template"]
+    else:
+        differ = f"{where}: {_kind(saved)} in the checkpoint, {_kind(live)} in the template"
+        return [] if _fits(saved, live) else [differ]
+    return out + [m for k, s, v in children for m in _mismatches(f"{where}[{k!r}]", s, v, required)]
 
 
 def _differences(
-    manifest: Manifest, like: TrainState, objects: dict[str, Any], trees: dict[str, Any]
+    manifest: Manifest,
+    like: TrainState,
+    objects: dict[str, Any],
+    trees: dict[str, Any],
+    optimizer_like: Any,
 ) -> list[str]:
     """How the decoded components differ from the template (the model aside)."""
-    classes, scaler = manifest.classes, like.scaler
+    classes, scaler, folder = manifest.classes, like.scaler, manifest.path
     handles = ("optimizer", "scheduler", "scaler")
     saved: dict[str, Any] = {n: classes.get(n) for n in handles if trees[n] is not None}
     live = {n: type(getattr(like, n)).__name__ for n in handles if getattr(like, n) is not None}
@@ -153,18 +215,23 @@ def _differences(
         del live["scaler"]
     out = _compare("components", saved, live)
     if "optimizer" in saved and "optimizer" in live:
-        saved_groups = [g.get("params", []) for g in trees["optimizer"].get("param_groups", [])]
+        groups = [g["params"] for g in trees["optimizer"]["param_groups"]]
+        grouped = {n: f"group {g}" for g, names in enumerate(groups) for n in names}
         live_groups = parameter_names(like.model, like.optimizer)
         out += _compare(
             "optimizer parameters",
-            {n: f"group {g}" for g, names in enumerate(saved_groups) for n in names},
+            {**dict.fromkeys(trees["optimizer"]["state"], "state without a group"), **grouped},
             {n: f"group {g}" for g, names in enumerate(live_groups) for n in names},
         )
+    templates = {"optimizer": optimizer_like, "scheduler": like.scheduler, "scaler": like.scaler}
+    for name, template in templates.items():
+        if name in saved and template is not None and not out:
+            found = template if name == "optimizer" else template.state_dict()
+            out += _mismatches(f"{folder}/{name}.json", trees[name], found, name == "optimizer")
     extras = trees["extras"] or {}
-    common = extras.keys() & like.extras.keys()
-    out += _compare(
-        "extras", *(_shapes({k: tree[k] for k in common}) for tree in (extras, like.extras))
-    )
+    common = [key for key in like.extras if key in extras]
+    saved_extras, live_extras = ({k: tree[k] for k in common} for tree in (extras, like.extras))
+    out += _mismatches(f"{folder}/extras.json", saved_extras, live_extras, required=True)
     saved_objects = {n: classes.get("objects", {}).get(n) for n in trees["objects"] or {}}
     return out + _compare(
         "objects", saved_objects, {n: type(o).__name__ for n, o in objects.items()}
@@ -264,18 +331,18 @@ def load_checkpoint(
         error = caught
     agree(error, group, who)  # all ranks restore, or none
     assert plan is not None
-    return _restore(plan, like, objects, group)
+    return _restore(plan, objects, group)
 
 
 @dataclasses.dataclass
 class _Plan:
-    """What a load restores, read and compared with the template (nothing touched yet)."""
+    """What a load restores, read and checked against the template (nothing touched yet)."""
 
     manifest: Manifest
     model: dict[str, Any]  # the saved state dict, or (sharded) the template's to fill
     shards: dict[str, torch.Tensor]  # sharded layout: DCP key -> template tensor to fill
     trees: dict[str, Any]  # component name -> decoded tree (None when absent)
-    fields: dict[str, Any]
+    state: TrainState  # the state to return, the template's handles
     rng_state: Any
 
 
@@ -287,8 +354,10 @@ def _rank_state(manifest: Manifest, rank: int, rng: bool) -> tuple[Any, dict[str
     """
     if rank == 0:
         return (read_tree(manifest, "rng") if rng and manifest.has("rng") else None), {}
-    if manifest.has(rank_component(rank)):
-        own = read_tree(manifest, rank_component(rank))
+    if manifest.has(name := rank_component(rank)):
+        own = read_tree(manifest, name)
+        if not (isinstance(own, dict) and own.keys() == {"rng", "data_state"}):
+            raise DamagedCheckpointError(manifest.path, [f"{manifest.path / name}.json: malformed"])
         return (own["rng"] if rng else None), {"data_state": own["data_state"]}
     warnings.warn(
         f"load_checkpoint: {manifest.path} holds no RNG states or data position for rank "
@@ -308,11 +377,11 @@ def _model_plan(
         shards.update({f"model/{name}": value for name, value in state.items()})
         shapes = {
             key.removeprefix("model/"): tuple(size)
-            for key, (size, _) in saved_shapes(manifest.path).items()
+            for key, (size, _) in _saved_shapes(manifest).items()
             if key.startswith("model/")
         }
         return state, model_differences(like.model, shapes, {})
-    tensors = _tensors(manifest.path / "model.safetensors", owned=False)
+    tensors = _model_file(manifest)
     shapes = {name: tuple(t.shape) for name, t in tensors.items()}
     differences = model_differences(like.model, shapes, manifest.aliases)
     return expand(tensors, manifest.aliases) if not differences else {}, differences
@@ -320,8 +389,9 @@ def _model_plan(
 
 def _trees(
     manifest: Manifest, like: TrainState, shards: dict[str, Any], differences: list[str]
-) -> dict[str, Any]:
-    """Every tree component, decoded against the template (``None`` when absent)."""
+) -> tuple[dict[str, Any], Any]:
+    """Every tree component, decoded against the template (``None`` when absent), and the
+    template's optimizer state (zero state when it has none)."""
     referenced: list[str] = []  # keys of sharded tensors
 
     def take(key: str, template: Any) -> torch.Tensor:
@@ -331,7 +401,9 @@ def _trees(
         return torch.empty(0)  # a stand-in keeps decoding; the difference is reported below
 
     optimizer_like = None
-    if manifest.sharded and like.optimizer is not None and manifest.has("optimizer"):
+    if like.optimizer is not None and manifest.has("optimizer") and not manifest.sharded:
+        optimizer_like = optimizer_state(like.model, like.optimizer)  # drops zero state again
+    elif like.optimizer is not None and manifest.has("optimizer"):
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         # The template's own state (zero state first, if none) is what DCP loads into.
@@ -345,23 +417,102 @@ def _trees(
         for n in names
     }
     if referenced:  # their whole shapes
-        saved = {k: f"shape {list(size)}" for k, (size, _) in saved_shapes(manifest.path).items()}
+        saved = {k: f"shape {list(size)}" for k, (size, _) in _saved_shapes(manifest).items()}
         live = {k: f"shape {list(shards[k].shape)}" for k in referenced if k in shards}
         found = {k: saved.get(k, "not in the files") for k in referenced}
         differences += _compare("sharded tensors", found, live)
-    return trees
+    return trees, optimizer_like
+
+
+def _content_problems(
+    folder: Path, trees: Mapping[str, Any], fields: Mapping[str, Any] | None
+) -> list[str]:
+    """What no save writes, found without a template (a load and verify_checkpoint refuse it).
+
+    A component that is not a JSON object; an optimizer state without parameter groups or
+    with a non-finite hyperparameter; RNG states that a generator refuses (tried on new
+    ones); TrainState fields that TrainState refuses, a negative counter or an open window.
+    """
+    out = [
+        f"{folder / name}.json: not a JSON object"
+        for name, tree in trees.items()
+        if tree is not None and not isinstance(tree, dict)
+    ]
+    optimizer = trees.get("optimizer")
+    if not out and optimizer is not None:
+        groups = optimizer.get("param_groups")
+        ok = isinstance(optimizer.get("state"), dict) and isinstance(groups, list)
+        ok = ok and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)
+        floats = [v for v in optree.tree_leaves(groups if ok else []) if isinstance(v, float)]
+        if not (ok and all(map(math.isfinite, floats))):
+            out.append(f"{folder}/optimizer.json: not parameter groups of finite numbers")
+    for name, tree in trees.items() if not out else ():
+        try:
+            if tree is not None and (name == "rng" or name.startswith("rank_")):
+                restore_rng(tree if name == "rng" else tree["rng"], trial=True)
+        except Exception as error:  # whatever a generator raises: the states stay unused
+            out.append(f"{folder / name}.json: RNG states that a generator refuses ({error})")
+    try:
+        state = TrainState(model=torch.nn.Module(), **(fields or {}))
+        guard = all(type(n) is int and n >= 0 for n in state.guard)
+        bad = "" if guard and state.window == WindowState() else "an open window or a bad counter"
+    except (TypeError, ValueError) as error:
+        bad = str(error)
+    return out + ([f"{folder}/state.json: not what a save writes ({bad})"] if bad else [])
+
+
+def _taker(used: list[str]) -> Callable[[str, Any], torch.Tensor]:
+    def take(key: str, template: Any) -> torch.Tensor:
+        used.append(key)
+        return torch.empty(0)
+
+    return take
+
+
+def content_problems(manifest: Manifest) -> list[str]:
+    """What a load refuses in a checkpoint whose files are intact, found without a template.
+
+    Every safetensors header and JSON tree is read (tensors the trees name must be in
+    their files, the model's aliases in the model file, sharded keys in ``sharded/``),
+    then :func:`_content_problems`; with a template, a load also compares shapes, dtypes
+    and hyperparameters with it.
+    """
+    differences: list[str] = []
+    used: list[str] = []  # the sharded keys the trees name
+    try:
+        shapes = _saved_shapes(manifest) if manifest.sharded else _model_file(manifest) and {}
+        names = [n[:-5] for n in manifest.files if n.endswith(".json") and "/" not in n]
+        trees = {n: read_tree(manifest, n, sharded=_taker(used)) for n in names}
+    except DamagedCheckpointError as error:
+        return list(error.problems)
+    if any(key not in shapes for key in used):
+        differences.append(f"{manifest.path / SHARDS}: lacks tensors the trees name")
+    state = trees.get("state")
+    dummy = TrainState(model=torch.nn.Module())
+    fields = _field_values(dummy, state, differences) if isinstance(state, dict) else {}
+    return _content_problems(manifest.path, trees, fields) + differences
 
 
 def _plan(
     path: str | os.PathLike[str], like: TrainState, objects: dict[str, Any], rng: bool, rank: int
 ) -> _Plan:
     manifest = verified_manifest(path)
+    if manifest.model_only and like.optimizer is not None:
+        raise ValueError(
+            f"load_checkpoint: {manifest.path} is model-only (Retention(keep_full=...) "
+            "removed its optimizer, scheduler and RNG states); resume from a newer one, or "
+            "load its weights with toolkit.checkpoints.export_model."
+        )
     shards: dict[str, torch.Tensor] = {}
     model, differences = _model_plan(manifest, like, shards)
-    trees = _trees(manifest, like, shards, differences)
-    differences += _differences(manifest, like, objects, trees)
-    fields = _field_values(like, trees["state"] or {}, differences)
+    trees, optimizer_like = _trees(manifest, like, shards, differences)
     rng_state, own = _rank_state(manifest, rank, rng)
+    saved = trees["state"] if isinstance(trees["state"], dict) else {}
+    fields = {**_field_values(like, saved, differences), **own}
+    damage = _content_problems(manifest.path, {**trees, "rng": rng_state}, fields)
+    if damage:
+        raise DamagedCheckpointError(manifest.path, damage)
+    differences += _differences(manifest, like, objects, trees, optimizer_like)
     if differences:
         listing = "\n  ".join(differences)
         raise ValueError(
@@ -370,33 +521,30 @@ def _plan(
             "saved run (same model, optimizer, scheduler and plugins), or load the model alone "
             "with safetensors.torch.load_file."
         )
-    return _Plan(manifest, model, shards, trees, {**fields, **own}, rng_state)
-
-
-def _restore(
-    plan: _Plan, like: TrainState, objects: dict[str, Any], group: Group | None
-) -> TrainState:
-    """Restore, in the order that keeps each object's saved values (see load_checkpoint)."""
-    full = not plan.manifest.sharded
-    if plan.shards:
-        load_shards(plan.shards, plan.manifest.path, group)  # every sharded tensor, in place
-    put_model(like.model, plan.model, full=full)
-    plan.model.clear()  # drop the file mapping
-    trees = plan.trees
-    if trees["scheduler"] is not None:
-        like.scheduler.load_state_dict(trees["scheduler"])
-    if trees["optimizer"] is not None:
-        put_optimizer(like.model, like.optimizer, trees["optimizer"], full=full)
     scaler = like.scaler
-    if trees["scaler"] is not None:
-        device = next((p.device.type for p in like.model.parameters()), "cpu")
-        scaler = scaler or torch.amp.GradScaler(device)
-        scaler.load_state_dict(trees["scaler"])
-    for name, obj in objects.items():
-        obj.load_state_dict(trees["objects"][name])
-    if plan.rng_state is not None:
-        restore_rng(plan.rng_state)
+    if trees["scaler"] is not None and scaler is None:  # one is built for the saved state
+        scaler = torch.amp.GradScaler(next((p.device.type for p in like.model.parameters()), "cpu"))
     # A new state, not like.replace(): the template may carry a train step's "consumed" mark.
     values = {field.name: getattr(like, field.name) for field in dataclasses.fields(like)}
-    values.update(plan.fields, extras={**like.extras, **(trees["extras"] or {})}, scaler=scaler)
-    return TrainState(**values)
+    values.update(fields, extras={**like.extras, **(trees["extras"] or {})}, scaler=scaler)
+    return _Plan(manifest, model, shards, trees, TrainState(**values), rng_state)
+
+
+def _restore(plan: _Plan, objects: dict[str, Any], group: Group | None) -> TrainState:
+    """Restore, in the order that keeps each object's saved values (see load_checkpoint)."""
+    trees, state = plan.trees, plan.state
+    for name, obj in objects.items():  # first: only the object itself can check its state
+        obj.load_state_dict(trees["objects"][name])
+    if plan.shards:
+        load_shards(plan.shards, plan.manifest.path, group)  # every sharded tensor, in place
+    put_model(state.model, plan.model, full=not plan.manifest.sharded)
+    plan.model.clear()  # drop the file mapping
+    if trees["scheduler"] is not None:
+        state.scheduler.load_state_dict(trees["scheduler"])
+    if trees["optimizer"] is not None:
+        put_optimizer(state.model, state.optimizer, trees["optimizer"], not plan.manifest.sharded)
+    if trees["scaler"] is not None and state.scaler is not None:  # built when none
+        state.scaler.load_state_dict(trees["scaler"])
+    if plan.rng_state is not None:
+        restore_rng(plan.rng_state)
+    return state

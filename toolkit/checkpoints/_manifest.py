@@ -3,7 +3,8 @@
 The manifest lists every file of the checkpoint with its size and xxh3-128 checksum, the
 format name and version, the step and time, the metrics and retention rules given at save
 time, the class of each saved object, the model's tied-tensor aliases, whether the model
-is in the ``sharded/`` sub-folder (:mod:`._sharded`), and how many ranks wrote it. A
+is in the ``sharded/`` sub-folder (:mod:`._sharded`), how many ranks wrote it, the run's
+``settings``, and whether retention reduced it to model-only (``model_only``). A
 component ``name`` is present when ``name.json`` is listed (with ``name.safetensors`` when
 it holds tensors). It carries a checksum of its own content too, so a flipped bit in it is
 caught like one in any other file. Files a manifest does not list are never opened.
@@ -22,7 +23,15 @@ from typing import Any
 import xxhash
 
 from toolkit.checkpoints._codec import TreeError, decode, encode
-from toolkit.checkpoints._files import CHECKSUM, checksum, read_json
+from toolkit.checkpoints._files import (
+    CHECKSUM,
+    checksum,
+    fsync_dir,
+    read_json,
+    replace_file,
+    write_json,
+)
+from toolkit.checkpoints._retention import retention_from_document
 from toolkit.checkpoints._sharded import SHARDS
 
 FORMAT = "toolkit-checkpoint"
@@ -71,6 +80,7 @@ class Manifest:
     sharded: bool = False
     world_size: int = 1
     settings: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    model_only: bool = False
 
     @property
     def size(self) -> int:
@@ -133,7 +143,7 @@ def _parsed(folder: Path) -> dict[str, Any]:
         document = read_json(path)
     except FileNotFoundError:
         raise DamagedCheckpointError(folder, [f"{path}: missing"]) from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+    except (OSError, ValueError) as error:  # a parse error or not a regular file
         raise DamagedCheckpointError(folder, [f"{path}: unreadable ({error})"]) from None
     if not isinstance(document, dict):
         raise DamagedCheckpointError(folder, [f"{path}: not a JSON object"])
@@ -160,13 +170,18 @@ def _fields(document: dict[str, Any]) -> dict[str, Any] | None:
         settings = decode(fields.get("settings", {}), {}, "settings")
         fields.update(time=float(fields["time"]), metrics=metrics, settings=settings)
         step, entries = fields["step"], fields["files"].values()
-    except (TreeError, KeyError, TypeError, AttributeError, ValueError):
+        retention_from_document(fields.get("rules", {}))
+    except (TreeError, KeyError, TypeError, AttributeError, ValueError, RecursionError):
         return None
     entries_ok = all(
         isinstance(e, dict) and type(e.get("size")) is int and isinstance(e.get(CHECKSUM), str)
         for e in entries
     )
-    ok = numbers and entries_ok and isinstance(settings, dict)
+    kinds = {"aliases": dict, "classes": dict, "sharded": bool, "world_size": int}
+    kinds.update(settings=dict, model_only=bool)
+    ok = all(type(fields.get(k, t())) is t for k, t in kinds.items()) and numbers and entries_ok
+    ok = ok and all(type(v) is str for v in fields.get("aliases", {}).values())
+    ok = ok and isinstance(fields.get("classes", {}).get("objects", {}), dict)
     return fields if ok and type(step) is int and step >= 0 else None
 
 
@@ -202,9 +217,12 @@ def file_problems(manifest: Manifest, *, checksums: bool = True) -> list[str]:
     reading it. With a sharded model, files in ``sharded/`` the manifest does not list
     are problems too (DCP's reader lists that folder).
     """
-    problems = []
+    problems, inside = [], manifest.path.resolve()
     for name, entry in manifest.files.items():
         path = manifest.path / name
+        if not path.resolve().is_relative_to(inside):  # a sharded/ that is a link
+            problems.append(f"{path}: leads outside the checkpoint folder (a symbolic link)")
+            continue
         try:
             info = os.lstat(path)
         except FileNotFoundError:
@@ -227,3 +245,26 @@ def file_problems(manifest: Manifest, *, checksums: bool = True) -> list[str]:
         if path not in listed:
             problems.append(f"{path}: not listed in the manifest (planted or left over); remove it")
     return problems
+
+
+def reduce_to_model(folder: Path) -> bool:
+    """Make a checkpoint model-only (see ``Retention.keep_full``); False when it cannot be.
+
+    The manifest is rewritten first (atomically) to list only the model, ``state`` and
+    ``extras`` files, then the other files are removed: a crash in between leaves files
+    that no manifest lists, never a manifest listing a missing file. A sharded checkpoint
+    (its model and optimizer share files) or a model-only one is left as it is.
+    """
+    document = _parsed(folder)
+    if document.get("sharded") or document.get("model_only"):
+        return False
+    kept = ("model.safetensors", "state.json", "state.safetensors", "extras.json")
+    files = document["files"]
+    document["files"] = {n: e for n, e in files.items() if n in (*kept, "extras.safetensors")}
+    document["model_only"] = True
+    document[_SELF] = xxhash.xxh3_128_hexdigest(_canonical(document))
+    replace_file(folder / MANIFEST, lambda temp: write_json(temp, document))
+    for name in files.keys() - document["files"].keys():
+        (folder / name).unlink(missing_ok=True)
+    fsync_dir(folder)
+    return True

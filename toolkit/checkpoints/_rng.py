@@ -43,21 +43,28 @@ def capture_rng() -> dict[str, Any]:
     return states
 
 
-def restore_rng(states: dict[str, Any]) -> None:
-    """Set the generators from :func:`capture_rng`'s result (as a checkpoint returns it)."""
-    random.setstate(states["python"])
-    torch.set_rng_state(states["torch"].cpu())
+def restore_rng(states: dict[str, Any], *, trial: bool = False) -> None:
+    """Set the generators from :func:`capture_rng`'s result (as a checkpoint returns it).
+
+    ``trial``: set new generators instead, so that a state a generator refuses raises
+    while the process's own are untouched (NumPy's position is checked here: NumPy takes
+    any, and crashes on the next draw).
+    """
+    (random.Random().setstate if trial else random.setstate)(states["python"])
+    (torch.Generator().set_state if trial else torch.set_rng_state)(states["torch"].cpu())
     numpy = _numpy()
     saved = states.get("numpy")
     if numpy is not None and saved is not None:
         key = numpy.asarray(saved["key"], dtype=numpy.uint32)
-        numpy.random.set_state(
+        if not (type(saved["pos"]) is int and 0 <= saved["pos"] <= len(key) == 624):
+            raise ValueError(f"numpy: position {saved['pos']!r} of a key of {len(key)} words")
+        (numpy.random.RandomState() if trial else numpy.random).set_state(
             (saved["bit_generator"], key, saved["pos"], saved["has_gauss"], saved["gauss"])
         )
     cuda = states.get("cuda")
     if cuda and torch.cuda.is_available():
         count = torch.cuda.device_count()
-        if count != len(cuda):
+        if count != len(cuda) and not trial:
             warnings.warn(
                 f"load_checkpoint: the checkpoint holds the RNG states of {len(cuda)} CUDA "
                 f"device(s), this process sees {count}; restoring the first "
@@ -65,4 +72,7 @@ def restore_rng(states: dict[str, Any]) -> None:
                 stacklevel=3,
             )
         for index, state in enumerate(cuda[:count]):
-            torch.cuda.set_rng_state(state.cpu(), index)
+            if trial:
+                torch.Generator(f"cuda:{index}").set_state(state.cpu())
+            else:
+                torch.cuda.set_rng_state(state.cpu(), index)
