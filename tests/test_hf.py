@@ -241,3 +241,23 @@ def test_export_pretrained_refuses_what_it_cannot_write(tmp_path) -> None:
         export_pretrained(checkpoint, tmp_path / "c", model=_lora())
     with pytest.raises(ValueError, match="merge must be False for a model without a peft"):
         export_pretrained(_gpt2(), tmp_path / "d", merge=True)
+
+
+def test_a_checkpoint_holding_tied_tensors_once_exports_every_name(tmp_path, monkeypatch) -> None:
+    # A sharded (FSDP2) checkpoint's pieces hold lm_head.weight only as an alias of the
+    # embedding: both exports must still write (or tie) it.
+    import toolkit.checkpoints._export as export
+
+    trained = _gpt2()
+    checkpoint = save_checkpoint(_train(trained, 1), tmp_path / "ckpt")
+    once = export.full_model
+
+    def without_aliases(manifest):
+        return {k: v for k, v in once(manifest).items() if k not in manifest.aliases}
+
+    monkeypatch.setattr(export, "full_model", without_aliases)
+    folder = export_pretrained(checkpoint, tmp_path / "hf", model=_gpt2(seed=1))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    torch.testing.assert_close(_logits(loaded), _logits(trained), rtol=0, atol=0)
+    path = export.export_model(checkpoint, tmp_path / "model.safetensors")
+    _gpt2(seed=1).load_state_dict(safetensors.torch.load_file(path), strict=True)

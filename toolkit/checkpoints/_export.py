@@ -171,7 +171,7 @@ def export_pretrained(
         ['config.json', 'generation_config.json', 'model.safetensors']
     """
     who = "export_pretrained"
-    full, aliases, own = _read(source, weights, key, who)
+    full, own = _read(source, weights, key, who)
     target: Any = unwrap(model) if isinstance(model, torch.nn.Module) else (model or own)
     fix = "pass model=AutoModelForCausalLM.from_config(config) (or your PeftModel); for any "
     fix += "other module, export_model writes a file"
@@ -183,7 +183,6 @@ def export_pretrained(
             f"{who}: the weights do not fit the model: missing {sorted(names - full.keys())[:5]}"
             f", unexpected {sorted(full.keys() - names)[:5]}; pass the model that was trained."
         )
-    full.update({alias: full[name] for alias, name in aliases.items()})  # one object: once
     if merge:
         peft = hasattr(target, "merge_and_unload")
         check(peft, who, "merge", "False for a model without a peft adapter", merge)
@@ -198,9 +197,9 @@ def export_pretrained(
 
 def _read(
     source: Any, weights: str, key: str, who: str
-) -> tuple[dict[str, torch.Tensor], Mapping[str, str], torch.nn.Module | None]:
-    """The full state dict (the EMA's weights with ``weights="ema"``), its aliases (tied
-    names) and the source's module (None for a checkpoint folder)."""
+) -> tuple[dict[str, torch.Tensor], torch.nn.Module | None]:
+    """The full state dict, the EMA's weights in it with ``weights="ema"``, and the
+    source's module (None for a checkpoint folder)."""
     check_one_of(who, "weights", weights, ("model", "ema"))
     model = None
     if isinstance(source, (str, os.PathLike)):
@@ -215,6 +214,8 @@ def _read(
         full, where = model_state(model), "the state"
         aliases = split_aliases(full, who)[1]  # and a clear error for a non-tensor entry
         extras = source.extras if isinstance(source, TrainState) else None
+    # A sharded checkpoint's pieces hold each tied tensor once: every name, one object.
+    full.update({alias: full[name] for alias, name in aliases.items()})
     if weights == "ema":
         if extras is None:
             raise ValueError(
@@ -222,4 +223,4 @@ def _read(
                 "lives in state.extras); got a bare module."
             )
         full = _with_average(full, aliases, extras, key, where, who)
-    return full, aliases, model
+    return full, model
