@@ -1,6 +1,6 @@
 """The same small job trained with Hugging Face's Trainer and with toolkit, compared.
 
-    python examples/compare_hf_trainer.py        # needs transformers (the `compare` extra)
+    python examples/compare_hf_trainer.py   # needs transformers 5 and accelerate: `hf`, `compare`
 
 A 2-layer Llama built from its config (no download) on 32 padded sequences of 5 to 16
 tokens, AdamW and a linear decay, batches of 4 accumulated over 2 micro-batches, the gradient

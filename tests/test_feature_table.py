@@ -47,6 +47,31 @@ def test_the_table_cites_tests_in_each_section() -> None:
         assert not uncited, f"rows without a test: {uncited}"
 
 
+COLUMNS = ["capability", "MT", "AH", "PA", "F2", "VO", "LF", "HA", "HT", "toolkit: function, test"]
+
+
+def test_every_row_has_a_cell_for_each_of_the_eight_trainers() -> None:
+    sections = _feature_table().split("\n### ")[1:-2]  # the last two: quick starts, not done
+    assert len(sections) >= 5
+    for section in sections:
+        rows = [line for line in section.splitlines() if line.startswith("| ")]
+        header = [cell.strip() for cell in rows[0].strip("|").split(" | ")]
+        assert header == COLUMNS, section.splitlines()[0]
+        for row in rows[2:]:
+            cells = [cell.strip() for cell in row.strip().strip("|").split(" | ")]
+            assert len(cells) == len(COLUMNS) and all(cells), row
+
+
+@pytest.mark.parametrize("library", ["hf-trainer", "accelerate", "fabric"])
+def test_each_new_guide_names_its_comparison_script_and_test(library: str) -> None:
+    guide = (ROOT / "docs" / f"coming-from-{library}.md").read_text()
+    script = f"examples/compare_{library.replace('-', '_')}.py"
+    assert script in guide and (ROOT / script).is_file()
+    assert "tests/test_coming_from.py" in {path for path, _ in _citations(guide)}
+    table = _feature_table()
+    assert f"`{script}`" in table, f"the quick-start table lacks {script}"
+
+
 def test_a_missing_test_would_be_reported() -> None:
     assert _citations("`tests/test_loop.py::test_nope`") == [("tests/test_loop.py", "test_nope")]
     assert not re.search(r"^def test_nope\(", (ROOT / "tests/test_loop.py").read_text(), re.M)
