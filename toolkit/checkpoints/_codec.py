@@ -28,11 +28,7 @@ __all__ = ["TreeError", "decode", "describe", "encode", "host_tensor", "separate
 
 _SCALARS = (bool, int, float, str, type(None))
 # The base types' own conversions: a subclass may override __str__ (class Mode(str, Enum)).
-_BASES: tuple[tuple[type, Callable[[Any], Any]], ...] = (
-    (str, str.__str__),
-    (int, int.__int__),
-    (float, float.__float__),
-)
+_BASES: dict[type, Any] = {str: str.__str__, int: int.__int__, float: float.__float__}
 # The dtypes safetensors codes; others (complex128, ...) are stored as their raw bytes.
 _STORED = {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64}
 _STORED |= {torch.bool, torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.uint8}
@@ -82,7 +78,11 @@ def _plain(value: Any) -> Any:
     """A NumPy scalar or a str, int or float subclass as the Python base type, else ``value``."""
     if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
         return value.item()  # np.bool_ -> bool, np.int64 -> int: also 0-d arrays
-    return next((plain(value) for b, plain in _BASES if isinstance(value, b)), value)
+    return next((plain(value) for b, plain in _BASES.items() if isinstance(value, b)), value)
+
+
+def _cannot_store(root: str, path: tuple[Any, ...], what: str, fix: str) -> TreeError:
+    return TreeError(f"{_where(root, path)}: {what}, which a checkpoint cannot store; {fix}")
 
 
 def _refused(root: str, path: tuple[Any, ...], value: Any) -> TreeError:
@@ -91,20 +91,14 @@ def _refused(root: str, path: tuple[Any, ...], value: Any) -> TreeError:
         hint = " Convert NumPy arrays with torch.from_numpy()."
     elif isinstance(value, tuple):
         hint = " Store a dict of its fields (value._asdict()) instead."
-    return TreeError(
-        f"{_where(root, path)}: {describe(value)}, which a checkpoint cannot store; keep only "
-        f"tensors, numbers, strings, bools, None, lists, tuples and dicts in checkpointed "
-        f"state.{hint}"
-    )
+    keep = "keep only tensors, numbers, strings, bools, None, lists, tuples and dicts"
+    return _cannot_store(root, path, describe(value), f"{keep} in checkpointed state.{hint}")
 
 
 def encode(
-    tree: Any,
-    root: str,
-    *,
-    copy: bool = False,
+    tree: Any, root: str, *, copy: bool = False,
     external: Callable[[torch.Tensor], bool] | None = None,
-) -> tuple[Any, dict[str, torch.Tensor]]:
+) -> tuple[Any, dict[str, torch.Tensor]]:  # fmt: skip
     """Split ``tree`` into a JSON-ready document and the tensors it refers to (by path).
 
     CPU tensors are used as they are unless ``copy``; tensors for which ``external`` is
@@ -117,10 +111,8 @@ def encode(
     def tensor(value: torch.Tensor, path: tuple[Any, ...]) -> dict[str, Any]:
         outside = external is not None and external(value)
         if not outside and _unstorable(value):
-            raise TreeError(
-                f"{_where(root, path)}: {_unstorable(value)}, which a checkpoint cannot "
-                "store; keep dense, materialised tensors in checkpointed state."
-            )
+            fix = "keep dense, materialised tensors in checkpointed state."
+            raise _cannot_store(root, path, _unstorable(value), fix)
         if id(value) not in names:
             name = "/".join(str(p) for p in (root, *path))
             while name in tensors:  # dict keys may hold "/": two paths can join alike
@@ -141,10 +133,8 @@ def encode(
         if type(value) is tuple:
             return {"$tuple": [key(item, path) for item in value]}
         if type(value) not in _SCALARS:
-            raise TreeError(
-                f"{_where(root, path)}: a dict key that is {describe(value)}, which a "
-                "checkpoint cannot store; use str, int, float, bool, None or tuple keys."
-            )
+            fix = "use str, int, float, bool, None or tuple keys."
+            raise _cannot_store(root, path, f"a dict key that is {describe(value)}", fix)
         return walk(value, path)
 
     def walk(value: Any, path: tuple[Any, ...]) -> Any:
@@ -190,11 +180,8 @@ def _unstorable(value: torch.Tensor) -> str:
 def host_tensor(value: torch.Tensor, copy: bool = False) -> torch.Tensor:
     """A contiguous CPU tensor with the value's data (a copy when ``copy`` or when needed)."""
     host = value.detach()
-    if host.device.type != "cpu":
-        host = host.to("cpu")  # a new tensor already: no extra copy needed
-    elif copy or not host.is_contiguous():
-        host = host.clone(memory_format=torch.contiguous_format)
-    host = host.contiguous()
+    if copy or host.device.type != "cpu" or not host.is_contiguous():
+        host = host.to("cpu", copy=True, memory_format=torch.contiguous_format)  # one copy
     return host if host.dtype in _STORED else host.reshape(-1).view(torch.uint8)
 
 
@@ -222,13 +209,9 @@ def _child(template: Any, key: Any) -> Any:
 
 
 def decode(
-    document: Any,
-    tensors: Mapping[str, torch.Tensor],
-    root: str,
-    *,
-    like: Any = None,
+    document: Any, tensors: Mapping[str, torch.Tensor], root: str, *, like: Any = None,
     sharded: Callable[[str, Any], torch.Tensor] | None = None,
-) -> Any:
+) -> Any:  # fmt: skip
     """Rebuild the tree that :func:`encode` split.
 
     A tensor goes to the device of the template's tensor at the same path in ``like``,
