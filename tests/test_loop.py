@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import re
+import warnings
 
 import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from toolkit import Event, TrainState, accumulate, make_step, run
+from toolkit.plugins import validate
 
 
 def _state() -> TrainState:
@@ -360,3 +362,30 @@ def test_a_plugin_exiting_at_the_end_waits_for_every_other_end() -> None:
     with pytest.raises(SystemExit) as caught:
         run(_step(), _state(), _data(2), max_steps=1, plugins=[exits, lambda e: ran.append(e.kind)])
     assert caught.value.code == 143 and ran[-1] == "end"
+
+
+def test_a_model_left_in_eval_mode_is_reported_once_at_the_start() -> None:
+    # from_pretrained returns models in eval mode: dropout would be off for the whole run.
+    state = _state()
+    inner = state.model.eval()
+    wrapped = state.replace(model=torch.nn.DataParallel(inner))  # the wrapper itself trains
+    for start in (state, wrapped):
+        with pytest.warns(RuntimeWarning, match=r"eval mode.*call model\.train\(\)") as caught:
+            run(_step(), start, _data(3), max_steps=3)
+        assert len(caught) == 1 and caught[0].filename == __file__  # points at run()'s caller
+    # The filter the message gives silences it (warnings are errors in this test suite).
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "run: the model is in eval mode")
+        run(_step(), state, _data(3), max_steps=3)
+    # Training that starts in train mode is not reported, however plugins switch the mode
+    # (validate evaluates in eval mode and switches back); a plugin may switch it at "start".
+    inner.train()
+    evaluates = validate(lambda m, b: {"loss": m(b).mean()}, _data(1), every=1)
+    run(_step(), state, _data(3), max_steps=3, plugins=[evaluates])
+    inner.eval()
+
+    def trains(event: Event) -> None:
+        if event.kind == "start":
+            event.state.model.train()
+
+    run(_step(), state, _data(3), max_steps=3, plugins=[trains])

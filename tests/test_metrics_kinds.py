@@ -14,7 +14,7 @@ import torch
 from test_metrics import drive, frozen_state, out, recorder, zero
 
 from toolkit import Event, LossSum, StepOutput, TrainState, accumulate, make_step, run
-from toolkit.plugins import checkpoints
+from toolkit.plugins import Sink, checkpoints
 from toolkit.plugins._metrics import log_metrics
 from toolkit.plugins._sinks import jsonl
 
@@ -230,14 +230,24 @@ def test_one_group_logs_train_lr_only() -> None:
 def test_non_scalar_records_are_left_out_and_records_chooses() -> None:
     logits = torch.randn(4, 10)
     record = {"acc": torch.tensor(0.5), "n": 3, "logits": logits, "name": "x", "sub": {"v": logits}}
-    rows, _, sink = recorder()
-    drive(log_metrics(1, sinks=[sink]), [out(1.0, records=record)])
+    rows: list[tuple[int, dict, int]] = []  # (step, metrics, warnings given by then)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sink = Sink(lambda step, m: rows.append((step, m, len(caught))), lambda: None)
+        drive(log_metrics(1, sinks=[sink]), [out(1.0, records=record)] * 3)
     assert sorted(k for k in rows[0][1] if k.startswith("train/")) == [
         "train/acc", "train/loss", "train/n"
     ]  # fmt: skip
-    rows.clear()
+    # Said once, at the first publish (not first noticed missing from the logs at the end).
+    assert [given for _, _, given in rows] == [1, 1, 1] and len(caught) == 1
+    assert caught[0].category is RuntimeWarning
+    assert str(caught[0].message).startswith("log_metrics: records ['logits', 'name', 'sub/v'] ")
+    rows, _, sink = recorder()
     drive(log_metrics(1, sinks=[sink], records=["acc"]), [out(1.0, records=record)])
     assert sorted(k for k in rows[0][1] if k.startswith("train/")) == ["train/acc", "train/loss"]
+    rows.clear()  # records=[]: no record logged, and no warning (an error in this suite)
+    drive(log_metrics(1, sinks=[sink], records=[]), [out(1.0, records=record)])
+    assert sorted(k for k in rows[0][1] if k.startswith("train/")) == ["train/loss"]
 
 
 # ---------------------------------------------------------------- MFU

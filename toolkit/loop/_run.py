@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, NamedTuple, TypeVar
 
 from toolkit._checks import check_count, check_one_of
+from toolkit._unwrap import unwrap
 from toolkit.distributed._collectives import check_even, data_parallel_group
 from toolkit.loop._data import batches_per_epoch, is_stateful, snapshot, unseen
 from toolkit.step._multi import epoch_schedulers
@@ -191,6 +192,10 @@ def _validate(
 # `plugins=[progress]` (the factory, not called) from a plugin.
 FACTORIES: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
 USER_ORDER = 50  # where a plugin without an ``order`` runs among the built-in ones
+EVAL_MODE = (  # a warning: dropout off and batch norm frozen for the whole run
+    "run: the model is in eval mode (no dropout, batch norm frozen); call model.train() first, "
+    "or if meant: warnings.filterwarnings('ignore', 'run: the model is in eval mode')"
+)
 
 
 def plugin_factory(order: int) -> Callable[[F], F]:
@@ -283,6 +288,11 @@ def run(
     and the trained state is still returned. The data iterator (and its worker pool) is
     closed on every exit.
 
+    A model in eval mode (``unwrap(state.model).training`` False once the ``"start"``
+    plugins ran; ``from_pretrained`` returns models so) would train the whole run with
+    dropout off and batch norm frozen: run() warns (``RuntimeWarning``). When eval mode is
+    meant, ``warnings.filterwarnings("ignore", "run: the model is in eval mode")``.
+
     A whole pass over re-iterable data in which no micro-batch was accepted (no batch at
     all, or the loss function skipped every one) would repeat forever: it raises when only
     ``max_steps`` bounds the run, and warns (once) when ``epochs`` does.
@@ -339,6 +349,8 @@ def run(
         state = _call(plugins, Event("restore", state, loop))
         loop = _counted(loop, state, partial_window)
         state = _call(plugins, Event("start", state, loop))
+        if not unwrap(state.model).training:  # from_pretrained's models come in eval mode
+            warnings.warn(EVAL_MODE, RuntimeWarning, stacklevel=2)
         while not _done(state, loop):
             _set_epoch(data, state.epoch)
             state = _call(plugins, Event("epoch_start", state, loop))

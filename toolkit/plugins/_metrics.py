@@ -6,7 +6,7 @@ import dataclasses
 import functools
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -111,6 +111,7 @@ class _Memory:
     # With several parameter groups: their LRs for the next update, and the last applied one's.
     lrs: tuple[dict[str, Any], dict[str, Any]] = ({}, {})
     epoch_loss: tuple[float, float] = (0.0, 0.0)  # (weighted sum, weight) this epoch
+    read_once: bool = False  # records left out were reported (at the run's first read)
 
 
 @plugin_factory(order=60)
@@ -136,9 +137,10 @@ def log_metrics(
     mappings of numbers or one-element tensors) are weighted alike, key by key (a key
     missing from some micro-batches is averaged over those that have it), and flattened
     with "/" under ``train/``. Records that are not scalars (a tensor of logits kept for
-    another plugin, a string) are left out, unless named in ``records``. Micro-batches of
-    a window that :func:`toolkit.guard_nonfinite` rejected are left out (and counted in
-    ``train/nonfinite``).
+    another plugin, a string) are left out, named in a ``RuntimeWarning`` at the run's first
+    publish; ``records=[...]`` logs only those named, without the warning (``records=[]``:
+    none). Micro-batches of a window that :func:`toolkit.guard_nonfinite` rejected are left
+    out (and counted in ``train/nonfinite``).
 
     **Other kinds.** ``reduce`` names records (or ``"grad_norm"``) to publish otherwise
     than by their weighted mean: ``"sum"`` (over the interval's micro-batches and ranks,
@@ -357,13 +359,21 @@ def _take(
 
     def flatten(record: Mapping[str, Any]) -> dict[str, Any]:
         flat = flat_scalars(record, options.records)
+        if not memory.read_once and options.records is None:
+            left_out.update(set(_leaves(record)) - flat.keys())
         clash = sorted(options.reserved.intersection(flat))
         fix = "Rename them in loss_fn's records."
         check(not clash, "log_metrics", "records", "named unlike published keys", clash, fix)
         return flat
 
+    left_out: set[str] = set()
     got = read(interval, memory.windows, open_window, flatten, options.kinds, also)
     memory.windows.clear()
+    if left_out:  # said at the first publish, not found missing from the logs at the end
+        why = f"records {sorted(left_out)} are not numbers or one-element tensors: not logged"
+        fix = "reduce them in loss_fn (.mean()), or choose the records to log: records=[...]"
+        warnings.warn(f"log_metrics: {why}; {fix}.", RuntimeWarning, stacklevel=2)
+    memory.read_once = True
     if options.per_epoch:
         after = interval.sums.get("loss", (0.0, 0.0))
         total, weight = memory.epoch_loss
@@ -453,6 +463,12 @@ def _scan(memory: _Memory, state: TrainState) -> dict[str, float]:
     what = f"metric {', '.join(tensors)}"
     check(not tensors, "log_metrics", what, "a float", "a tensor", fix, TypeError)
     return out
+
+
+def _leaves(tree: Mapping[str, Any], path: str = "") -> Iterator[str]:
+    """The flattened names of a record tree's leaves, scalars or not."""
+    for key, value in tree.items():
+        yield from _leaves(value, f"{path}{key}/") if isinstance(value, Mapping) else [path + key]
 
 
 def _lrs(optimizer: Any) -> dict[str, Any]:

@@ -220,8 +220,8 @@ def _start(bar: _Bar, event: Event) -> None:
         )
         # Redrawn at refreshes only (no auto_refresh): no thread competing with training.
         bar.live = Progress(*columns, bar.info, console=shown, auto_refresh=False)
-        fields = {"head": _head(step, bar.total), "eta": ""}
-        bar.task = bar.live.add_task("train", total=bar.total, completed=step, **fields)
+        head = _head(step, bar.total)
+        bar.task = bar.live.add_task("train", total=bar.total, completed=step, head=head, eta="")
         bar.live.start()
 
 
