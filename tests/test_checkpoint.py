@@ -512,7 +512,7 @@ def test_metrics_must_be_numbers(tmp_path: Path) -> None:
     with pytest.raises(ValueError) as error:
         save_checkpoint(state, tmp_path / "c", metrics={"val/loss": torch.tensor(0.5)})
     assert str(error.value) == (
-        "save_checkpoint: metrics['val/loss'] must be a number under a str key; got Tensor. "
+        "save_checkpoint: metrics['val/loss'] must be a number under a str key; got 'Tensor'. "
         "Pass python floats, e.g. float(loss)."
     )
 

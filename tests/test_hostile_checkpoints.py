@@ -336,6 +336,9 @@ CORRUPTIONS = {
     "a NaN learning rate": _json_edit(
         "optimizer.json", _set(("param_groups", 0, "lr"), {"$float": "nan"})
     ),
+    "beta1 = 1 (AdamW divides by 1 - beta1**step)": _json_edit(
+        "optimizer.json", _set(("param_groups", 0, "betas", "$tuple", 0), 1)
+    ),
     "optimizer state lacking exp_avg_sq": _json_edit(
         "optimizer.json", lambda d: d["state"]["weight"].pop("exp_avg_sq")
     ),

@@ -37,17 +37,9 @@ def _kept_by(infos: Sequence[CheckpointInfo], rules: Retention | None) -> dict[s
 def _row(c: CheckpointInfo, kept: dict[str, str]) -> list[str]:
     saved = "-" if c.time is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.time))
     metrics = ", ".join(f"{k}={v:.4g}" for k, v in sorted(c.metrics.items())) or "-"
-    size = "-" if c.step is None else _size(c.size)
-    step = "-" if c.step is None else str(c.step)
-    return [
-        step,
-        c.name,
-        saved,
-        size,
-        metrics,
-        kept.get(c.name, "-"),
-        ("ok" if c.intact else "DAMAGED") + (", model-only" if c.model_only else ""),
-    ]
+    step, size = ("-", "-") if c.step is None else (str(c.step), _size(c.size))
+    check = ("ok" if c.intact else "DAMAGED") + (", model-only" if c.model_only else "")
+    return [step, c.name, saved, size, metrics, kept.get(c.name, "-"), check]
 
 
 def _table(infos: Sequence[CheckpointInfo], rules: Retention | None) -> None:
@@ -92,24 +84,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         "retention rule keeps each); --verify also checks every file's checksum and content.",
     )
     parser.add_argument("dir", type=Path, help="a folder of checkpoints, or one checkpoint")
-    parser.add_argument(
-        "--verify", action="store_true", help="check as a load does; exit 1 on damage"
-    )
+    parser.add_argument("--verify", action="store_true", help="check as a load does")
     args = parser.parse_args(argv)
     root: Path = args.dir
     if not root.is_dir():
         print(f"{root}: no such folder", file=sys.stderr)
         return 2
-    if (root / MANIFEST).is_file():  # one checkpoint folder
-        infos = [_info(root, checksums=args.verify)]
-        pointer = None
-        leftovers: list[str] = []
-    else:
-        infos = list_checkpoints(root, checksums=args.verify)
-        pointer = read_pointer(root)
-        leftovers = sorted(
-            p.name for p in root.iterdir() if p.name.startswith((".tmp-", ".old-", ".del-"))
-        )
+    one = (root / MANIFEST).is_file()  # one checkpoint folder
+    infos = [_info(root, args.verify)] if one else list_checkpoints(root, checksums=args.verify)
+    pointer = None if one else read_pointer(root)
+    names = [] if one else [p.name for p in root.iterdir()]
+    leftovers = sorted(n for n in names if n.startswith((".tmp-", ".old-", ".del-")))
     plural = "" if len(infos) == 1 else "s"
     head = f"{root}: {len(infos)} checkpoint{plural}, {_size(sum(c.size for c in infos))}"
     print(head + (f"; latest: {pointer.name}" if pointer is not None else ""))

@@ -6,7 +6,6 @@ the disk: ``fsync`` the file, then the folder holding it (after a rename, the pa
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import mmap
@@ -57,14 +56,10 @@ def write_bytes(path: Path, data: bytes) -> None:
         os.fsync(file.fileno())
 
 
-def to_json(document: Any) -> bytes:
-    """JSON text of ``document``; NaN and inf are refused (the codec tags them)."""
-    return json.dumps(document, allow_nan=False, ensure_ascii=False, indent=1).encode()
-
-
 def write_json(path: Path, document: Any) -> None:
-    """Write ``document`` as a new JSON file and fsync it."""
-    write_bytes(path, to_json(document))
+    """Write ``document`` as a new JSON file and fsync it; NaN and inf are refused (the codec
+    tags them)."""
+    write_bytes(path, json.dumps(document, allow_nan=False, ensure_ascii=False, indent=1).encode())
 
 
 def read_regular(path: Path, limit: int = JSON_LIMIT) -> bytes:
@@ -73,25 +68,18 @@ def read_regular(path: Path, limit: int = JSON_LIMIT) -> bytes:
     Anything else (a FIFO, a device, a link to ``/dev/zero``, a huge sparse file) is a
     ValueError, found without blocking (``O_NONBLOCK``) and without reading it.
     """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
-    except OSError as error:
-        raise ValueError("a symbolic link") if error.errno == errno.ELOOP else error from None
-    with open(fd, "rb") as file:
-        info = os.fstat(fd)
+    # A symbolic link: OSError ELOOP; a FIFO opens without waiting for a writer.
+    with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW), "rb") as file:
+        info = os.fstat(file.fileno())
         if not stat.S_ISREG(info.st_mode) or info.st_size > limit:
             raise ValueError(f"not a regular file of at most {limit} bytes")
         return file.read(limit)
 
 
 def _finite(text: str) -> float:
-    if not math.isfinite(value := float(text)):
-        raise ValueError(f"{text} is out of range (the codec tags inf and NaN)")
+    if not math.isfinite(value := float(text)):  # NaN, Infinity, 1e400
+        raise ValueError(f"{text} is not a finite number (the codec tags inf and NaN)")
     return value
-
-
-def _no_constant(text: str) -> Any:
-    raise ValueError(f"{text} is not JSON (the codec tags inf and NaN)")
 
 
 def read_json(path: Path) -> Any:
@@ -102,9 +90,7 @@ def read_json(path: Path) -> Any:
     cannot follow).
     """
     try:
-        return json.loads(
-            read_regular(path).decode(), parse_constant=_no_constant, parse_float=_finite
-        )
+        return json.loads(read_regular(path).decode(), parse_constant=_finite, parse_float=_finite)
     except RecursionError:
         raise ValueError("nested too deeply") from None
 

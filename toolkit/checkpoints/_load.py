@@ -10,6 +10,7 @@ together: the ranks agree on the outcome of the checks before any rank restores.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import os
 import warnings
@@ -103,10 +104,13 @@ def read_tree(
     json_path, stored = manifest.path / f"{name}.json", manifest.path / f"{name}.safetensors"
     tensors = _tensors(manifest, stored.name, owned=True) if stored.name in manifest.files else {}
     try:  # UnicodeDecodeError and json's errors are ValueErrors
-        return decode(read_json(json_path), tensors, name, like=like, sharded=sharded)
+        tree = decode(read_json(json_path), tensors, name, like=like, sharded=sharded)
     except (TreeError, KeyError, TypeError, AttributeError, ValueError, RecursionError) as error:
-        problem = f"{json_path}: not JSON, or not a tree this format writes ({error})"
-        raise DamagedCheckpointError(manifest.path, [problem]) from None
+        tree = error
+    if not isinstance(tree, dict):  # every component is a JSON object
+        problem = f"{json_path}: not JSON, or not a tree this format writes ({tree!r:.200})"
+        raise DamagedCheckpointError(manifest.path, [problem])
+    return tree
 
 
 def full_model(manifest: Manifest) -> dict[str, torch.Tensor]:
@@ -160,10 +164,7 @@ def _kind(value: Any) -> str:
 
 def _fits(saved: Any, live: Any) -> bool:
     if isinstance(live, torch.Tensor):
-        return isinstance(saved, torch.Tensor) and (saved.shape, saved.dtype) == (
-            live.shape,
-            live.dtype,
-        )
+        return isinstance(saved, torch.Tensor) and _kind(saved) == _kind(live)
     if isinstance(live, bool):
         return isinstance(saved, bool)
     if isinstance(live, (int, float)):
@@ -183,9 +184,8 @@ def _mismatches(where: str, saved: Any, live: Any, required: bool = False) -> li
     """
     out: list[str] = []
     if isinstance(live, dict) and isinstance(saved, dict):
-        flags = (bool, str, type(None))
-        lacking = [k for k, v in live.items() if k not in saved and not isinstance(v, flags)]
-        out = [f"{where}[{k!r}]: missing from the checkpoint" for k in lacking if required]
+        lacking = [k for k, v in live.items() if required and k not in saved and v is not None]
+        out = [f"{where}[{k!r}]: missing" for k in lacking if not isinstance(live[k], (bool, str))]
         children = [(k, saved[k], live[k]) for k in live if k in saved]
     elif isinstance(live, (list, tuple)) and isinstance(saved, (list, tuple)):
         children = list(zip(range(len(live)), saved, live))
@@ -195,6 +195,23 @@ def _mismatches(where: str, saved: Any, live: Any, required: bool = False) -> li
         differ = f"{where}: {_kind(saved)} in the checkpoint, {_kind(live)} in the template"
         return [] if _fits(saved, live) else [differ]
     return out + [m for k, s, v in children for m in _mismatches(f"{where}[{k!r}]", s, v, required)]
+
+
+def _hyperparameters(folder: Path, optimizer: Any, groups: list[Any]) -> list[str]:
+    """Each saved parameter group through its optimizer's own checks (Adam's betas in
+    [0, 1), lr >= 0, ...): a new optimizer of the same class over one new tensor."""
+    out, members = [], getattr(optimizer, "optimizers", [optimizer])
+    kinds = [(type(o), [*g["params"], torch.empty(0)][0]) for o in members for g in o.param_groups]
+    for i, ((kind, param), group) in enumerate(zip(kinds, groups)):
+        names = inspect.signature(kind).parameters.keys() - {"params"}
+        scratch = torch.zeros(1, dtype=param.dtype, device=param.device, requires_grad=True)
+        try:
+            kind([scratch], **{name: group[name] for name in names & group.keys()})
+        except TypeError:  # a constructor of other arguments: its checks cannot be run
+            pass
+        except (ValueError, RuntimeError) as error:
+            out.append(f"{folder}/optimizer.json: param_groups[{i}]: {error}")
+    return out
 
 
 def _differences(
@@ -228,6 +245,8 @@ def _differences(
         if name in saved and template is not None and not out:
             found = template if name == "optimizer" else template.state_dict()
             out += _mismatches(f"{folder}/{name}.json", trees[name], found, name == "optimizer")
+    if "optimizer" in saved and optimizer_like is not None and not out:
+        out += _hyperparameters(folder, like.optimizer, trees["optimizer"]["param_groups"])
     extras = trees["extras"] or {}
     common = [key for key in like.extras if key in extras]
     saved_extras, live_extras = ({k: tree[k] for k in common} for tree in (extras, like.extras))
@@ -400,16 +419,9 @@ def _trees(
             return shards.setdefault(key, template)
         return torch.empty(0)  # a stand-in keeps decoding; the difference is reported below
 
-    optimizer_like = None
-    if like.optimizer is not None and manifest.has("optimizer") and not manifest.sharded:
-        optimizer_like = optimizer_state(like.model, like.optimizer)  # drops zero state again
-    elif like.optimizer is not None and manifest.has("optimizer"):
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        # The template's own state (zero state first, if none) is what DCP loads into.
-        optimizer_like = get_optimizer_state_dict(
-            like.model, list(getattr(like.optimizer, "optimizers", [like.optimizer]))
-        )
+    optimizer_like = None  # a sharded checkpoint's optimizer tensors load into its own
+    if like.optimizer is not None and manifest.has("optimizer"):
+        optimizer_like = optimizer_state(like.model, like.optimizer, keep=manifest.sharded)
     lives = {"optimizer": optimizer_like, "extras": dict(like.extras), "state": fields_of(like)}
     names = ("optimizer", "scheduler", "scaler", "extras", "state", "objects")
     trees = {
@@ -433,20 +445,14 @@ def _content_problems(
     with a non-finite hyperparameter; RNG states that a generator refuses (tried on new
     ones); TrainState fields that TrainState refuses, a negative counter or an open window.
     """
-    out = [
-        f"{folder / name}.json: not a JSON object"
-        for name, tree in trees.items()
-        if tree is not None and not isinstance(tree, dict)
-    ]
-    optimizer = trees.get("optimizer")
-    if not out and optimizer is not None:
-        groups = optimizer.get("param_groups")
-        ok = isinstance(optimizer.get("state"), dict) and isinstance(groups, list)
-        ok = ok and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)
-        floats = [v for v in optree.tree_leaves(groups if ok else []) if isinstance(v, float)]
-        if not (ok and all(map(math.isfinite, floats))):
-            out.append(f"{folder}/optimizer.json: not parameter groups of finite numbers")
-    for name, tree in trees.items() if not out else ():
+    out: list[str] = []
+    optimizer: Any = trees.get("optimizer") or {"state": {}, "param_groups": []}
+    groups = optimizer.get("param_groups")
+    ok = isinstance(optimizer.get("state"), dict) and isinstance(groups, list)
+    ok = ok and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)
+    if not (ok and all(math.isfinite(v) for v in optree.tree_leaves(groups) if type(v) is float)):
+        out.append(f"{folder}/optimizer.json: not parameter groups of finite numbers")
+    for name, tree in trees.items():
         try:
             if tree is not None and (name == "rng" or name.startswith("rank_")):
                 restore_rng(tree if name == "rng" else tree["rng"], trial=True)
@@ -461,14 +467,6 @@ def _content_problems(
     return out + ([f"{folder}/state.json: not what a save writes ({bad})"] if bad else [])
 
 
-def _taker(used: list[str]) -> Callable[[str, Any], torch.Tensor]:
-    def take(key: str, template: Any) -> torch.Tensor:
-        used.append(key)
-        return torch.empty(0)
-
-    return take
-
-
 def content_problems(manifest: Manifest) -> list[str]:
     """What a load refuses in a checkpoint whose files are intact, found without a template.
 
@@ -478,18 +476,16 @@ def content_problems(manifest: Manifest) -> list[str]:
     and hyperparameters with it.
     """
     differences: list[str] = []
-    used: list[str] = []  # the sharded keys the trees name
     try:
         shapes = _saved_shapes(manifest) if manifest.sharded else _model_file(manifest) and {}
         names = [n[:-5] for n in manifest.files if n.endswith(".json") and "/" not in n]
-        trees = {n: read_tree(manifest, n, sharded=_taker(used)) for n in names}
+        # A sharded tensor a tree names must be in sharded/ (else a KeyError: damage).
+        take = lambda key, _: torch.empty(len(shapes[key]) * 0)  # noqa: E731
+        trees = {n: read_tree(manifest, n, sharded=take) for n in names}
     except DamagedCheckpointError as error:
         return list(error.problems)
-    if any(key not in shapes for key in used):
-        differences.append(f"{manifest.path / SHARDS}: lacks tensors the trees name")
-    state = trees.get("state")
     dummy = TrainState(model=torch.nn.Module())
-    fields = _field_values(dummy, state, differences) if isinstance(state, dict) else {}
+    fields = _field_values(dummy, trees.get("state", {}), differences)
     return _content_problems(manifest.path, trees, fields) + differences
 
 
@@ -499,16 +495,14 @@ def _plan(
     manifest = verified_manifest(path)
     if manifest.model_only and like.optimizer is not None:
         raise ValueError(
-            f"load_checkpoint: {manifest.path} is model-only (Retention(keep_full=...) "
-            "removed its optimizer, scheduler and RNG states); resume from a newer one, or "
-            "load its weights with toolkit.checkpoints.export_model."
+            f"load_checkpoint: {manifest.path} is model-only (keep_full removed its optimizer"
+            " state); pass a template without optimizer, or resume from a full checkpoint."
         )
     shards: dict[str, torch.Tensor] = {}
     model, differences = _model_plan(manifest, like, shards)
     trees, optimizer_like = _trees(manifest, like, shards, differences)
     rng_state, own = _rank_state(manifest, rank, rng)
-    saved = trees["state"] if isinstance(trees["state"], dict) else {}
-    fields = {**_field_values(like, saved, differences), **own}
+    fields = {**_field_values(like, trees["state"] or {}, differences), **own}
     damage = _content_problems(manifest.path, {**trees, "rng": rng_state}, fields)
     if damage:
         raise DamagedCheckpointError(manifest.path, damage)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import stat
 from collections.abc import Mapping
 from pathlib import Path
@@ -22,6 +23,7 @@ from typing import Any
 
 import xxhash
 
+from toolkit._checks import check
 from toolkit.checkpoints._codec import TreeError, decode, encode
 from toolkit.checkpoints._files import (
     CHECKSUM,
@@ -94,18 +96,12 @@ class Manifest:
 
 def check_metrics(metrics: Any) -> dict[str, float]:
     """``metrics`` as a flat ``{str: float}``, or a ValueError saying what is wrong."""
-    if not isinstance(metrics, Mapping):
-        raise ValueError(
-            f"save_checkpoint: metrics must be a flat mapping of str to number, e.g. "
-            f"{{'val/loss': 0.25}}; got {type(metrics).__name__}."
-        )
+    who, expected = "save_checkpoint", "a flat mapping of str to number, e.g. {'val/loss': 0.25}"
+    check(isinstance(metrics, Mapping), who, "metrics", expected, type(metrics).__name__)
     for key, value in metrics.items():
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not (isinstance(key, str) and number):
-            raise ValueError(
-                f"save_checkpoint: metrics[{key!r}] must be a number under a str key; got "
-                f"{type(value).__name__}. Pass python floats, e.g. float(loss)."
-            )
+        ok = isinstance(key, str) and type(value) in (int, float)
+        fix = "Pass python floats, e.g. float(loss)."
+        check(ok, who, f"metrics[{key!r}]", "a number under a str key", type(value).__name__, fix)
     return {key: float(value) for key, value in metrics.items()}
 
 
@@ -122,18 +118,14 @@ def manifest_document(*, metrics: Mapping[str, float], **fields: Any) -> dict[st
     return document
 
 
+# Only plain, visible .json/.safetensors names in the folder or its sharded/: no paths out
+# of it, no other file kinds (the load path opens nothing but JSON and safetensors).
+_NAME = re.compile(rf"({SHARDS}/)?[^./\\][^/\\]*\.(json|safetensors)")
+
+
 def _bad_name(name: Any) -> bool:
-    # Only plain, visible .json/.safetensors names in the folder or its sharded/: no paths
-    # out of it, no other file kinds (the load path opens nothing but JSON and safetensors).
-    if not isinstance(name, str):
-        return True
-    folder, _, base = name.rpartition("/")
     return (
-        folder not in ("", SHARDS)
-        or base in ("", MANIFEST)
-        or base.startswith(".")
-        or "\\" in base
-        or not base.endswith((".json", ".safetensors"))
+        not (isinstance(name, str) and _NAME.fullmatch(name)) or name.rpartition("/")[2] == MANIFEST
     )
 
 
@@ -164,25 +156,22 @@ def _fields(document: dict[str, Any]) -> dict[str, Any] | None:
     """The Manifest fields of a parsed document, or None when it is not of that shape."""
     names = [field.name for field in dataclasses.fields(Manifest)[1:]]
     fields = {name: document[name] for name in names if document.get(name) is not None}
+    kinds = {"step": int, "files": dict, "aliases": dict, "classes": dict, "sharded": bool}
+    kinds.update(world_size=int, model_only=bool, settings=dict)
     try:
         metrics = decode(fields["metrics"], {}, "metrics")
-        numbers = all(type(value) in (int, float) for value in metrics.values())
         settings = decode(fields.get("settings", {}), {}, "settings")
         fields.update(time=float(fields["time"]), metrics=metrics, settings=settings)
-        step, entries = fields["step"], fields["files"].values()
         retention_from_document(fields.get("rules", {}))
+        ok = all(type(fields.get(k, t())) is t for k, t in kinds.items()) and fields["step"] >= 0
+        ok = ok and all(type(value) in (int, float) for value in metrics.values())
+        ok = ok and all(type(e["size"]) is int for e in fields["files"].values())
+        ok = ok and all(isinstance(e[CHECKSUM], str) for e in fields["files"].values())
+        ok = ok and all(type(v) is str for v in fields.get("aliases", {}).values())
+        ok = ok and isinstance(fields.get("classes", {}).get("objects", {}), dict)
     except (TreeError, KeyError, TypeError, AttributeError, ValueError, RecursionError):
         return None
-    entries_ok = all(
-        isinstance(e, dict) and type(e.get("size")) is int and isinstance(e.get(CHECKSUM), str)
-        for e in entries
-    )
-    kinds = {"aliases": dict, "classes": dict, "sharded": bool, "world_size": int}
-    kinds.update(settings=dict, model_only=bool)
-    ok = all(type(fields.get(k, t())) is t for k, t in kinds.items()) and numbers and entries_ok
-    ok = ok and all(type(v) is str for v in fields.get("aliases", {}).values())
-    ok = ok and isinstance(fields.get("classes", {}).get("objects", {}), dict)
-    return fields if ok and type(step) is int and step >= 0 else None
+    return fields if ok else None
 
 
 def read_manifest(folder: str | os.PathLike[str]) -> Manifest:

@@ -60,8 +60,12 @@ def _optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
     return [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
 
 
-def optimizer_state(model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
-    """The optimizer's state dict keyed by parameter names (a MultiOptimizer's merged)."""
+def optimizer_state(model: torch.nn.Module, optimizer: Any, keep: bool = False) -> dict[str, Any]:
+    """The optimizer's state dict keyed by parameter names (a MultiOptimizer's merged).
+
+    An optimizer without state gets zero state, which is dropped again unless ``keep``
+    (DCP loads a sharded checkpoint into it).
+    """
     parameter_names(model, optimizer)  # the clear error for a stray tensor
     optimizers = _optimizers(optimizer)
     had = {id(p) for o in optimizers for p in o.state}
@@ -69,7 +73,7 @@ def optimizer_state(model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
     # Own code: for an optimizer without state, get_optimizer_state_dict makes zero state
     # (one step at lr=0); a save must not change the run, so that state is dropped again.
     names = {id(p): name for name, p in unwrap(model).named_parameters()}
-    for o in optimizers:
+    for o in optimizers if not keep else ():
         for param in [p for p in o.state if id(p) not in had]:
             del o.state[param]
             state["state"].pop(names[id(param)], None)

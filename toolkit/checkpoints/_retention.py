@@ -80,15 +80,12 @@ class Retention:
 
     def describe(self) -> str:
         """The active rules in one line, e.g. ``keep_last=2, keep_every=1000``."""
+        steps = list(self.keep_steps) or None
+        values = {"keep_every": self.keep_every, "keep_steps": steps, "keep_full": self.keep_full}
         parts = [f"keep_last={self.keep_last}"]
-        if self.keep_every is not None:
-            parts.append(f"keep_every={self.keep_every}")
-        if self.keep_steps:
-            parts.append(f"keep_steps={list(self.keep_steps)}")
+        parts += [f"{name}={value}" for name, value in values.items() if value is not None]
         if self.keep_best:
             parts.append(f"keep_best={self.keep_best} by {self.metric} ({self.mode})")
-        if self.keep_full is not None:
-            parts.append(f"keep_full={self.keep_full}")
         return ", ".join(parts)
 
 

@@ -28,14 +28,7 @@ from typing import Any
 
 import torch
 
-__all__ = [
-    "SHARDS",
-    "is_dtensor",
-    "is_sharded",
-    "load_shards",
-    "save_shards",
-    "saved_shapes",
-]
+__all__ = ["SHARDS", "is_dtensor", "is_sharded", "load_shards", "save_shards", "saved_shapes"]
 
 SHARDS = "sharded"  # the sub-folder of a checkpoint that holds DCP's files
 
