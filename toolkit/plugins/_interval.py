@@ -154,9 +154,7 @@ def flat_scalars(
     """
     flat: dict[str, Any] = {}
     _flatten(records, "", flat, chosen, who)
-    if chosen is not None and len(flat) > len(chosen):
-        return {k: v for k, v in flat.items() if k in chosen}
-    return flat
+    return flat if chosen is None else {k: v for k, v in flat.items() if k in chosen}
 
 
 def _flatten(
@@ -169,12 +167,10 @@ def _flatten(
         elif isinstance(value, (int, float)) or (tensor and value.numel() == 1):
             into[name] = value.detach().reshape(()) if tensor else value
         elif chosen is not None and name in chosen:  # a chosen record that is no scalar
-            got = tuple(value.shape) if tensor else type(value)
+            got, error = (tuple(value.shape), ValueError) if tensor else (type(value), TypeError)
             fix = "Reduce it first (.mean(), .sum()) or leave it out of records=."
             what = "a number or a one-element tensor"
-            check(
-                False, who, f"record {name!r}", what, got, fix, ValueError if tensor else TypeError
-            )
+            check(False, who, f"record {name!r}", what, got, fix, error)
 
 
 def _fields(outs: Iterable[Sequence[Any]]) -> Any:
