@@ -14,13 +14,9 @@ __all__ = ["early_stop"]
 
 @plugin_factory(order=30)
 def early_stop(
-    metric: str = "val/loss",
-    *,
-    patience: int = 5,
-    min_delta: float = 0.0,
-    mode: str = "min",
+    metric: str = "val/loss", *, patience: int = 5, min_delta: float = 0.0, mode: str = "min",
     key: str = "early_stop",
-) -> Plugin:
+) -> Plugin:  # fmt: skip
     """A plugin that asks the loop to stop when a metric has stopped improving.
 
     ``metric="NAME/m"`` reads ``state.extras[NAME]["metrics"][m]`` (the entry that

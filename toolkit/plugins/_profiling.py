@@ -21,14 +21,9 @@ _PER_CYCLE = ".*Profiler clears events at the end of each cycle"
 
 @plugin_factory(order=60)
 def profile(
-    out_dir: str | os.PathLike[str],
-    *,
-    wait: int = 1,
-    warmup: int = 1,
-    active: int = 3,
-    repeat: int = 1,
-    record_shapes: bool = False,
-) -> Plugin:
+    out_dir: str | os.PathLike[str], *, wait: int = 1, warmup: int = 1, active: int = 3,
+    repeat: int = 1, record_shapes: bool = False,
+) -> Plugin:  # fmt: skip
     """A plugin running ``torch.profiler`` over a window of updates and writing Chrome traces.
 
     The profiler starts at ``"start"`` with ``torch.profiler.schedule(wait=wait,

@@ -58,18 +58,11 @@ def _check_plateau(event: Event, plateau_metric: str | None, monitor: str, mode:
 
 @plugin_factory(order=20)
 def validate(
-    eval_fn: Callable[[torch.nn.Module, Any], Any],
-    data: Iterable[Any],
-    *,
-    every: int | None = None,
-    per_epoch: bool = False,
-    at_end: bool = False,
-    key: str = "val",
-    monitor: str = "loss",
-    mode: str = "min",
-    model: Callable[[TrainState], torch.nn.Module] | None = None,
-    plateau_metric: str | None = None,
-) -> Plugin:
+    eval_fn: Callable[[torch.nn.Module, Any], Any], data: Iterable[Any], *,
+    every: int | None = None, per_epoch: bool = False, at_end: bool = False, key: str = "val",
+    monitor: str = "loss", mode: str = "min",
+    model: Callable[[TrainState], torch.nn.Module] | None = None, plateau_metric: str | None = None,
+) -> Plugin:  # fmt: skip
     """A plugin that evaluates the model every ``every`` updates, after every epoch, at the end.
 
     Each evaluation calls ``eval_fn(model, batch)`` for every batch of ``data`` with the model
