@@ -81,7 +81,7 @@ def group_of(key: str) -> tuple[str, str]:
     if key in _COUNTERS or key.startswith("train/total/"):
         return "counters", key
     if key.startswith("memory/"):  # what peak_memory measured, by the name it gave
-        return "memory", _MEMORY.get(key[7:], key)
+        return "memory", _MEMORY.get(key.removeprefix("memory/"), key)
     if key.endswith("loss"):  # its last part does
         return "loss", "loss"
     # "val/accuracy" -> "accuracy"; nested records keep their path ("train/f1/macro").
