@@ -21,10 +21,8 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from toolkit.checkpoints._rng import capture_rng, restore_rng
 
-__all__ = [
-    "batches_per_epoch", "is_stateful", "pass_settings", "position", "restore_generators",
-    "seen_after_change", "snapshot", "unseen",
-]  # fmt: skip
+__all__ = ["batches_per_epoch", "is_stateful", "pass_settings", "position",
+           "restore_generators", "seen_after_change", "snapshot", "unseen"]  # fmt: skip
 
 # Where a DataLoader keeps the generators its passes draw from.
 _ROLES = ("generator", "sampler.generator", "batch_sampler.sampler.generator")
@@ -68,8 +66,7 @@ def restore_generators(data: Any, data_state: Mapping[str, Any]) -> None:
 
 def pass_settings(data: Any) -> dict[str, Any]:
     """What a pass over ``data`` is made of: samples per batch, samples, batches (or None)."""
-    dataset = getattr(data, "dataset", None)
-    samples = None if dataset is None else batches_per_epoch(dataset)
+    samples = batches_per_epoch(getattr(data, "dataset", None))  # None has no length either
     size = data.batch_size if isinstance(data, DataLoader) else None
     return {"batch_size": size, "samples": samples, "batches": batches_per_epoch(data)}
 

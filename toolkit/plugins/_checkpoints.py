@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import fcntl
@@ -42,6 +43,7 @@ __all__ = ["SIGNAL_EVERY", "checkpoints"]
 
 _SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 _FLAGS = ("per_epoch", "at_end", "restore_best", "background")
+_PLAIN = (int, float, str, type(None))  # a setting's value, or the items of a tuple of them
 _NOT_SETTINGS = {"params", "initial_lr", "last_epoch", "verbose"}  # in state dicts, not settings
 SIGNAL_EVERY = 10  # data-parallel ranks agree on a received signal every this many updates
 
@@ -50,7 +52,7 @@ SIGNAL_EVERY = 10  # data-parallel ranks agree on a received signal every this m
 class _Config:
     """The plugin's arguments (see :func:`checkpoints`), checked when made."""
 
-    folder: str | os.PathLike[str]
+    folder: Path
     every: int | None
     per_epoch: bool
     at_end: bool
@@ -71,7 +73,7 @@ class _Config:
 
     def __post_init__(self) -> None:
         who, resume, code = "checkpoints", self.resume, self.exit_code
-        check_path(who, "folder", self.folder)
+        object.__setattr__(self, "folder", check_path(who, "folder", self.folder))
         if self.every is not None:
             check_count(who, "every", self.every, 1, "applied updates between saves, or None")
         check_one_of(who, "on_error", self.on_error, ("raise", "warn"))
@@ -95,10 +97,6 @@ class _Config:
         steps, full = tuple(self.keep_steps), self.keep_full
         rules = Retention(self.keep_last, self.keep_every, steps, count, metric, mode, full)
         object.__setattr__(self, "rules", rules)  # derived once; Retention checks its rules
-
-    @property
-    def root(self) -> Path:
-        return Path(self.folder)
 
 
 @dataclasses.dataclass(slots=True)
@@ -124,22 +122,18 @@ def _share_signal(config: _Config, run_: _Run) -> None:
 
 def _fresh_metrics(state: TrainState) -> dict[str, float]:
     """The plugins' metrics made at this very step (a checkpoint's score for keep_best)."""
-    metrics: dict[str, float] = {}
-    for name, entry in state.extras.items():
-        parsed = metric_entry(entry)
-        if parsed is not None and parsed[0] == state.step:
-            for key, value in parsed[1].items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    metrics[f"{name}/{key}"] = float(value)
-    return metrics
+    fresh = [
+        (n, p[1]) for n, e in state.extras.items() if (p := metric_entry(e)) and p[0] == state.step
+    ]
+    numbers = [(f"{n}/{k}", v) for n, metrics in fresh for k, v in metrics.items()]
+    return {k: float(v) for k, v in numbers if isinstance(v, (int, float)) and type(v) is not bool}
 
 
 def _check_metric(metric: str, state: TrainState, claimed: Mapping[str, str]) -> None:
     """Refuse a keep_best metric that no plugin publishes (a typo), once that is known."""
     published = {n: p[1] for n, e in state.extras.items() if (p := metric_entry(e)) is not None}
     known = [f"{name}/{key}" for name, metrics in published.items() for key in metrics]
-    owners = [name for name in (*published, *claimed) if metric.startswith(f"{name}/")]
-    if metric not in known and all(name in published for name in owners):
+    if metric not in known and all(n in published for n in claimed if metric.startswith(f"{n}/")):
         raise ValueError(
             f"checkpoints: keep_best ranks by {metric!r}, which no plugin publishes (known: "
             f"{known}); name one of them, e.g. 'val/loss' for validate(key='val')."
@@ -163,8 +157,8 @@ def _finish(config: _Config, run_: _Run) -> None:
         problem = None
         try:
             if rank_of(run_.group)[0] == 0:
-                write_pointer(config.root, path)
-                prune_checkpoints(config.root, config.rules)
+                write_pointer(config.folder, path)
+                prune_checkpoints(config.folder, config.rules)
         except Exception as caught:
             problem = caught
         agree(problem, run_.group, "checkpoints")  # the other ranks wait for rank 0
@@ -178,7 +172,7 @@ def _save(config: _Config, run_: _Run, state: TrainState, loop: LoopInfo) -> Non
     if config.rules.metric is not None:
         _check_metric(config.rules.metric, state, loop.claimed)
     _finish(config, run_)
-    path = config.root / f"step_{state.step:06d}"
+    path = config.folder / f"step_{state.step:06d}"
     state = state.replace(data_state=position(loop.data, state.data_state, not state.batches_seen))
     save = save_in_background if config.background else save_checkpoint
     metrics, rules, settings = _fresh_metrics(state), config.rules, run_.settings
@@ -199,14 +193,10 @@ def _install(config: _Config, run_: _Run) -> None:
         run_.signum = signum  # only a flag: the loop acts on it between updates
 
     if threading.current_thread() is not threading.main_thread():  # Python allows no other
-        if config.signals:
-            names = [signal.Signals(s).name for s in config.signals]
-            warnings.warn(
-                f"checkpoints: run() is not on the main thread, where Python delivers signals; "
-                f"{names} keep their handlers.",
-                RuntimeWarning,
-                stacklevel=5,
-            )
+        names = [signal.Signals(s).name for s in config.signals]
+        message = "checkpoints: run() is not on the main thread, where Python delivers signals"
+        if names:
+            warnings.warn(f"{message}; {names} keep their handlers.", RuntimeWarning, stacklevel=5)
         return
     for signum in config.signals:
         run_.handlers[signum] = signal.signal(signum, handler)
@@ -218,14 +208,13 @@ def _lock(root: Path) -> int:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = os.pread(fd, 200, 0).decode(errors="replace") or "another process"
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
         os.close(fd)
         raise RuntimeError(
             f"checkpoints: {str(root)!r} is in use by {holder}; two runs in one folder would "
             "delete each other's checkpoints. Wait for that run to end, or use another folder."
         ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"the run of pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+    os.pwrite(fd, f"the run of pid {os.getpid()} on {socket.gethostname()}".ljust(200).encode(), 0)
     return fd
 
 
@@ -241,26 +230,22 @@ def _settings(state: TrainState, loop: LoopInfo, group: Group | None) -> dict[st
             arguments = {k: v for k, v in scheduler.state_dict().items() if k in names}
     kind = None if scheduler is None else {"class": type(scheduler).__name__, **_plain(arguments)}
     data = {**pass_settings(loop.data), "world_size": rank_of(group)[1]}
-    return {
-        "optimizer": optimizer,
-        "scheduler": kind,
-        "micro_batches": loop.micro_batches,
-        "data": data,
-    }
+    return dict(optimizer=optimizer, scheduler=kind, micro_batches=loop.micro_batches, data=data)
 
 
 def _plain(values: Mapping[str, Any]) -> dict[str, Any]:
     """The settings among ``values``: numbers, strings and tuples of them (0-d tensors too)."""
     plain = {}
     for key, value in values.items():
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = value.item()
-        items = value if isinstance(value, (tuple, list)) else (value,)
-        if key not in _NOT_SETTINGS and all(
-            isinstance(v, (int, float, str, type(None))) for v in items
-        ):
-            plain[key] = tuple(value) if isinstance(value, list) else value
+        value = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+        value = tuple(value) if isinstance(value, list) else value
+        if key not in _NOT_SETTINGS and all(isinstance(v, _PLAIN) for v in _tuple(value)):
+            plain[key] = value
     return plain
+
+
+def _tuple(value: Any) -> tuple[Any, ...]:
+    return value if isinstance(value, tuple) else (value,)
 
 
 def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -270,28 +255,19 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {k: v for key, value in pairs for k, v in _flat(value, f"{prefix}{key}.").items()}
 
 
-def _changed(
-    config: _Config, run_: _Run, state: TrainState, loop: LoopInfo, saved: Any
-) -> TrainState:
+def _changed(config: _Config, run_: _Run, state: TrainState, data: Any, saved: Any) -> TrainState:
     """``state`` resumed into the current settings ``run_.settings``, differences reported."""
     was, now = _flat(saved), _flat(run_.settings)
-    changes = [
-        f"{k} {was.get(k, '-')} -> {now.get(k, '-')}"
-        for k in sorted(was.keys() | now.keys())
-        if was.get(k, "-") != now.get(k, "-")
-    ]
+    pairs = {k: (was.get(k, "-"), now.get(k, "-")) for k in sorted(was.keys() | now.keys())}
+    changes = [f"{key} {old} -> {new}" for key, (old, new) in pairs.items() if old != new]
     if not saved or not changes:
         return state
     seen = state.batches_seen
     if seen:  # the pass position, in the current batches: no unseen sample skipped
-        seen = seen_after_change(loop.data, seen, saved["data"], run_.settings["data"])
-    run_.settings = {
-        **run_.settings,
-        "optimizer": saved["optimizer"],
-        "scheduler": saved["scheduler"],
-    }
+        seen = seen_after_change(data, seen, saved.get("data", {}), run_.settings["data"])
+    run_.settings.update(optimizer=saved.get("optimizer"), scheduler=saved.get("scheduler"))
     message = (
-        f"checkpoints: the run in {str(config.root)!r} started with other settings than now "
+        f"checkpoints: the run in {str(config.folder)!r} started with other settings than now "
         f"(saved -> now): {'; '.join(changes)}. The checkpoint's optimizer and scheduler "
         f"values are used; data and micro_batches are the current ones (this pass goes on "
         f"after {seen} batches). To start afresh with the new values, use another folder; "
@@ -304,7 +280,7 @@ def _changed(
 
 
 def _resumed(config: _Config, run_: _Run, event: Event) -> TrainState:
-    root, state, loop = config.root, event.state, event.loop
+    root, state, loop = config.folder, event.state, event.loop
     run_.settings = _settings(state, loop, run_.group)  # the user's, before any load
     path = None
     if config.resume == "latest":
@@ -323,20 +299,15 @@ def _resumed(config: _Config, run_: _Run, event: Event) -> TrainState:
         )
     if path is None:
         return state
-    state = _changed(config, run_, state, loop, read_manifest(path).settings)
+    state = _changed(config, run_, state, loop.data, read_manifest(path).settings)
     if not state.batches_seen:  # between passes: the next one draws from the saved generators
         restore_generators(loop.data, state.data_state)
+    limits = ((loop.max_steps, state.step), (loop.epochs, state.epoch))
+    ended = any(limit is not None and at >= limit for limit, at in limits)
+    end = "; the run had already reached its end (raise max_steps or epochs to go on)"
     if rank_of(run_.group)[0] == 0:
         at = f"update {state.step}, epoch {state.epoch}, batch {state.batches_seen}"
-        ended = (loop.max_steps is not None and state.step >= loop.max_steps) or (
-            loop.epochs is not None and state.epoch >= loop.epochs
-        )
-        then = "; the run had already reached its end (raise max_steps or epochs to go on)"
-        print(
-            f"checkpoints: resumed from {path} at {at}{then if ended else ''}",
-            file=sys.stderr,
-            flush=True,
-        )
+        print(f"checkpoints: resumed from {path} at {at}{end * ended}", file=sys.stderr, flush=True)
     return state
 
 
@@ -351,9 +322,9 @@ def _start(config: _Config, event: Event) -> tuple[_Run, TrainState]:
     try:
         try:
             if rank_of(run_.group)[0] == 0:  # one rank locks and cleans; the others wait
-                config.root.mkdir(parents=True, exist_ok=True)
-                run_.lock = _lock(config.root)
-                clean_temporaries(config.root)
+                config.folder.mkdir(parents=True, exist_ok=True)
+                run_.lock = _lock(config.folder)
+                clean_temporaries(config.folder)
         except Exception as caught:
             error = caught
         agree(error, run_.group, "checkpoints")
@@ -376,12 +347,19 @@ def _release(run_: _Run, handlers: bool) -> None:
         signal.signal(signum, old)
 
 
+def _ignore(signals: tuple[int, ...]) -> None:
+    """Ignore ``signals`` while Python shuts down (it puts back SIG_DFL for the handlers it
+    installed, and torchrun's SIGTERM to a rank still exiting would turn 143 into -15)."""
+    for signum in signals:
+        signal.signal(signum, signal.SIG_IGN)
+
+
 def _stop(config: _Config, run_: _Run, state: TrainState, loop: LoopInfo) -> TrainState:
     assert run_.signum is not None
     _save(config, run_, state, loop)
     name = signal.Signals(run_.signum).name
     return state.replace(
-        stop=f"checkpoints: {name} received; saved step {state.step} in {str(config.root)!r}"
+        stop=f"checkpoints: {name} received; saved step {state.step} in {str(config.folder)!r}"
     )
 
 
@@ -405,26 +383,23 @@ def _end(config: _Config, run_: _Run, event: Event) -> None:
     try:
         if event.error is None:
             _share_signal(config, run_)  # a signal after the last update: all save, or none
-            if event.state.window.micro_step:
-                # Its gradients are in no state dict, and its batches are counted as seen.
-                warnings.warn(
-                    f"checkpoints: the run ended with an open accumulation window "
-                    f"({event.state.window.micro_step} micro-batches), which no checkpoint "
-                    f"can hold; the newest checkpoint stays step {run_.saved_step}.",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
+            if open_ := event.state.window.micro_step:  # its gradients are in no state dict
+                window = f"an open accumulation window ({open_} micro-batches)"
+                message = f"checkpoints: the run ended with {window}, which no checkpoint can "
+                message += f"hold; the newest checkpoint stays step {run_.saved_step}."
+                warnings.warn(message, RuntimeWarning, stacklevel=4)
             elif run_.signum is not None or config.at_end:
                 _save(config, run_, event.state, event.loop)
         _finish(config, run_)
         if event.error is None and config.restore_best and run_.signum is None:
-            _restore_best(config.root, config.rules, event.state.model)
+            _restore_best(config.folder, config.rules, event.state.model)
     finally:
         # After a signal the process is on its way out: the flag-only handlers stay, so that
         # a second signal (or torchrun stopping the other ranks) cannot cut short the "end"
         # of the plugins after this one, nor the exit with 128 + signal.
         _release(run_, handlers=run_.signum is None)
     if run_.signum is not None:
+        atexit.register(_ignore, tuple(run_.handlers))
         raise SystemExit(128 + run_.signum if config.exit_code is None else config.exit_code)
 
 
@@ -453,11 +428,13 @@ def checkpoints(
 
     **Saving.** After every ``every``-th applied update, at every ``"epoch_end"``
     (``per_epoch``; when the epoch ends inside an accumulation window, at the update that
-    closes it), once more at the end of a run that did not raise (``at_end``), and when a
+    closes it), at the steps retention keeps (multiples of ``keep_every``, ``keep_steps``),
+    once more at the end of a run that did not raise (``at_end``), and when a
     configured signal arrived, the state is written with :func:`toolkit.save_checkpoint`
     to ``folder/step_NNNNNN`` (atomically), with the
-    metrics other plugins made at that very step (``{"val/loss": ...}``, for ``keep_best``)
-    and a stateful loader's position; then the pointer ``folder/latest`` is replaced and
+    metrics other plugins made at that very step (``{"val/loss": ...}``, for ``keep_best``),
+    the data position (between passes: the states of the loader's own generators) and the
+    run's settings (below); then the pointer ``folder/latest`` is replaced and
     retention prunes the folder. ``background=True`` writes in a thread and blocks the loop
     only for a host copy of the tensors; the next save, the pointer and pruning wait for it.
 
@@ -465,21 +442,51 @@ def checkpoints(
     stays when any rule keeps it: the ``keep_last`` newest, every ``keep_every`` updates,
     ``keep_steps``, and the ``count`` best by ``keep_best=(metric, "min"|"max", count)``. The
     newest is never deleted. ``python -m toolkit.checkpoints FOLDER`` lists them and why.
+    A ``keep_best`` metric that no plugin publishes (a typo) raises at the first save that
+    can tell: the plugin owning its prefix (``val`` of ``validate(key="val")``) published
+    other metrics, or no plugin owns the prefix. ``keep_full=N`` keeps optimizer, scheduler,
+    RNG and data state in the ``N`` newest only; older kept checkpoints keep the weights.
+
+    **One run per folder.** From ``"restore"`` to ``"end"`` the run holds an exclusive lock
+    (``flock``) on ``folder/.lock``, which names its process and host; a second run into the
+    same folder is refused at its start, naming the holder. The kernel frees the lock when
+    the holder dies, even by SIGKILL, so a restarted job is never blocked by a dead one.
+    Under data parallelism rank 0 holds it for the job.
 
     **Resume.** At ``"start"``, leftover temporary folders of a killed save are removed, and
     with ``resume="latest"`` the newest intact checkpoint (damaged ones are skipped with a
     warning) is loaded into the state (model, scheduler, optimizer, scaler, RNG states, data
     position, extras), which is returned: the same command starts and resumes a job. A
     checkpoint folder may be given instead; with ``resume=None`` a folder that already holds
-    checkpoints is refused rather than mixed with a new run.
+    checkpoints is refused rather than mixed with a new run. Rank 0 prints one line to
+    stderr: ``checkpoints: resumed from FOLDER/step_N at update N, epoch E, batch B``, which
+    ends with ``the run had already reached its end`` when it had (nothing left to train).
+
+    **Settings.** Every save records what the run was started with: each parameter group's
+    hyperparameters (the starting lr), the scheduler's class and constructor arguments,
+    the step's micro-batches, and the data's batch size, samples, batches per pass and the
+    world size. A resume compares them with the current ones and lists every difference in
+    one ``RuntimeWarning`` (``on_change="error"`` raises ``ValueError`` instead). The
+    checkpoint's optimizer and scheduler values are used (the run goes on as saved); the data
+    and micro-batches are the current ones. A pass resumed with another batch size goes on
+    at its first unseen sample (a partly seen batch is read again); any other change of the
+    data inside a pass (samples, world size, batches of a source without a batch size, a
+    stateful loader) is refused, as no position would skip exactly the seen samples. To
+    train with new values from the start, use another folder.
 
     **Signals.** For each of ``signals`` (SIGTERM and SIGUSR1 by default, as SLURM and
-    Kubernetes send them before preemption) the handler only sets a flag (Python delivers
+    Kubernetes send them before preemption, and SIGINT: Ctrl-C saves and exits with 130;
+    pass ``signals=(signal.SIGTERM, signal.SIGUSR1)`` to let Ctrl-C raise
+    ``KeyboardInterrupt`` unsaved) the handler only sets a flag (Python delivers
     signals to the main thread only: a run() on another thread installs none). The update in
     progress finishes, the state is saved (unless this step already was), the loop stops,
     every plugin's ``"end"`` runs, and the process exits with ``exit_code`` (default
     ``128 + signal``: 143 for SIGTERM; 0 suits setups that requeue on success). A signal
-    during a save waits for it; one before the first update stops the run at once.
+    during a save waits for it; one before the first update stops the run at once. After a
+    signal the flag-only handlers stay installed until the process exits, so that a second
+    signal (a second Ctrl-C, torchrun stopping the other ranks) cannot cut short the
+    ``"end"`` of the plugins after this one, nor change the exit status; without a signal
+    the previous handlers are put back at ``"end"``.
 
     **Data parallel (DDP, FSDP2).** Put the plugin on every rank, with the same arguments.
     Saves are collective (see :func:`toolkit.save_checkpoint`: DDP's rank 0 writes, FSDP2's
@@ -514,7 +521,7 @@ def checkpoints(
         keep_steps: keep the checkpoints of these steps.
         keep_best: ``(metric, mode, count)``: keep the best ``count`` by ``metric``.
         resume: ``"latest"``, a checkpoint folder to load, or ``None``.
-        signals: the signal numbers that save and stop the run.
+        signals: the signal numbers that save and stop the run (SIGTERM, SIGUSR1, SIGINT).
         exit_code: the exit status after a signal; ``None`` for ``128 + signal``.
         restore_best: load the best checkpoint's weights into the model at the end.
         objects: extra stateful objects (``state_dict``/``load_state_dict``) saved with the
@@ -522,14 +529,21 @@ def checkpoints(
         background: write in a background thread.
         on_error: ``"raise"`` a failing save (earlier checkpoints stay intact) or ``"warn"``
             and keep training.
+        keep_full: keep the full training state in this many newest checkpoints only
+            (``None``: in all); see :class:`toolkit.checkpoints.Retention`.
+        on_change: ``"warn"`` about settings that differ from the checkpoint's on resume,
+            or ``"error"`` (``ValueError``).
 
     Returns:
         The plugin, ``plugin(event) -> TrainState | None``.
 
     Raises:
         TypeError, ValueError: bad arguments (named in the message); at ``"start"``, a
-            checkpoint that does not fit the state, or ``resume=None`` with checkpoints in
-            ``folder``; a failing save with ``on_error="raise"``.
+            checkpoint that does not fit the state, ``resume=None`` with checkpoints in
+            ``folder``, changed settings with ``on_change="error"``, a data position that
+            cannot be mapped; a failing save with ``on_error="raise"``; a ``keep_best``
+            metric no plugin publishes.
+        RuntimeError: at ``"start"``, ``folder`` locked by another run.
         SystemExit: at ``"end"`` after a signal, with ``exit_code``.
 
     Example:
@@ -545,7 +559,7 @@ def checkpoints(
         >>> data = [torch.ones(4, 2)] * 4
         >>> state = run(step, fresh(), data, max_steps=6, plugins=[checkpoints("ckpt", every=2)])
         >>> sorted(p.name for p in __import__("pathlib").Path("ckpt").iterdir())
-        ['latest', 'step_000006']
+        ['.lock', 'latest', 'step_000006']
         >>> again = run(step, fresh(), data, max_steps=8, plugins=[checkpoints("ckpt", every=2)])
         >>> again.step  # resumed at 6, trained 2 more
         8
