@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 __all__ = [
-    "check", "check_count", "check_key", "check_names", "check_one_of", "check_path",
+    "check", "check_bool", "check_count", "check_key", "check_names", "check_one_of", "check_path",
     "check_positive",
 ]  # fmt: skip
 
@@ -28,6 +28,11 @@ def check(
     """
     if not ok:
         raise error(f"{who}: {name} must be {expected}; got {got!r}." + (f" {fix}" if fix else ""))
+
+
+def check_bool(who: str, name: str, value: Any) -> None:
+    """Raise TypeError unless ``value`` is True or False (not 0, 1 or None)."""
+    check(isinstance(value, bool), who, name, "True or False", value, error=TypeError)
 
 
 def check_count(who: str, name: str, value: Any, least: int, meaning: str = "") -> None:

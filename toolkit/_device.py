@@ -6,6 +6,7 @@ from typing import TypeVar
 
 import torch
 
+from toolkit._checks import check_bool
 from toolkit._tree import map_nested_tensor
 
 __all__ = ["to_device"]
@@ -54,8 +55,7 @@ def to_device(batch: T, device: torch.device | str | int, *, non_blocking: bool 
         >>> moved["x"].device.type, moved["y"][0].device.type, moved["name"]
         ('cpu', 'cpu', 'a')
     """
-    if not isinstance(non_blocking, bool):
-        raise TypeError(f"to_device: non_blocking must be True or False; got {non_blocking!r}.")
+    check_bool("to_device", "non_blocking", non_blocking)
     try:
         target = torch.device(device)  # type: ignore[arg-type]
     except (TypeError, RuntimeError):

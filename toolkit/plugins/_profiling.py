@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity
 
-from toolkit._checks import check, check_count, check_path
+from toolkit._checks import check_bool, check_count, check_path
 from toolkit.distributed._collectives import is_rank_zero
 from toolkit.loop._run import Event, Plugin, plugin_factory
 from toolkit.step._state import TrainState
@@ -72,8 +72,7 @@ def profile(
     for name, value, least in (("wait", wait, 0), ("warmup", warmup, 0), ("active", active, 1)):
         check_count("profile", name, value, least)
     check_count("profile", "repeat", repeat, 0)
-    ok = isinstance(record_shapes, bool)
-    check(ok, "profile", "record_shapes", "True or False", record_shapes, "", TypeError)
+    check_bool("profile", "record_shapes", record_shapes)
     running: Any = None  # the profiler (one run at a time)
     trace_step = 0  # the state.step its next trace is named after
     schedule = torch.profiler.schedule(wait=wait, warmup=warmup, active=active, repeat=repeat)
