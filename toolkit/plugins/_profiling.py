@@ -96,21 +96,19 @@ def profile(
             running.start()
         elif prof is not None and event.out is not None and event.out.updated:
             trace_step = event.state.step
-            try:
-                with warnings.catch_warnings():
-                    # Each cycle is exported on its own, which is what this warning is about.
-                    warnings.filterwarnings("ignore", message=_PER_CYCLE, category=UserWarning)
-                    prof.step()
-                if repeat and prof.step_num >= repeat * (wait + warmup + active):
-                    # Every cycle is written: stop now rather than pay a profiler step (tens
-                    # of microseconds) per update for the rest of the run.
-                    running = None
-                    prof.stop()
-            except BaseException:
-                # A profiler that failed mid-transition crashes the process in stop() (torch
-                # 2.13); dropping it is the only safe way out.
-                running = None
-                raise
+            # Dropped while it steps: a profiler that failed mid-transition crashes the process
+            # in stop() (torch 2.13), so one whose step raises is never stopped.
+            running = None
+            with warnings.catch_warnings():
+                # Each cycle is exported on its own, which is what this warning is about.
+                warnings.filterwarnings("ignore", message=_PER_CYCLE, category=UserWarning)
+                prof.step()
+            if repeat and prof.step_num >= repeat * (wait + warmup + active):
+                # Every cycle is written: stop now rather than pay a profiler step (tens of
+                # microseconds) per update for the rest of the run.
+                prof.stop()
+            else:
+                running = prof
         elif prof is not None and event.kind == "end":
             running = None
             prof.stop()  # writes the window being recorded, if any
