@@ -194,12 +194,11 @@ def validate(
             claim(event, key, "validate")
             _check_plateau(event, plateau_metric, monitor, mode, me)
             return None
-        if kind == "step":
-            due_now = every is not None and due(event, every)
-        elif kind == "end":
-            due_now = at_end and event.error is None
-        else:
-            due_now = per_epoch and kind == "epoch_end"
+        due_now = (
+            (kind == "step" and every is not None and due(event, every))
+            or (kind == "epoch_end" and per_epoch)
+            or (kind == "end" and at_end and event.error is None)
+        )
         previous: ValidationEntry | None = state.extras.get(key)
         # Not twice for one step: the weights have not changed (an epoch ending on `every`).
         if not due_now or (previous is not None and previous["step"] == state.step):
