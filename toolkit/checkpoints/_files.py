@@ -86,13 +86,10 @@ def read_json(path: Path) -> Any:
     """Parse a JSON file (UTF-8); the only reader of non-tensor data on the load path.
 
     Raises OSError, or ValueError for anything but a regular file of at most
-    :data:`JSON_LIMIT` bytes of strict JSON (no NaN, Infinity or 1e400; nesting the parser
-    cannot follow).
+    :data:`JSON_LIMIT` bytes of strict JSON (no NaN, Infinity or 1e400); RecursionError for
+    nesting the parser cannot follow.
     """
-    try:
-        return json.loads(read_regular(path).decode(), parse_constant=_finite, parse_float=_finite)
-    except RecursionError:
-        raise ValueError("nested too deeply") from None
+    return json.loads(read_regular(path).decode(), parse_constant=_finite, parse_float=_finite)
 
 
 def write_tensors(

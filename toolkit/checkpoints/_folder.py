@@ -22,13 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkit._checks import check
-from toolkit.checkpoints._files import (
-    fsync_dir,
-    read_regular,
-    replace_file,
-    temp_name,
-    write_bytes,
-)
+from toolkit.checkpoints._files import fsync_dir, read_regular, replace_file, temp_name, write_bytes
 from toolkit.checkpoints._load import content_problems, load_checkpoint
 from toolkit.checkpoints._manifest import (
     DamagedCheckpointError,
@@ -101,10 +95,8 @@ def _info(folder: Path, checksums: bool) -> CheckpointInfo:
     if checksums and not problems:  # what a load checks beyond the files' bytes
         problems = content_problems(manifest)
     rules = retention_from_document(manifest.rules) if manifest.rules is not None else None
-    return CheckpointInfo(
-        folder, manifest.step, manifest.time, manifest.size, manifest.metrics, rules,
-        tuple(problems), manifest.model_only,
-    )  # fmt: skip
+    fields = (manifest.step, manifest.time, manifest.size, manifest.metrics, rules)
+    return CheckpointInfo(folder, *fields, tuple(problems), manifest.model_only)
 
 
 def list_checkpoints(

@@ -63,26 +63,21 @@ def verified_manifest(path: str | os.PathLike[str]) -> Manifest:
     return manifest
 
 
-def _tensors(manifest: Manifest, name: str, owned: bool) -> dict[str, torch.Tensor]:
-    """A listed safetensors file's tensors: memory-mapped, or (``owned``) in memory of their own."""
+def _tensors(manifest: Manifest, name: str, owned: bool = False) -> dict[str, torch.Tensor]:
+    """A listed safetensors file's tensors: memory-mapped, or (``owned``) in memory of their
+    own; the model file holds every tensor the manifest's aliases name."""
     path = manifest.path / name
     try:
         if name not in manifest.files:
             raise FileNotFoundError("the manifest does not list it")
         # pread: kept tensors (optimizer state) must not stay mapped onto a file that may change.
-        return load_file(path, backend="pread") if owned else load_file(path)
+        tensors = load_file(path, backend="pread") if owned else load_file(path)
+        if name == "model.safetensors" and not set(manifest.aliases.values()) <= tensors.keys():
+            raise KeyError("the manifest's aliases name tensors it lacks")
+        return tensors
     except Exception as error:  # checksum-valid but not safetensors: written by something else
-        problem = f"{path}: not a safetensors file ({error})"
+        problem = f"{path}: not a safetensors file of this checkpoint ({error})"
         raise DamagedCheckpointError(manifest.path, [problem]) from None
-
-
-def _model_file(manifest: Manifest) -> dict[str, torch.Tensor]:
-    """model.safetensors (memory-mapped), whose tensors the manifest's aliases must name."""
-    tensors = _tensors(manifest, "model.safetensors", owned=False)
-    if not set(manifest.aliases.values()) <= tensors.keys():
-        problem = f"{manifest.path}/manifest.json: aliases of tensors model.safetensors lacks"
-        raise DamagedCheckpointError(manifest.path, [problem])
-    return tensors
 
 
 def _saved_shapes(manifest: Manifest) -> dict[str, tuple[torch.Size, torch.dtype]]:
@@ -122,7 +117,7 @@ def full_model(manifest: Manifest) -> dict[str, torch.Tensor]:
         model = {k: v for k, v in _empty(manifest).items() if k.startswith("model/")}
         load_shards(model, manifest.path, None)
         return {key.removeprefix("model/"): value for key, value in model.items()}
-    return expand(_model_file(manifest), manifest.aliases)
+    return expand(_tensors(manifest, "model.safetensors"), manifest.aliases)
 
 
 def _empty(manifest: Manifest) -> dict[str, torch.Tensor]:
@@ -168,8 +163,7 @@ def _fits(saved: Any, live: Any) -> bool:
     if isinstance(live, bool):
         return isinstance(saved, bool)
     if isinstance(live, (int, float)):
-        number = isinstance(saved, (int, float)) and not isinstance(saved, bool)
-        finite = number and (abs(saved) < math.inf or abs(live) == math.inf)
+        finite = type(saved) in (int, float) and (abs(saved) < math.inf or abs(live) == math.inf)
         return finite and (saved > 0 or not (type(live) is int and live > 0))
     return not isinstance(live, (dict, list, tuple))
 
@@ -400,7 +394,7 @@ def _model_plan(
             if key.startswith("model/")
         }
         return state, model_differences(like.model, shapes, {})
-    tensors = _model_file(manifest)
+    tensors = _tensors(manifest, "model.safetensors")
     shapes = {name: tuple(t.shape) for name, t in tensors.items()}
     differences = model_differences(like.model, shapes, manifest.aliases)
     return expand(tensors, manifest.aliases) if not differences else {}, differences
@@ -419,9 +413,8 @@ def _trees(
             return shards.setdefault(key, template)
         return torch.empty(0)  # a stand-in keeps decoding; the difference is reported below
 
-    optimizer_like = None  # a sharded checkpoint's optimizer tensors load into its own
-    if like.optimizer is not None and manifest.has("optimizer"):
-        optimizer_like = optimizer_state(like.model, like.optimizer, keep=manifest.sharded)
+    has = like.optimizer is not None and manifest.has("optimizer")  # sharded: DCP fills its own
+    optimizer_like = optimizer_state(like.model, like.optimizer, manifest.sharded) if has else None
     lives = {"optimizer": optimizer_like, "extras": dict(like.extras), "state": fields_of(like)}
     names = ("optimizer", "scheduler", "scaler", "extras", "state", "objects")
     trees = {
@@ -477,15 +470,16 @@ def content_problems(manifest: Manifest) -> list[str]:
     """
     differences: list[str] = []
     try:
-        shapes = _saved_shapes(manifest) if manifest.sharded else _model_file(manifest) and {}
+        shapes = _saved_shapes(manifest) if manifest.sharded else {}
+        if not manifest.sharded:  # its header, and the aliases' tensors in it
+            _tensors(manifest, "model.safetensors")
         names = [n[:-5] for n in manifest.files if n.endswith(".json") and "/" not in n]
         # A sharded tensor a tree names must be in sharded/ (else a KeyError: damage).
         take = lambda key, _: torch.empty(len(shapes[key]) * 0)  # noqa: E731
         trees = {n: read_tree(manifest, n, sharded=take) for n in names}
     except DamagedCheckpointError as error:
         return list(error.problems)
-    dummy = TrainState(model=torch.nn.Module())
-    fields = _field_values(dummy, trees.get("state", {}), differences)
+    fields = _field_values(TrainState(model=torch.nn.Module()), trees.get("state", {}), differences)
     return _content_problems(manifest.path, trees, fields) + differences
 
 
@@ -508,10 +502,9 @@ def _plan(
         raise DamagedCheckpointError(manifest.path, damage)
     differences += _differences(manifest, like, objects, trees, optimizer_like)
     if differences:
-        listing = "\n  ".join(differences)
         raise ValueError(
-            f"load_checkpoint: {manifest.path} does not fit the template state "
-            f"({len(differences)} difference(s)):\n  {listing}\nBuild the template like the "
+            f"load_checkpoint: {manifest.path} does not fit the template state ({len(differences)}"
+            f" difference(s)):\n  " + "\n  ".join(differences) + "\nBuild the template like the "
             "saved run (same model, optimizer, scheduler and plugins), or load the model alone "
             "with safetensors.torch.load_file."
         )

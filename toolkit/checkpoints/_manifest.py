@@ -135,7 +135,7 @@ def _parsed(folder: Path) -> dict[str, Any]:
         document = read_json(path)
     except FileNotFoundError:
         raise DamagedCheckpointError(folder, [f"{path}: missing"]) from None
-    except (OSError, ValueError) as error:  # a parse error or not a regular file
+    except (OSError, ValueError, RecursionError) as error:  # not JSON, or not a regular file
         raise DamagedCheckpointError(folder, [f"{path}: unreadable ({error})"]) from None
     if not isinstance(document, dict):
         raise DamagedCheckpointError(folder, [f"{path}: not a JSON object"])
@@ -247,9 +247,8 @@ def reduce_to_model(folder: Path) -> bool:
     document = _parsed(folder)
     if document.get("sharded") or document.get("model_only"):
         return False
-    kept = ("model.safetensors", "state.json", "state.safetensors", "extras.json")
-    files = document["files"]
-    document["files"] = {n: e for n, e in files.items() if n in (*kept, "extras.safetensors")}
+    files, kept = document["files"], ("model", "state", "extras")  # extras: the EMA
+    document["files"] = {n: e for n, e in files.items() if n.split(".")[0] in kept}
     document["model_only"] = True
     document[_SELF] = xxhash.xxh3_128_hexdigest(_canonical(document))
     replace_file(folder / MANIFEST, lambda temp: write_json(temp, document))

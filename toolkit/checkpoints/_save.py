@@ -327,14 +327,12 @@ def _prepare(
             f"{who}: {path} exists and is not a checkpoint folder (no {MANIFEST}); refusing "
             "to replace it. Pick another path or remove it."
         )
-    settings_document, tensors = encode(dict(settings or {}), "settings")
+    document, tensors = encode(dict(settings or {}), "settings")
     check(not tensors, who, "settings", "a tree of JSON values (no tensors)", few(tensors))
     snapshot = _snapshot(state, check_objects(objects, who), copy)
-    snapshot.manifest.update(
-        metrics=check_metrics(metrics or {}),
-        rules=rules and rules.to_document(),
-        settings=settings_document,
-    )
+    rules_document = rules and rules.to_document()
+    snapshot.manifest.update(metrics=check_metrics(metrics or {}), rules=rules_document)
+    snapshot.manifest["settings"] = document
     return snapshot
 
 

@@ -83,13 +83,9 @@ def load_shards(targets: Mapping[str, torch.Tensor], folder: Path, group: Any) -
     """
     import torch.distributed.checkpoint as dcp
 
+    reader = _reader(folder)
     with _alone(group):
-        dcp.load(
-            dict(targets),
-            storage_reader=_reader(folder),
-            process_group=group,
-            no_dist=group is None,
-        )
+        dcp.load(dict(targets), storage_reader=reader, process_group=group, no_dist=group is None)
 
 
 @contextlib.contextmanager
