@@ -157,6 +157,7 @@ def main() -> None:
         log_metrics(
             every=10,
             per_epoch=True,
+            records=[],  # model_outputs is kept for on_train_step_end, not logged
             sinks=[
                 jsonl(args.out / "metrics.jsonl", existing="replace"),
                 Sink(print_epoch, lambda: None),

@@ -34,7 +34,7 @@ from toolkit.plugins import (
 )
 
 # Measured, not computed: they differ between any two runs, whatever the order.
-_MEASURED = ("time/data", "time/step", "memory/peak_gib")
+_MEASURED = ("time/data", "time/step", "memory/rss_peak_gib")
 _NAMES = ("ema", "validate", "early_stop", "peak_memory", "log_metrics", "checkpoints", "progress")
 
 
@@ -117,7 +117,7 @@ def test_the_order_of_the_plugin_list_does_not_change_the_run(tmp_path: Path, st
     # The run does what the plugins are for: evaluations of the average, logged, saved.
     resumed = len(stops) > 1  # the first run ends at step 3: its last interval is published
     assert [r["step"] for r in reference["records"]] == ([2, 3, 4, 6] if resumed else [2, 4, 6])
-    assert all("val/loss" in r and "memory/peak_gib" in r for r in reference["records"][-2:])
+    assert all("val/loss" in r and "memory/rss_peak_gib" in r for r in reference["records"][-2:])
     expected = ["step_000002", "step_000004", "step_000006"]
     if resumed:
         expected.insert(1, "step_000003")  # the first run's last step, resumed from

@@ -184,7 +184,8 @@ def test_eval_mode_model_stays_eval_and_mixed_modes_restored():
     model = _model()
     model.eval()
     plugin = validate(lambda m, b: {"loss": m(b).mean()}, [torch.ones(1, 2)], every=1)
-    run(_STEP, _state(model), _train(1), max_steps=1, plugins=[plugin])
+    with pytest.warns(RuntimeWarning, match="run: the model is in eval mode"):
+        run(_STEP, _state(model), _train(1), max_steps=1, plugins=[plugin])
     assert not model.training and not any(m.training for m in model.modules())
     # A model in train mode with a frozen part in eval mode gets exactly that back.
     model.train()
