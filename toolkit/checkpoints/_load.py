@@ -1,10 +1,11 @@
 """load_checkpoint: verify a checkpoint folder, compare it with a template, restore in order.
 
 Only JSON and safetensors are read, and only the files the manifest lists, after their
-sizes and checksums were checked. All differences from the template are gathered before
-anything is touched; then the objects are restored model, scheduler, optimizer, scaler,
-extra objects, RNG states. A data-parallel template is loaded by every rank of its group
-together: the ranks agree on the outcome of the checks before any rank restores.
+sizes and checksums were checked. Every check runs before anything is touched (the
+content a save writes, then every difference from the template); then the objects are
+restored: extra objects, model, scheduler, optimizer, scaler, RNG states. A data-parallel
+template is loaded by every rank of its group together: the ranks agree on the outcome of
+the checks before any rank restores.
 """
 
 from __future__ import annotations
@@ -280,14 +281,20 @@ def load_checkpoint(
 ) -> TrainState:
     """Restore a checkpoint into the objects of a template state built the normal way.
 
-    Every file the manifest lists is checked (size and xxh3 checksum) first; files it
-    does not list are never opened, and only JSON and safetensors are read (nothing is
-    unpickled). The checkpoint is then compared with the template, and *all* differences
-    are reported at once before anything is touched. Then the objects are restored in
-    place in this order: the model (``load_state_dict(strict=True)`` on the unwrapped
-    model; tied weights stay tied), the scheduler, the optimizer (after the scheduler,
-    whose loading changes the optimizer's learning rates, pytorch#119168: the saved
-    rates win), the GradScaler, the extra ``objects``, and last the RNG states.
+    Every file the manifest lists is checked (a regular file inside the folder, its size
+    and xxh3 checksum) first; files it does not list are never opened, and only JSON and
+    safetensors are read (nothing is unpickled). Then what no save writes is refused
+    (counters below 0 or not ints, an open window, RNG states a generator refuses,
+    non-finite hyperparameters), and the checkpoint is compared with the template: every
+    tensor of the optimizer, scheduler, scaler and ``extras`` of the same shape and dtype,
+    finite numbers where the template's are, an int > 0 where the template's is
+    (``StepLR``'s ``step_size``), each parameter group through its optimizer's own
+    argument checks; *all* differences are reported at once. A refused load changes
+    nothing. Then the objects are restored in place in this order: the extra ``objects``
+    (only they can check their state), the model (``load_state_dict(strict=True)`` on the
+    unwrapped model; tied weights stay tied), the scheduler, the optimizer (after the
+    scheduler, whose loading changes the optimizer's learning rates, pytorch#119168: the
+    saved rates win), the GradScaler, and last the RNG states.
 
     TrainState fields missing from an older checkpoint keep the template's values.
 
@@ -314,10 +321,12 @@ def load_checkpoint(
         ``torch.amp.GradScaler`` for the model's device is built and loaded.
 
     Raises:
-        DamagedCheckpointError: a listed file is missing, truncated or corrupted, or the
-            manifest is damaged; the message names each file.
+        DamagedCheckpointError: a listed file is missing, truncated, corrupted or not a
+            regular file inside the folder, the manifest is damaged, or a file holds what
+            no save writes; the message names each file.
         ValueError: the checkpoint does not fit the template (the message lists every
-            difference), or it is of another format or a newer version.
+            difference), it is of another format or a newer version, or it is model-only
+            (``Retention.keep_full``) and the template has an optimizer.
 
     Example:
         >>> import torch
