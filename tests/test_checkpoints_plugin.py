@@ -323,7 +323,9 @@ def test_a_signal_saves_stops_and_exits_128_plus_signal(tmp_path, signum, code) 
     assert saved[-1] == (stopped[-1] if stopped else 5)  # the update in progress, then saved
     # The same command continues from there and ends as an uninterrupted run does.
     returncode, out = _finish(_job(tmp_path))
-    assert returncode == 0 and out.startswith(f"start {saved[-1]}"), out
+    resumed = f"checkpoints: resumed from {tmp_path / 'ckpt' / f'step_{saved[-1]:06d}'} at update"
+    assert returncode == 0 and out.startswith(resumed), out  # rank 0 says so, on stderr
+    assert out.splitlines()[1] == f"start {saved[-1]}", out
     result = json.loads((tmp_path / "result.json").read_text())
     assert result == _uninterrupted(tmp_path)
 
@@ -348,7 +350,7 @@ def test_a_signal_before_the_first_update(tmp_path: Path) -> None:
     assert returncode == 143, out
     assert _steps(tmp_path / "ckpt") == [1]  # the update in progress finished and was saved
     returncode, out = _finish(_job(tmp_path))
-    assert returncode == 0 and out.startswith("start 1"), out
+    assert returncode == 0 and out.splitlines()[1] == "start 1", out
 
 
 @pytest.mark.slow
@@ -458,7 +460,11 @@ def test_sigterm_to_one_fsdp2_rank_stops_both_after_the_same_update_bf16(tmp_pat
     assert _steps(folder / "ckpt") == [last[0]]  # one checkpoint, at that update
     outcomes = _finish_all(_ranks(folder, 2, *extra))
     assert [code for code, _ in outcomes] == [0, 0], outcomes
-    assert all(out.startswith(f"start {last[0]}") for _, out in outcomes), outcomes
+    starts = [
+        [line for line in out.splitlines() if line.startswith("start")] for _, out in outcomes
+    ]
+    assert starts == [[f"start {last[0]}"]] * 2, outcomes
+    assert [out.count("checkpoints: resumed from") for _, out in outcomes] == [1, 0]  # rank 0
     assert _results(folder) == _results(reference)  # FSDP2 + bf16 resumes bitwise
 
 
