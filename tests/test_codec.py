@@ -15,7 +15,11 @@ from hypothesis import strategies as st
 from safetensors.torch import load, save
 
 from toolkit.checkpoints._codec import TreeError, decode, encode
-from toolkit.checkpoints._files import to_json
+
+
+def to_json(document: Any) -> bytes:
+    """The JSON text checkpoints write (write_json's encoding)."""
+    return json.dumps(document, allow_nan=False, ensure_ascii=False, indent=1).encode()
 
 
 def round_trip(tree: Any, root: str = "tree", like: Any = None) -> Any:
@@ -291,7 +295,7 @@ def _user_values() -> dict[str, tuple[Any, Any]]:
     class Level(enum.IntEnum):
         HIGH = 3
 
-    class Color(str, enum.Enum):  # str() gives "Color.RED": stored as its value
+    class Color(str, enum.Enum):  # noqa: UP042  (str() gives "Color.RED": stored as its value)
         RED = "red"
 
     counts = defaultdict(int, {"a": 2})
