@@ -338,3 +338,23 @@ def test_run_refuses_data_parallel_ranks_with_uneven_data_before_training(tmp_pa
     for rank in (0, 1):
         said = (out / f"rank{rank}.txt").read_text()
         assert re.search(r"the ranks range from 2 batches to 3 batches", said), said
+
+
+def test_a_changed_batch_size_maps_by_samples_unless_the_loader_keeps_its_own_position() -> None:
+    from toolkit.loop._data import seen_after_change
+
+    class Stateful(DataLoader):  # keeps its position in batches of its own size
+        def state_dict(self) -> dict:
+            return {}
+
+        def load_state_dict(self, state: dict) -> None:
+            pass
+
+    saved = {"batch_size": 2, "samples": 12, "batches": 6, "world_size": 1}
+    now = {"batch_size": 4, "samples": 12, "batches": 3, "world_size": 1}
+    # 3 batches of 2 seen: 6 samples; batch 0 of 4 is done, batch 1 is read again.
+    assert seen_after_change(DataLoader(range(12), batch_size=4), 3, saved, now) == 1
+    with pytest.raises(ValueError, match=r"other batch_size 2 -> 4, batches 6 -> 3"):
+        seen_after_change(Stateful(range(12), batch_size=4), 3, saved, now)
+    with pytest.raises(ValueError, match=r"stopped 3 batches .* other world_size 1 -> 2"):
+        seen_after_change(DataLoader(range(12), batch_size=4), 3, saved, {**now, "world_size": 2})

@@ -240,3 +240,11 @@ def test_a_second_run_in_one_folder_is_refused_until_the_first_dies(tmp_path: Pa
             first.wait(timeout=120)
         if first.stdout is not None:
             first.stdout.close()
+
+
+def test_keep_full_reaches_retention_and_older_kept_checkpoints_hold_the_model(tmp_path) -> None:
+    plugin = checkpoints(tmp_path, every=1, keep_last=3, keep_full=1)
+    run(_recording([]), _state(), _loader(), max_steps=4, plugins=[plugin])
+    infos = list_checkpoints(tmp_path)
+    assert [(i.step, i.model_only) for i in infos] == [(2, True), (3, True), (4, False)]
+    assert infos[-1].rules is not None and infos[-1].rules.keep_full == 1
