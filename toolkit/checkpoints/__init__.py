@@ -2,8 +2,8 @@
 
     python -m toolkit.checkpoints runs/a/ckpt            # list: step, time, size, metrics,
                                                          # which retention rule keeps each
-    python -m toolkit.checkpoints runs/a/ckpt --verify   # also check every checksum;
-                                                         # exit status 1 on any damage
+    python -m toolkit.checkpoints runs/a/ckpt --verify   # check as a load does (checksums,
+                                                         # headers, trees); exit 1 on damage
 
 ``DIR`` may also be a single checkpoint folder. Exit status: 0 when fine (listing
 reports damage found by the cheap checks but still exits 0), 1 when ``--verify`` found
