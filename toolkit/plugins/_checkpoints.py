@@ -486,7 +486,9 @@ def checkpoints(
     signal the flag-only handlers stay installed until the process exits, so that a second
     signal (a second Ctrl-C, torchrun stopping the other ranks) cannot cut short the
     ``"end"`` of the plugins after this one, nor change the exit status; without a signal
-    the previous handlers are put back at ``"end"``.
+    the previous handlers are put back at ``"end"``. A run that hangs after Ctrl-C still ends
+    by Ctrl-\\ (SIGQUIT) or SIGKILL, unsaved. In a process that catches the ``SystemExit`` and
+    goes on (a notebook), the stopping signals stay flag-only afterwards.
 
     **Data parallel (DDP, FSDP2).** Put the plugin on every rank, with the same arguments.
     Saves are collective (see :func:`toolkit.save_checkpoint`: DDP's rank 0 writes, FSDP2's
