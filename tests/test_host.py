@@ -15,7 +15,7 @@ def test_groups_dtypes_exactly(monkeypatch: pytest.MonkeyPatch, accelerator_path
         read_as_on_an_accelerator(monkeypatch)
     values = [torch.tensor(1.5), torch.tensor(7, dtype=torch.int64), torch.tensor(0.25).double()]
     values.append(torch.tensor(2.0, dtype=torch.bfloat16))
-    assert to_host(values) == [1.5, 7.0, 0.25, 2.0]
+    assert to_host(values) == [1.5, 7, 0.25, 2.0]
     assert to_host([torch.tensor(2**40 + 1)]) == [2**40 + 1]  # not rounded through float32
     assert to_host([torch.tensor(0.5), torch.tensor(2**40 + 1)]) == [0.5, 2**40 + 1]
     assert to_host([]) == []
@@ -45,7 +45,7 @@ def test_mixed_dtypes_cost_one_stack_per_dtype_and_one_transfer(
     read_as_on_an_accelerator(monkeypatch)
     values = [torch.tensor(0.5), torch.tensor(3), torch.tensor(1.5), torch.tensor(2**40 + 1)]
     with CountOps() as ops:
-        assert to_host(values) == [0.5, 3.0, 1.5, float(2**40 + 1)]
+        assert to_host(values) == [0.5, 3, 1.5, 2**40 + 1]
     assert ops.calls["stack.default"] == 2 and ops.calls["cat.default"] == 1
 
 
@@ -53,4 +53,25 @@ def test_mixed_dtypes_cost_one_stack_per_dtype_and_one_transfer(
 def test_across_devices_in_the_callers_order() -> None:
     values = [torch.tensor(1.5, device="cuda"), torch.tensor(3), torch.tensor(0.5, device="cuda")]
     values.append(torch.tensor(7, device="cuda"))
-    assert to_host(values) == [1.5, 3.0, 0.5, 7.0]
+    got = to_host(values)
+    assert got == [1.5, 3, 0.5, 7] and [type(v) for v in got] == [float, int, float, int]
+
+
+def test_the_accelerator_path_gives_the_values_and_types_the_cpu_gives(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Bug caught: mixed dtypes were cast to float64 together, so a count read on a GPU came
+    # back as 3.0 where the CPU gives 3 (and an int64 above 2**53 was rounded).
+    values = [torch.tensor(0.1), torch.tensor(3), torch.tensor(True), torch.tensor(2**60 + 1)]
+    values += [torch.tensor(0.1, dtype=torch.float64), torch.tensor(1.5, dtype=torch.bfloat16)]
+    values += [torch.tensor(-7, dtype=torch.int8), torch.tensor(2.5, dtype=torch.float16)]
+    on_cpu = to_host(values)
+    read_as_on_an_accelerator(monkeypatch)
+    on_accelerator = to_host(values)
+    assert (
+        on_accelerator
+        == on_cpu
+        == [torch.tensor(0.1).item(), 3, True, 2**60 + 1, 0.1, 1.5, -7, 2.5]
+    )
+    assert [type(v) for v in on_accelerator] == [type(v) for v in on_cpu]
+    assert [type(v) for v in on_cpu] == [float, int, bool, int, float, float, int, float]
