@@ -26,7 +26,7 @@ no_sync_accumulate                            automatic under DDP / FSDP2 (accum
 ProgressHook(interval=10, with_records=True)  progress(every=10, records=["accuracy"])
 LoggingHook(interval=100) + WandbHook         log_metrics(every=100, sinks=[jsonl(...),
                                                 wandb(project=...)])
-CheckpointingHook(interval, keep_previous,    checkpoints(dir, every=, keep_last=,
+CheckpointingHook(interval, keep_previous,    checkpoints(dir, every=, keep_last=keep_previous+1,
   keep_interval, load="latest",                 keep_every=, resume="latest",
   exit_signals, exit_code="128+signal")         signals=, exit_code=)
 EmaHook(decay) / hook.ema_model               ema(decay=) / ema_model(state)
