@@ -109,11 +109,18 @@ def read_tree(
     return tree
 
 
-def full_model(manifest: Manifest) -> dict[str, torch.Tensor]:
+def full_model(manifest: Manifest, partial: bool = False) -> dict[str, torch.Tensor]:
     """The whole model state dict of a verified checkpoint, of either layout.
 
     A sharded model's pieces are put together in this process (no process group needed).
+    A trainable-only checkpoint holds no frozen parameters: refused unless ``partial``.
     """
+    if manifest.frozen and not partial:
+        raise ValueError(
+            f"{manifest.path} holds the trainable parameters only (trainable_only=True), "
+            "not the frozen base; load it into the model (load_checkpoint) and export that: "
+            "export_model(state), or export_pretrained(state) for a peft adapter."
+        )
     if manifest.sharded:
         model = {k: v for k, v in _empty(manifest).items() if k.startswith("model/")}
         load_shards(model, manifest.path, None)
@@ -298,6 +305,10 @@ def load_checkpoint(
 
     TrainState fields missing from an older checkpoint keep the template's values.
 
+    A checkpoint saved with ``trainable_only=True`` holds no frozen parameters: the
+    template's must match the fingerprint it records (else a ValueError: build the
+    template on the same base model), and they stay as the template has them.
+
     A data-parallel template (DDP or FSDP2) is loaded on every rank of its group together
     (all load, or all raise the same error). Each rank gets its own saved RNG states and
     data position; a rank the checkpoint has none for (it was written by fewer ranks)
@@ -405,7 +416,7 @@ def _model_plan(
         return state, model_differences(like.model, shapes, {})
     tensors = _tensors(manifest, "model.safetensors")
     shapes = {name: tuple(t.shape) for name, t in tensors.items()}
-    differences = model_differences(like.model, shapes, manifest.aliases)
+    differences = model_differences(like.model, shapes, manifest.aliases, manifest.frozen)
     return expand(tensors, manifest.aliases) if not differences else {}, differences
 
 
@@ -533,7 +544,7 @@ def _restore(plan: _Plan, objects: dict[str, Any], group: Group | None) -> Train
         obj.load_state_dict(trees["objects"][name])
     if plan.shards:
         load_shards(plan.shards, plan.manifest.path, group)  # every sharded tensor, in place
-    put_model(state.model, plan.model, full=not plan.manifest.sharded)
+    put_model(state.model, plan.model, not plan.manifest.sharded, not plan.manifest.frozen)
     plan.model.clear()  # drop the file mapping
     if trees["scheduler"] is not None:
         state.scheduler.load_state_dict(trees["scheduler"])

@@ -4,7 +4,8 @@ The manifest lists every file of the checkpoint with its size and xxh3-128 check
 format name and version, the step and time, the metrics and retention rules given at save
 time, the class of each saved object, the model's tied-tensor aliases, whether the model
 is in the ``sharded/`` sub-folder (:mod:`._sharded`), how many ranks wrote it, the run's
-``settings``, and whether retention reduced it to model-only (``model_only``). A
+``settings``, whether retention reduced it to model-only (``model_only``) and, for a
+``trainable_only`` save, the fingerprint of the frozen parameters it lacks (``frozen``). A
 component ``name`` is present when ``name.json`` is listed (with ``name.safetensors`` when
 it holds tensors). It carries a checksum of its own content too, so a flipped bit in it is
 caught like one in any other file. Files a manifest does not list are never opened.
@@ -83,6 +84,7 @@ class Manifest:
     world_size: int = 1
     settings: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     model_only: bool = False
+    frozen: str | None = None  # a trainable-only save's fingerprint of the frozen parameters
 
     @property
     def size(self) -> int:
@@ -157,7 +159,7 @@ def _fields(document: dict[str, Any]) -> dict[str, Any] | None:
     names = [field.name for field in dataclasses.fields(Manifest)[1:]]
     fields = {name: document[name] for name in names if document.get(name) is not None}
     kinds = {"step": int, "files": dict, "aliases": dict, "classes": dict, "sharded": bool}
-    kinds.update(world_size=int, model_only=bool, settings=dict)
+    kinds.update(world_size=int, model_only=bool, settings=dict, frozen=str)
     try:
         metrics = decode(fields["metrics"], {}, "metrics")
         settings = decode(fields.get("settings", {}), {}, "settings")

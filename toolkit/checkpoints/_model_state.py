@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import xxhash
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -21,8 +22,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from toolkit._checks import check
 from toolkit._unwrap import unwrap
 from toolkit.checkpoints._codec import TreeError, describe
+from toolkit.checkpoints._files import CHECKSUM
 from toolkit.checkpoints._sharded import is_sharded
 
 
@@ -31,10 +34,29 @@ def model_state(model: torch.nn.Module) -> dict[str, Any]:
     return get_model_state_dict(unwrap(model))  # unwrap: nn.DataParallel's prefix too
 
 
-def put_model(model: torch.nn.Module, state: Mapping[str, Any], full: bool = True) -> None:
-    """Load a whole state dict (or, ``full=False``, one sharded like the model) strictly."""
+def model_part(model: torch.nn.Module, trainable_only: bool, who: str) -> tuple[dict, str | None]:
+    """The state dict and None; ``trainable_only``: without the frozen parameters, and a
+    fingerprint of those: xxh3-128 of their names, dtypes, shapes and bytes (one pass)."""
+    state, digest = model_state(model), xxhash.xxh3_128()
+    if not trainable_only:
+        return state, None
+    check(not is_sharded(model), who, "trainable_only", "False for an FSDP2 model", True)
+    named = unwrap(model).named_parameters(remove_duplicate=False)  # a tie under each name
+    frozen = sorted({name for name, p in named if not p.requires_grad} & state.keys())
+    for name in frozen:
+        tensor = state.pop(name).detach()
+        digest.update(f"{name} {tensor.dtype} {list(tensor.shape)};".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).cpu().numpy())
+    return state, f"{len(frozen)} tensors, {CHECKSUM} {digest.hexdigest()}"
+
+
+def put_model(
+    model: torch.nn.Module, state: Mapping[str, Any], full: bool = True, strict: bool = True
+) -> None:
+    """Load a whole state dict (or, ``full=False``, one sharded like the model); ``strict``
+    unless it is the model's trainable part (its names were checked)."""
     if full and not is_sharded(model):  # set_model_state_dict would copy every tensor
-        unwrap(model).load_state_dict(dict(state), strict=True)
+        unwrap(model).load_state_dict(dict(state), strict=strict)
     else:
         set_model_state_dict(
             unwrap(model), dict(state), options=StateDictOptions(full_state_dict=full)
@@ -115,12 +137,24 @@ def expand(tensors: Mapping[str, torch.Tensor], aliases: Mapping[str, str]) -> d
 
 
 def model_differences(
-    model: torch.nn.Module, shapes: Mapping[str, tuple[int, ...]], aliases: Mapping[str, str]
+    model: torch.nn.Module,
+    shapes: Mapping[str, tuple[int, ...]],
+    aliases: Mapping[str, str],
+    frozen: str | None = None,
 ) -> list[str]:
-    """How a saved model (names -> shapes, aliases) differs from ``model``; empty if none."""
-    live, live_aliases = split_aliases(model_state(model), "load_checkpoint")
+    """How a saved model (names -> shapes, aliases) differs from ``model``; empty if none.
+
+    With ``frozen`` (the fingerprint of a trainable-only save) the saved names are compared
+    with ``model``'s trainable part and ``frozen`` with the fingerprint of the rest.
+    """
+    live, fingerprint = model_part(model, frozen is not None, "load_checkpoint")
+    out = [] if fingerprint == frozen else [
+        f"model: its frozen parameters ({fingerprint}) are not those the trainable-only "
+        f"checkpoint was saved with ({frozen}); build the template on the same base model "
+        "(the same pretrained weights, the same parameters frozen)."
+    ]  # fmt: skip
+    live, live_aliases = split_aliases(live, "load_checkpoint")
     saved_names, live_names = set(shapes) | set(aliases), set(live) | set(live_aliases)
-    out = []
     if live_names - saved_names:
         out.append(f"model: keys missing from the checkpoint: {few(live_names - saved_names)}")
     if saved_names - live_names:

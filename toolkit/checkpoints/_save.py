@@ -5,6 +5,7 @@ Layout of one checkpoint folder (every file listed, with size and checksum, in
 
     manifest.json
     model.safetensors                       unwrapped state dict, tied tensors stored once
+                                            (trainable_only: no frozen parameters)
     optimizer.json  [optimizer.safetensors] state keyed by parameter name, param groups
     scheduler.json  [scheduler.safetensors]
     scaler.json                             GradScaler state, when there is an enabled one
@@ -46,7 +47,7 @@ from toolkit.checkpoints._files import (
     write_tensors,
 )
 from toolkit.checkpoints._manifest import MANIFEST, check_metrics, manifest_document
-from toolkit.checkpoints._model_state import few, model_state, optimizer_state, split_aliases
+from toolkit.checkpoints._model_state import few, model_part, optimizer_state, split_aliases
 from toolkit.checkpoints._retention import Retention
 from toolkit.checkpoints._rng import capture_rng
 from toolkit.checkpoints._sharded import SHARDS, is_dtensor, is_sharded, save_shards
@@ -70,7 +71,7 @@ def rank_component(rank: int) -> str:
     return f"rank_{rank:05d}"
 
 
-def _snapshot(state: TrainState, objects: dict[str, Any], copy: bool) -> _Snapshot:
+def _snapshot(state: TrainState, objects: dict[str, Any], copy: bool, trainable: bool) -> _Snapshot:
     sharded = is_sharded(state.model)
     shards: dict[str, torch.Tensor] = {}
     external = is_dtensor if sharded else None
@@ -84,7 +85,8 @@ def _snapshot(state: TrainState, objects: dict[str, Any], copy: bool) -> _Snapsh
         if owner is not None:
             classes[name] = type(owner).__name__
 
-    model, aliases = split_aliases(model_state(state.model), "save_checkpoint")
+    whole, frozen = model_part(state.model, trainable, "save_checkpoint")
+    model, aliases = split_aliases(whole, "save_checkpoint")
     if sharded:
         shards.update({f"model/{name}": value for name, value in model.items()})
     else:
@@ -106,6 +108,8 @@ def _snapshot(state: TrainState, objects: dict[str, Any], copy: bool) -> _Snapsh
         classes["objects"] = {name: type(obj).__name__ for name, obj in objects.items()}
     own = encode({"rng": rng, "data_state": dict(state.data_state)}, "rank", copy=copy)
     fields = {"step": state.step, "classes": classes, "aliases": aliases, "sharded": sharded}
+    if trainable:
+        fields["frozen"] = frozen
     return _Snapshot(fields, trees, shards, own)
 
 
@@ -158,21 +162,27 @@ def save_checkpoint(
     metrics: Mapping[str, float] | None = None,
     rules: Retention | None = None,
     settings: Mapping[str, Any] | None = None,
+    trainable_only: bool = False,
 ) -> Path:
     """Write ``state`` (and ``objects``) as a checkpoint folder, atomically.
 
-    The folder holds the unwrapped model's tensors (no ``_orig_mod.``/``module.``
-    prefixes; tied tensors once) in ``model.safetensors``, which ``safetensors`` and
-    ``load_state_dict(strict=True)`` open alone; the optimizer's state keyed by parameter
-    names; the scheduler, the GradScaler (when enabled), the TrainState counters and
-    ``extras``, the Python/NumPy/torch(/CUDA) RNG states and each object's
-    ``state_dict()``, as JSON plus safetensors for their tensors; and ``manifest.json``
-    with the size and xxh3 checksum of every file. Nothing is pickled.
+    The folder holds the unwrapped model's tensors (no ``_orig_mod.``/``module.`` prefixes;
+    tied tensors once) in ``model.safetensors``, which ``safetensors`` opens alone; a model
+    without tied weights loads it with ``load_state_dict(strict=True)``, one with tied
+    weights (a GPT-2's ``lm_head.weight``) with ``strict=False``, the tie filling the name
+    stored once (``export_model`` writes every name, ``export_pretrained`` the Hugging Face
+    layout); the optimizer's state keyed by parameter names; the scheduler, the GradScaler
+    (when enabled), the TrainState counters and ``extras``, the Python/NumPy/torch(/CUDA)
+    RNG states and each object's ``state_dict()``, as JSON plus safetensors for their
+    tensors; and ``manifest.json`` with the size and xxh3 checksum of every file. Nothing is
+    pickled.
 
     Plugin state (``state.extras``), object state and any new TrainState field must be a
     tree of dicts (str keys; or int/float/bool/None/str/tuple keys), lists, tuples, ints,
     floats (inf and NaN too), bools, ``None``, strings and tensors (any dtype and device).
-    Anything else is refused before any file is written, naming its path.
+    Subclasses of str, int, float and dict (``torch.__version__``, enums, ``defaultdict``)
+    and NumPy scalars are stored as their base type. Anything else is refused before any
+    file is written, naming its path.
 
     The files go to a hidden temporary sibling ``.tmp-<name>-<pid>-<hex>`` and are fsync'ed,
     then the folder is renamed to ``path`` and the parent fsync'ed. An existing checkpoint at
@@ -201,6 +211,14 @@ def save_checkpoint(
             say which rule keeps each checkpoint.
         settings: the run's configuration (JSON values, tuples and inf/NaN kept), recorded
             in the manifest; read back as ``verified_manifest(path).settings``.
+        trainable_only: save, of the model, only the parameters that train
+            (``requires_grad``, e.g. a LoRA adapter) and the buffers (BatchNorm's running
+            statistics change in training), not the frozen parameters: the manifest records
+            their fingerprint instead (xxh3-128 of names, dtypes, shapes and bytes: one pass
+            over them per save), and :func:`load_checkpoint` loads such a checkpoint only
+            into a template whose frozen parameters match it, leaving them as they are. Not
+            for an FSDP2 model. ``export_model`` of such a folder is refused (it lacks the
+            base): load it into the model and export the state.
 
     Returns:
         The checkpoint folder's path.
@@ -209,9 +227,10 @@ def save_checkpoint(
         ValueError: the accumulation window is open (``state.window.micro_step > 0``); the
             state was already passed to a train step (save the one it returned); a metric
             is not a number; ``path`` exists and is not a checkpoint; the optimizer
-            holds a tensor that is not a model parameter.
-        TypeError: state that breaks the rule above (the message names its path), or bad
-            ``objects``.
+            holds a tensor that is not a model parameter; ``trainable_only`` for an FSDP2
+            model.
+        TypeError (toolkit.checkpoints.TreeError): state that breaks the rule above (the
+            message names its path), or bad ``objects``.
         OSError: writing failed (e.g. ``ENOSPC``); the message names ``path``. The
             temporary folder is removed and earlier checkpoints are untouched.
 
@@ -228,7 +247,7 @@ def save_checkpoint(
     group = group_of(state.model) if isinstance(state, TrainState) else None
     snapshot, error = None, None
     try:
-        snapshot = _prepare(state, Path(path), objects, metrics, rules, settings, copy=False)
+        snapshot = _prepare(state, Path(path), objects, metrics, rules, settings, trainable_only)
     except Exception as caught:
         error = caught
     agree(error, group, "save_checkpoint")
@@ -244,6 +263,7 @@ def save_in_background(
     metrics: Mapping[str, float] | None = None,
     rules: Retention | None = None,
     settings: Mapping[str, Any] | None = None,
+    trainable_only: bool = False,
 ) -> Future[Path]:
     """Like :func:`toolkit.save_checkpoint`, but write the files in a background thread.
 
@@ -262,6 +282,8 @@ def save_in_background(
         metrics: flat ``{name: number}`` recorded in the manifest.
         rules: the retention rules in force, recorded in the manifest.
         settings: the run's configuration, recorded in the manifest.
+        trainable_only: save the trainable parameters and buffers of the model only (the
+            fingerprint of the frozen ones is taken at the call), as ``save_checkpoint``.
 
     Returns:
         A ``concurrent.futures.Future`` whose ``result()`` is the checkpoint's path, or
@@ -288,7 +310,7 @@ def save_in_background(
             "save_in_background: expected a model of this process alone, got a data-parallel "
             "one (DDP or FSDP2), whose ranks save together; use save_checkpoint on every rank."
         )
-    snapshot = _prepare(state, path, objects, metrics, rules, settings, copy=True)
+    snapshot = _prepare(state, path, objects, metrics, rules, settings, trainable_only, copy=True)
     # Its worker is joined at interpreter exit (as a non-daemon thread would be).
     pool = ThreadPoolExecutor(1, thread_name_prefix=f"save_checkpoint {path}")
     future = pool.submit(_write, snapshot, path, None)
@@ -303,7 +325,8 @@ def _prepare(
     metrics: Mapping[str, float] | None,
     rules: Retention | None,
     settings: Mapping[str, Any] | None,
-    copy: bool,
+    trainable: bool,
+    copy: bool = False,
 ) -> _Snapshot:
     """Check the arguments and gather everything in memory; nothing is written yet."""
     who = "save_checkpoint"
@@ -329,7 +352,7 @@ def _prepare(
         )
     document, tensors = encode(dict(settings or {}), "settings")
     check(not tensors, who, "settings", "a tree of JSON values (no tensors)", few(tensors))
-    snapshot = _snapshot(state, check_objects(objects, who), copy)
+    snapshot = _snapshot(state, check_objects(objects, who), copy, trainable)
     rules_document = rules and rules.to_document()
     snapshot.manifest.update(metrics=check_metrics(metrics or {}), rules=rules_document)
     snapshot.manifest["settings"] = document
