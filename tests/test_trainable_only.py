@@ -15,7 +15,7 @@ from torch import nn
 
 import toolkit.checkpoints._model_state as model_state_module
 from toolkit import TrainState, export_model, load_checkpoint, make_step, save_checkpoint
-from toolkit.checkpoints import save_in_background, verify_checkpoint
+from toolkit.checkpoints import list_checkpoints, save_in_background, verify_checkpoint
 from toolkit.checkpoints._manifest import read_manifest
 
 transformers = pytest.importorskip("transformers", reason="needs the `hf` extra")
@@ -120,6 +120,8 @@ def test_the_files_hold_the_trainable_parameters_and_buffers_only(
         f"{len(state.model.state_dict()) - len(trainable | buffers)} tensors"
     )
     assert read_manifest(whole).frozen is None and verify_checkpoint(part) == []
+    listed = {c.name: c.trainable_only for c in list_checkpoints(tmp_path)}
+    assert listed == {"part": True, "whole": False}
     background = save_in_background(state, tmp_path / "background", trainable_only=True).result()
     assert set(load_file(background / "model.safetensors")) == trainable | buffers
 

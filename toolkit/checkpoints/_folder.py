@@ -56,6 +56,7 @@ class CheckpointInfo:
         problems: what is wrong with it (each line starts with a path); empty when intact
             as far as it was checked (see ``checksums`` of :func:`list_checkpoints`).
         model_only: retention's ``keep_full`` reduced it to the model (resume skips it).
+        trainable_only: it holds the trainable parameters only (``trainable_only=True``).
 
     Example:
         >>> from pathlib import Path
@@ -73,6 +74,7 @@ class CheckpointInfo:
     rules: Retention | None
     problems: tuple[str, ...]
     model_only: bool = False
+    trainable_only: bool = False
 
     @property
     def name(self) -> str:
@@ -96,7 +98,8 @@ def _info(folder: Path, checksums: bool) -> CheckpointInfo:
         problems = content_problems(manifest)
     rules = retention_from_document(manifest.rules) if manifest.rules is not None else None
     fields = (manifest.step, manifest.time, manifest.size, manifest.metrics, rules)
-    return CheckpointInfo(folder, *fields, tuple(problems), manifest.model_only)
+    flags = (manifest.model_only, manifest.frozen is not None)
+    return CheckpointInfo(folder, *fields, tuple(problems), *flags)
 
 
 def list_checkpoints(
