@@ -19,6 +19,7 @@ from toolkit.distributed._collectives import all_reduce_
 from toolkit.step._state import GuardState, WindowState
 
 __all__ = [
+    "APPLY",
     "AccumulateConfig",
     "AmpConfig",
     "ClipConfig",
@@ -212,7 +213,7 @@ class Verdict(NamedTuple):
     uneven: bool = False  # data-parallel ranks skipped different numbers of micro-batches
 
 
-_FINE = Verdict()
+APPLY = Verdict()  # nothing against applying the window: decide's answer, as one object
 
 
 def decide(
@@ -240,7 +241,7 @@ def decide(
         # The guard alone: as few kernels as a hand-written loop needs, and one read.
         assert loss is not None and grad_norm is not None
         finite = bool((torch.isfinite(loss) & torch.isfinite(grad_norm)).item())  # the sync
-        return _FINE if finite else Verdict(nonfinite=True)
+        return APPLY if finite else Verdict(nonfinite=True)
     if carried is not None:
         loss = carried[0]  # the ranks' summed losses: finite when every rank's is
         # Equal counts exactly when sum**2 == world * sum of squares (Cauchy-Schwarz).

@@ -184,13 +184,15 @@ class TrainState:
         _check(new, changes.keys())
         return new
 
-    def _evolve(self, changes: dict[str, Any]) -> TrainState:
+    def _evolve(self, changes: dict[str, Any], consume: bool = False) -> TrainState:
         # Hot path (field names known to be right): copying the field dict is several times
         # faster than dataclasses.replace, which re-runs __init__ and its checks.
         fields = self.__dict__.copy()
         fields.update(changes)
         new = object.__new__(TrainState)
         object.__setattr__(new, "__dict__", fields)
+        if consume:  # a train step's successor: mark this state used, past the frozen setattr
+            self.__dict__["_consumed"] = True
         return new
 
 

@@ -22,6 +22,7 @@ from toolkit.distributed._collectives import (
 )
 from toolkit.step._multi import PerEpoch
 from toolkit.step._phases import (
+    APPLY,
     AccumulateConfig,
     AmpConfig,
     ClipConfig,
@@ -119,15 +120,13 @@ class StepOutput(NamedTuple):
 _NOT_PER_UPDATE = (torch.optim.lr_scheduler.ReduceLROnPlateau, PerEpoch)
 Scaler = torch.amp.GradScaler | None
 _NO_RECORDS: Mapping[str, Any] = types.MappingProxyType({})  # shared, so read-only
-_APPLY = Verdict()  # nothing against applying the window
+_NO_WINDOW = WindowState()
+_NO_CONTEXT = contextlib.nullcontext()  # reentrant, holds nothing: shared
 _SKIPPED = StepOutput(None, _NO_RECORDS, None, None, updated=False, closed=False, skipped=True)
 
 
 def _leading_dim(batch: Any) -> int | None:
     """The leading dimension of the first tensor found depth-first in common containers."""
-    first = batch[0] if type(batch) is tuple and batch else batch  # (inputs, targets): 1 step
-    if type(first) is torch.Tensor and first.ndim:
-        return first.shape[0]
     while True:
         if isinstance(batch, torch.Tensor):
             return int(batch.shape[0]) if batch.ndim else None
@@ -214,8 +213,9 @@ class Step:
     grad_transforms: GradTransformConfig | None = None
     clipping: ClipConfig | None = None
     guard: GuardConfig | None = None
-    # Whether loss_fn takes the update number: its signature, read once.
+    # Read once: whether loss_fn takes the update number (its signature); the window length.
     _with_step: bool = dataclasses.field(init=False, repr=False, compare=False)
+    _k: int = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         try:  # a parameter named step (not *args or **kwargs) receives the update number
@@ -224,6 +224,8 @@ class Step:
             param = None
         kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
         object.__setattr__(self, "_with_step", param is not None and param.kind in kinds)
+        k = self.accumulation.micro_batches if self.accumulation is not None else 1
+        object.__setattr__(self, "_k", k)
 
     def __call__(
         self, state: TrainState, batch: Any, *, close: bool = False
@@ -240,70 +242,84 @@ class Step:
             raise _no_optimizer(state)
         if state._consumed:
             raise _reused(state)
-        k = self.accumulation.micro_batches if self.accumulation is not None else 1
-        if state.window.micro_step and state.window.length != k:
-            raise _other_window(state.window, k)
+        k, window = self._k, state.window
+        if window.micro_step and window.length != k:
+            raise _other_window(window, k)
         scaler = None  # a scaler left in the state by someone else is not ours to use
         if self.amp is not None and self.amp.fp16:
             if state.scaler is None:
                 state = state.replace(scaler=self.amp.make_scaler(optimizer))
             scaler = state.scaler
         sync = sync_kind(state.model)  # "none", "ddp" or "fsdp2"
-        closes = close or state.window.micro_step + 1 == k
+        closes = close or window.micro_step + 1 == k
+        # The loss stays referenced until the update is done, as in a hand-written loop: its
+        # graph's AccumulateGrad nodes hold the parameters, which spares torch an incref of
+        # their Python objects in each in-place optimizer op (a third of a tiny step's cost).
         if closes or sync == "none":
-            window, out = self._micro_batch(state, batch, k, closes, scaler, sync)
+            window, out, _loss = self._micro_batch(state, batch, k, closes, scaler, sync)
         else:
             # (3) gradients are synced on the window's closing micro-batch only
             with suppress_grad_sync(state.model, sync) or contextlib.nullcontext():
-                window, out = self._micro_batch(state, batch, k, closes, scaler, sync)
+                window, out, _loss = self._micro_batch(state, batch, k, closes, scaler, sync)
         if window is None:  # skipped: the window does not advance
             if sync == "none":
                 return state, out
             # Data parallel: counted, for the ranks to compare when the window closes.
             window = state.window._replace(skipped=state.window.skipped + 1)
         if out.skipped or not closes:
-            return _successor(state, window=window), out
+            return state._evolve({"window": window}, consume=True), out
         return self._close(state, window, out, scaler, sync)
 
     def _micro_batch(
         self, state: TrainState, batch: Any, k: int, closes: bool, scaler: Scaler, sync: str
-    ) -> tuple[WindowState | None, StepOutput]:
-        """Phases 1-3: the advanced window (None when skipped) and the output."""
+    ) -> tuple[WindowState | None, StepOutput, torch.Tensor | None]:
+        """Phases 1-3: the advanced window (None when skipped), the output and the loss.
+
+        Run per micro-batch: on a small model every call and object made here shows (each
+        costs more than a line), hence one function with the common cases up front.
+        """
         model, optimizer, window = state.model, state.optimizer, state.window
         # 1. forward, under autocast
-        if self.amp is None:
-            result = self._loss(state, batch)
+        if self.amp is None and not self._with_step:
+            result = self.loss_fn(model, batch)  # the common case: no context, no keyword
         else:
-            with self.amp.autocast(optimizer):
-                result = self._loss(state, batch)
+            with self.amp.autocast(optimizer) if self.amp is not None else _NO_CONTEXT:
+                # loss_fn(model, batch, step=...) reads the update number
+                step = {"step": state.step} if self._with_step else {}
+                result = self.loss_fn(model, batch, **step)
         if result is None:
-            return None, _SKIPPED
+            return None, _SKIPPED, None
         if type(result) is torch.Tensor and result.ndim == 0 and result.requires_grad:
             loss, count, records = result, None, _NO_RECORDS  # the common case, unparsed
         else:
             loss, count, records = _parse(result)
         # 2. loss normalisation: 1/k, or a sum whose gradients phase 5 divides
-        if window.micro_step and (count is None) != (window.count is None):
+        window_count, window_loss = window.count, window.loss
+        if window.micro_step and (count is None) != (window_count is None):
             raise _mixed_counts(count is None)
         objective = loss / k if count is None and k > 1 else loss
-        detached = loss.detach()
-        window = _advanced(window, k, detached, count, self.guard is not None)
+        detached = shown = loss.detach()
+        if self.guard is not None:
+            # Summed so that one isfinite check covers the window; in float32 at least, so
+            # that a large fp16 sum cannot overflow into a false alarm.
+            summed = detached.float() if detached.dtype is torch.float16 else detached
+            window_loss = summed if window_loss is None else window_loss + summed
+        if count is not None:  # python counts stay python numbers: exact, checked sync-free
+            window_count = count if window_count is None else window_count + count
+            shown = detached / count
+        window = WindowState(window.micro_step + 1, window_count, window_loss, k, window.skipped)
         # 3. backward, through the GradScaler under fp16
         if closes and sync == "ddp" and self.grad_transforms is None:
             # DDP: this rank's window loss and skips ride on the gradient all-reduce.
             carrier = carrier_of(model)
             if carrier is not None:
-                first = optimizer.param_groups[0]["params"][0]
-                carrier.send(window.loss, window.skipped, first)
+                carrier.send(window_loss, window.skipped, optimizer.param_groups[0]["params"][0])
         (scaler.scale(objective) if scaler is not None else objective).backward()
-        shown = detached if count is None else detached / count
-        out = StepOutput(shown, records, count, _leading_dim(batch), updated=False, closed=False)
-        return window, out
-
-    def _loss(self, state: TrainState, batch: Any) -> Any:
-        if self._with_step:  # loss_fn(model, batch, step=...) reads the update number
-            return self.loss_fn(state.model, batch, step=state.step)
-        return self.loss_fn(state.model, batch)
+        first = batch[0] if type(batch) is tuple and batch else batch  # (inputs, targets)
+        samples = first.shape[0] if type(first) is torch.Tensor and first.ndim else None
+        samples = _leading_dim(batch) if samples is None else samples
+        # Positional: StepOutput(..., updated=False, closed=False) costs more, per micro-batch.
+        return window, StepOutput(shown, records, count, samples, False, False), loss
 
     def _close(
         self, state: TrainState, window: WindowState, out: StepOutput, scaler: Scaler, sync: str
@@ -337,7 +353,7 @@ class Step:
             grad_norm = clip_norm = norm
             if type(norm) is not torch.Tensor:  # FSDP2: a DTensor; clipping takes it so
                 grad_norm = norm.full_tensor()
-        verdict = _APPLY
+        verdict = APPLY
         if guard is not None or scaler is not None or group is not None:
             # DDP: the ranks' flags that rode on the gradient all-reduce, if they did.
             carrier = carrier_of(state.model) if sync == "ddp" and transforms is None else None
@@ -345,8 +361,11 @@ class Step:
             verdict = decide(
                 guard, scaler, self.amp, optimizer, window, grad_norm, total, group, carried
             )
-        verdict = reported(verdict, empty) if verdict != _APPLY or empty else verdict
-        apply, counters, failure = self._judge(state, window, verdict, grad_norm, group)
+        if verdict is APPLY and not empty and not state.guard.notfinite_count:
+            apply, counters, failure = True, state.guard, None  # the common case, in short
+        else:
+            verdict = reported(verdict, empty)
+            apply, counters, failure = self._judge(state, window, verdict, grad_norm, group)
         lr = optimizer.param_groups[0]["lr"]
         if apply:
             # 7. clip, by norm (with the norm of phase 6) and/or by value
@@ -375,7 +394,7 @@ class Step:
             scheduler.step()
         # 11. counters
         step = state.step + 1 if apply else state.step
-        new = _successor(state, step=step, window=WindowState(), guard=counters)
+        new = state._evolve({"step": step, "window": _NO_WINDOW, "guard": counters}, consume=True)
         loss, records, count, samples = out[:4]
         v = verdict
         return new, StepOutput(
@@ -411,24 +430,13 @@ class Step:
 
 def _with_grads(optimizer: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The optimizer's parameters that have a gradient, and their gradients."""
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    return params, [p.grad for p in params]
-
-
-def _advanced(
-    window: WindowState, k: int, loss: torch.Tensor, count: Any, guarded: bool
-) -> WindowState:
-    """The window with one more micro-batch: its detached loss and its count added."""
-    window_loss = window.loss
-    if guarded:
-        # Summed so that one isfinite check covers the window; in float32 at least, so that
-        # a large fp16 sum cannot overflow into a false alarm.
-        loss = loss.float() if loss.dtype == torch.float16 else loss
-        window_loss = loss if window_loss is None else window_loss + loss
-    window_count = window.count
-    if count is not None:  # python counts stay python numbers: exact, checked without a sync
-        window_count = count if window_count is None else window_count + count
-    return WindowState(window.micro_step + 1, window_count, window_loss, k, window.skipped)
+    params, grads = [], []  # a loop: each comprehension is one more call in Python 3.11
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.grad is not None:
+                params.append(param)
+                grads.append(param.grad)
+    return params, grads
 
 
 def _divide_by_count(
@@ -450,13 +458,6 @@ def _divide_by_count(
     # the sum that the global count divides.
     torch._foreach_mul_(grads, (world / total).to(grads[0].dtype))
     return total, False
-
-
-def _successor(state: TrainState, **changes: Any) -> TrainState:
-    """The state a step returns: ``state`` with ``changes``; ``state`` is marked consumed."""
-    new = state._evolve(changes)
-    object.__setattr__(state, "_consumed", True)  # past the frozen dataclass's __setattr__
-    return new
 
 
 def _bad_return(result: Any) -> TypeError:
