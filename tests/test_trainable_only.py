@@ -106,7 +106,7 @@ def assert_same(a: Any, b: Any) -> None:
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_the_files_hold_the_trainable_parameters_and_buffers_only(
-    kind: str, tmp_path: Path
+    kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     state = train(kind, build(kind), KINDS[kind][2](0)[:2])
     part = save_checkpoint(state, tmp_path / "part", trainable_only=True)
@@ -122,6 +122,11 @@ def test_the_files_hold_the_trainable_parameters_and_buffers_only(
     assert read_manifest(whole).frozen is None and verify_checkpoint(part) == []
     listed = {c.name: c.trainable_only for c in list_checkpoints(tmp_path)}
     assert listed == {"part": True, "whole": False}
+    from toolkit.checkpoints import main  # python -m toolkit.checkpoints lists it
+
+    main([str(tmp_path)])
+    rows = {line.split()[1]: line for line in capsys.readouterr().out.splitlines()[2:]}
+    assert "trainable only" in rows["part"] and "trainable only" not in rows["whole"]
     background = save_in_background(state, tmp_path / "background", trainable_only=True).result()
     assert set(load_file(background / "model.safetensors")) == trainable | buffers
 
@@ -185,3 +190,40 @@ def test_a_sharded_model_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     ):
         save_checkpoint(build("frozen_layer"), tmp_path / "ckpt", trainable_only=True)
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_the_checkpoints_plugin_saves_the_trainable_part_and_resumes_from_it(
+    tmp_path: Path,
+) -> None:
+    # Bugs caught: the plugin's option not passed to the save (whole files), a resume or
+    # restore_best that loads such a checkpoint strictly (the frozen names are missing).
+    from toolkit import run
+    from toolkit.plugins import checkpoints
+
+    kind, batches = "frozen_layer", KINDS["frozen_layer"][2](0)
+    step = make_step(KINDS[kind][1])
+    straight = run(step, build(kind), batches, max_steps=4)
+
+    def plugin() -> Any:
+        return checkpoints(tmp_path, every=1, keep_last=4, trainable_only=True)
+
+    run(step, build(kind), batches, max_steps=2, plugins=[plugin()])
+    (last,) = [c for c in list_checkpoints(tmp_path) if c.step == 2]
+    assert last.trainable_only
+    trainable = {n for n, p in straight.model.named_parameters() if p.requires_grad}
+    buffers = {n for n, _ in straight.model.named_buffers()}
+    assert set(load_file(last.path / "model.safetensors")) == trainable | buffers
+    resumed = run(step, build(kind, adapter_seed=7), batches, max_steps=4, plugins=[plugin()])
+    assert_same(snapshot(resumed), snapshot(straight))
+
+    def score(event: Any) -> TrainState | None:  # a metric for keep_best: the lowest at step 2
+        if event.kind != "step":
+            return None
+        entry = {"step": event.state.step, "metrics": {"loss": abs(event.state.step - 2)}}
+        return event.state.replace(extras={**event.state.extras, "val": entry})
+
+    best = checkpoints(tmp_path / "best", every=1, keep_best=("val/loss", "min", 1),
+                       restore_best=True, trainable_only=True)  # fmt: skip
+    restored = run(step, build(kind), batches, max_steps=4, plugins=[score, best])
+    at_two = load_checkpoint(tmp_path / "step_000002", like=build(kind))
+    assert_same(restored.model.state_dict(), at_two.model.state_dict())

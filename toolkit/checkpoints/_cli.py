@@ -39,6 +39,7 @@ def _row(c: CheckpointInfo, kept: dict[str, str]) -> list[str]:
     metrics = ", ".join(f"{k}={v:.4g}" for k, v in sorted(c.metrics.items())) or "-"
     step, size = ("-", "-") if c.step is None else (str(c.step), _size(c.size))
     check = ("ok" if c.intact else "DAMAGED") + (", model-only" if c.model_only else "")
+    check += ", trainable only" if c.trainable_only else ""
     return [step, c.name, saved, size, metrics, kept.get(c.name, "-"), check]
 
 

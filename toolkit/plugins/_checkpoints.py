@@ -42,7 +42,7 @@ from toolkit.step._state import TrainState
 __all__ = ["SIGNAL_EVERY", "checkpoints"]
 
 _SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-_FLAGS = ("per_epoch", "at_end", "restore_best", "background")
+_FLAGS = ("per_epoch", "at_end", "restore_best", "background", "trainable_only")
 _PLAIN = (int, float, str, type(None))  # a setting's value, or the items of a tuple of them
 _NOT_SETTINGS = {"params", "initial_lr", "last_epoch", "verbose"}  # in state dicts, not settings
 SIGNAL_EVERY = 10  # data-parallel ranks agree on a received signal every this many updates
@@ -69,6 +69,7 @@ class _Config:
     on_error: str
     keep_full: int | None
     on_change: str
+    trainable_only: bool
     rules: Retention = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
@@ -175,10 +176,11 @@ def _save(config: _Config, run_: _Run, state: TrainState, loop: LoopInfo) -> Non
     path = config.folder / f"step_{state.step:06d}"
     state = state.replace(data_state=position(loop.data, state.data_state, not state.batches_seen))
     save = save_in_background if config.background else save_checkpoint
-    metrics, rules, settings = _fresh_metrics(state), config.rules, run_.settings
+    metrics, rules = _fresh_metrics(state), config.rules
+    extra: dict[str, Any] = {"settings": run_.settings, "trainable_only": config.trainable_only}
     try:
         run_.writing = save(
-            state, path, objects=config.objects, metrics=metrics, rules=rules, settings=settings
+            state, path, objects=config.objects, metrics=metrics, rules=rules, **extra
         )
     except Exception as error:
         _failed(config, error)
@@ -423,6 +425,7 @@ def checkpoints(
     on_error: str = "raise",
     keep_full: int | None = None,
     on_change: str = "warn",
+    trainable_only: bool = False,
 ) -> Plugin:
     """A plugin that saves checkpoints, keeps some, resumes from the newest, stops on a signal.
 
@@ -535,6 +538,9 @@ def checkpoints(
             (``None``: in all); see :class:`toolkit.checkpoints.Retention`.
         on_change: ``"warn"`` about settings that differ from the checkpoint's on resume,
             or ``"error"`` (``ValueError``).
+        trainable_only: save only the trainable parameters (and buffers), with a fingerprint
+            of the frozen ones checked on resume (see :func:`toolkit.save_checkpoint`): a
+            LoRA run's checkpoints hold the adapter, not the base.
 
     Returns:
         The plugin, ``plugin(event) -> TrainState | None``.
@@ -597,7 +603,8 @@ def _restore_best(root: Path, rules: Retention, model: torch.nn.Module) -> None:
     kept = retain(((i.name, i.step, i.metrics) for i in infos.values()), best_only)  # type: ignore[misc]
     best = [name for name, why in kept.items() if "keep_best" in why]
     if best:
-        put_model(model, full_model(verified_manifest(infos[best[0]].path)))
+        manifest = verified_manifest(infos[best[0]].path)
+        put_model(model, full_model(manifest, partial=True), strict=manifest.frozen is None)
     else:
         warnings.warn(
             f"checkpoints: restore_best found no checkpoint with {rules.metric!r} in "
