@@ -5,7 +5,8 @@ the checkpoints plugin uses ``step_000100``), a ``latest`` pointer file naming t
 and, after a crash, hidden leftovers: ``.tmp-<name>-<pid>-<hex>`` (a save that did not
 finish: never loaded, removed by :func:`clean_temporaries`), ``.old-<name>-...`` (a
 checkpoint being replaced by a new one of the same name: put back when the new one never
-got its name) and ``.del-<name>-...`` (a pruned checkpoint not yet fully removed).
+got its name) and ``.del-<name>-...`` (a pruned checkpoint not yet fully removed). The
+checkpoints plugin's lock file ``.lock`` (one run per folder) is no leftover: it stays.
 Everything here reads the disk (the manifests), never a memory of earlier calls, so it
 gives the same answers after a restart.
 """
