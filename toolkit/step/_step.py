@@ -242,33 +242,30 @@ class Step:
             raise _no_optimizer(state)
         if state._consumed:
             raise _reused(state)
-        k, window = self._k, state.window
-        if window.micro_step and window.length != k:
-            raise _other_window(window, k)
+        k, opened = self._k, state.window
+        if opened.micro_step and opened.length != k:
+            raise _other_window(opened, k)
         scaler = None  # a scaler left in the state by someone else is not ours to use
         if self.amp is not None and self.amp.fp16:
             if state.scaler is None:
                 state = state.replace(scaler=self.amp.make_scaler(optimizer))
             scaler = state.scaler
         sync = sync_kind(state.model)  # "none", "ddp" or "fsdp2"
-        closes = close or window.micro_step + 1 == k
-        # The loss stays referenced until the update is done, as in a hand-written loop: its
-        # graph's AccumulateGrad nodes hold the parameters, which spares torch an incref of
-        # their Python objects in each in-place optimizer op (a third of a tiny step's cost).
+        closes = close or opened.micro_step + 1 == k
         if closes or sync == "none":
-            window, out, _loss = self._micro_batch(state, batch, k, closes, scaler, sync)
+            window, out, loss = self._micro_batch(state, batch, k, closes, scaler, sync)
         else:
             # (3) gradients are synced on the window's closing micro-batch only
             with suppress_grad_sync(state.model, sync) or contextlib.nullcontext():
-                window, out, _loss = self._micro_batch(state, batch, k, closes, scaler, sync)
+                window, out, loss = self._micro_batch(state, batch, k, closes, scaler, sync)
         if window is None:  # skipped: the window does not advance
             if sync == "none":
                 return state, out
             # Data parallel: counted, for the ranks to compare when the window closes.
-            window = state.window._replace(skipped=state.window.skipped + 1)
+            window = opened._replace(skipped=opened.skipped + 1)
         if out.skipped or not closes:
-            return state._evolve({"window": window}, consume=True), out
-        return self._close(state, window, out, scaler, sync)
+            return state._evolve({"window": window, "_graph": loss}, consume=True), out
+        return self._close(state, window, out, loss, scaler, sync)
 
     def _micro_batch(
         self, state: TrainState, batch: Any, k: int, closes: bool, scaler: Scaler, sync: str
@@ -322,7 +319,13 @@ class Step:
         return window, StepOutput(shown, records, count, samples, False, False), loss
 
     def _close(
-        self, state: TrainState, window: WindowState, out: StepOutput, scaler: Scaler, sync: str
+        self,
+        state: TrainState,
+        window: WindowState,
+        out: StepOutput,
+        loss: torch.Tensor | None,
+        scaler: Scaler,
+        sync: str,
     ) -> tuple[TrainState, StepOutput]:
         """Phases 4-11, once per window, whose gradients are complete (and synced)."""
         optimizer, transforms = state.optimizer, self.grad_transforms
@@ -394,11 +397,12 @@ class Step:
             scheduler.step()
         # 11. counters
         step = state.step + 1 if apply else state.step
-        new = state._evolve({"step": step, "window": _NO_WINDOW, "guard": counters}, consume=True)
-        loss, records, count, samples = out[:4]
+        changes = {"step": step, "window": _NO_WINDOW, "guard": counters, "_graph": loss}
+        new = state._evolve(changes, consume=True)
+        shown, records, count, samples = out[:4]
         v = verdict
         return new, StepOutput(
-            loss, records, count, samples, apply, True, False, v.nonfinite, v.overflow, v.empty,
+            shown, records, count, samples, apply, True, False, v.nonfinite, v.overflow, v.empty,
             grad_norm, lr,
         )  # fmt: skip
 
