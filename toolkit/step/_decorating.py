@@ -107,8 +107,13 @@ def amp_wrap(
     *, dtype: str | torch.dtype, scaler: Scaler = ..., min_scale: float = ...,
     device_type: str | None = ...,
 ) -> Decorator: ...  # fmt: skip
+@overload
 def amp_wrap(
-    step: Step | None = None, /, *, dtype: str | torch.dtype | None = None,
+    dtype: str | torch.dtype, /, *, scaler: Scaler = ..., min_scale: float = ...,
+    device_type: str | None = ...,
+) -> Decorator: ...  # fmt: skip
+def amp_wrap(
+    step: Step | str | torch.dtype | None = None, /, *, dtype: str | torch.dtype | None = None,
     scaler: Scaler = None, min_scale: float = 1e-4, device_type: str | None = None,
 ) -> Step | Decorator:  # fmt: skip
     """Run forward passes under ``torch.autocast`` (phase 1); fp16 adds a GradScaler.
@@ -121,7 +126,8 @@ def amp_wrap(
     :func:`guard_nonfinite`. Backward runs outside autocast, as PyTorch recommends.
 
     Args:
-        step: the step to wrap; omit it to get a decorator.
+        step: the step to wrap; omit it to get a decorator (or give the dtype in its place:
+            ``amp_wrap("bf16")``).
         dtype: ``"bf16"``, ``"fp16"``, ``torch.bfloat16`` or ``torch.float16``.
         scaler: fp16 only: the GradScaler to use when the state holds none.
         min_scale: fp16 only: an overflow taking the scale below this raises
@@ -148,6 +154,8 @@ def amp_wrap(
         >>> out.updated, state.scaler is None
         (True, True)
     """
+    if isinstance(step, (str, torch.dtype)) and dtype is None:  # amp_wrap("bf16")
+        step, dtype = None, step
     _check_step("amp_wrap", step)
     resolved = _DTYPES.get(str(dtype).lower(), dtype if dtype in _DTYPES.values() else None)
     check(resolved is not None, "amp_wrap", "dtype", "'bf16', 'fp16', torch.bfloat16 or "
@@ -161,7 +169,7 @@ def amp_wrap(
     if device_type is not None:
         _check_device_type(device_type)
     config = AmpConfig(resolved, scaler, min_scale, device_type)  # type: ignore[arg-type]
-    return _decorate(step, "amp_wrap", "amp", config)
+    return _decorate(step, "amp_wrap", "amp", config)  # type: ignore[arg-type]  # checked
 
 
 @overload

@@ -158,6 +158,8 @@ class TrainState:
     # AccumulateGrad nodes are reused, and as they hold the parameters, torch need not incref
     # a parameter's Python object in each op on it (a fifth of a tiny model's step overhead).
     _graph: ClassVar[torch.Tensor | None] = None
+    # Set by a train step: the scheduler it stepped and that one's last_epoch just after.
+    _scheduled: ClassVar[tuple[Any, int]] = (None, 0)
 
     def __getstate__(self) -> dict[str, Any]:  # copy and pickle: no graph (it cannot be)
         return {name: v for name, v in self.__dict__.items() if name != "_graph"}

@@ -7,9 +7,11 @@ import dataclasses
 import inspect
 import math
 import types
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
+import optree
 import torch
 
 from toolkit._checks import check
@@ -150,6 +152,12 @@ def _parse(result: Any) -> tuple[torch.Tensor, torch.Tensor | float | None, Mapp
         loss, count, records = result, None, _NO_RECORDS
     if not isinstance(loss, torch.Tensor):
         raise _bad_return(result)
+    if "loss" in records:  # a model output such as Hugging Face's, or a clash with out.loss
+        raise ValueError(
+            f"loss_fn returned records ({type(records).__name__}) with a 'loss' key; the step "
+            "reports the loss itself. Return the loss alone (out.loss for a model output), or "
+            "records of numbers or 0-d tensors under other names."
+        )
     if loss.ndim != 0:
         raise ValueError(
             f"loss_fn must return a scalar loss (a 0-d tensor); got a tensor of shape "
@@ -160,7 +168,12 @@ def _parse(result: Any) -> tuple[torch.Tensor, torch.Tensor | float | None, Mapp
             "loss_fn returned a loss that does not require grad; compute it from the model's "
             "output inside loss_fn, outside torch.no_grad()."
         )
-    return loss, count, records
+    detached = optree.tree_map(_detached, records, none_is_leaf=True)  # type: ignore[arg-type]
+    return loss, count, detached  # type: ignore[return-value]  # the same kind of mapping
+
+
+def _detached(leaf: Any) -> Any:
+    return leaf.detach() if isinstance(leaf, torch.Tensor) else leaf
 
 
 def _checked_count(count: Any) -> torch.Tensor | float:
@@ -391,13 +404,17 @@ class Step:
         optimizer.zero_grad(set_to_none=True)
         if failure is not None:
             raise failure  # the window is thrown away (scaler updated, grads cleared) first
-        # 10. scheduler step, only after an applied update
-        scheduler = state.scheduler
-        if apply and scheduler is not None and not isinstance(scheduler, _NOT_PER_UPDATE):
-            scheduler.step()
         # 11. counters
         step = state.step + 1 if apply else state.step
         changes = {"step": step, "window": _NO_WINDOW, "guard": counters, "_graph": loss}
+        # 10. scheduler step, only after an applied update
+        scheduler = state.scheduler
+        if apply and scheduler is not None and not isinstance(scheduler, _NOT_PER_UPDATE):
+            done = state._scheduled  # (scheduler, its last_epoch after the step stepped it)
+            if done[0] is scheduler and getattr(scheduler, "last_epoch", 0) > done[1]:
+                warnings.warn(_stepped_outside(done[1], scheduler.last_epoch), stacklevel=3)
+            scheduler.step()
+            changes["_scheduled"] = (scheduler, getattr(scheduler, "last_epoch", 0))
         new = state._evolve(changes, consume=True)
         shown, records, count, samples = out[:4]
         v = verdict
@@ -504,6 +521,15 @@ def _uneven_skips(skipped: int, fewest: int, most: int) -> ValueError:
         f"within one accumulation window (from {fewest} to {most} skipped micro-batches; this "
         f"rank skipped {skipped}); the window was thrown away. Skip a batch on every rank "
         "alike, or return a zero loss instead of None (loss * 0, or LossSum(total * 0, 0))."
+    )
+
+
+def _stepped_outside(expected: int, found: int) -> str:
+    return (
+        f"the LR scheduler was stepped outside the train step (its last_epoch is {found}, "
+        f"{expected} after the step's own scheduler.step()): the step steps it after each "
+        "applied update, so the schedule runs ahead. Remove your scheduler.step() call, "
+        "or mark the scheduler toolkit.per_epoch(scheduler) for run() to step per epoch."
     )
 
 
