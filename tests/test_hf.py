@@ -110,6 +110,15 @@ def test_causal_lm_loss_upcasts_16_bit_logits() -> None:
     torch.testing.assert_close(out.total, expected, rtol=0, atol=0)
 
 
+def test_causal_lm_loss_takes_int32_labels() -> None:
+    # Before: cross_entropy refused them ("expected target dtype to be Long or Byte, but got Int").
+    logits, labels = torch.randn(2, 6, 10), torch.randint(0, 10, (2, 6), dtype=torch.int32)
+    labels[0, 3] = -100
+    out = causal_lm_loss(logits, labels)
+    expected = causal_lm_loss(logits, labels.long())
+    assert out.count.item() == 9 and torch.equal(out.total, expected.total)
+
+
 def test_to_device_moves_a_batch_encoding_and_keeps_its_type() -> None:
     encoding = transformers.BatchEncoding({"input_ids": torch.ones(2, 3, dtype=torch.long)})
     moved = to_device({"enc": encoding}, "meta")["enc"]

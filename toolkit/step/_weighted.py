@@ -61,7 +61,7 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int
     fits = shape == tuple(logits.shape[:-1])
     check(fits, "causal_lm_loss", "labels' shape", f"logits' {tuple(logits.shape[:-1])}", shape)
     logits = logits.float() if logits.dtype.itemsize < 4 else logits
-    targets = labels[..., 1:].flatten()
+    targets = labels[..., 1:].flatten().long()  # cross_entropy takes int64 class indices only
     scores = logits[..., :-1, :].flatten(0, -2)
     total = torch.nn.functional.cross_entropy(
         scores, targets, ignore_index=ignore_index, reduction="sum"
