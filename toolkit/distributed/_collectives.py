@@ -428,6 +428,13 @@ def carrier_of(model: torch.nn.Module) -> Carrier | None:
     return found
 
 
+def join_gradient_sync(model: torch.nn.Module) -> None:
+    """DDP ``model``: this rank's part in the gradient all-reduce of the other ranks' backward,
+    without a backward of its own: zeros through the comm hook, bucket by bucket, as DDP's
+    ``Join`` does for a rank out of data (the carrier's flags ride along as on a backward)."""
+    model._match_all_reduce_for_bwd_pass()  # type: ignore[operator]
+
+
 def _hook(carrier, bucket):  # type: ignore[no-untyped-def]  # DDP checks real annotations
     """DDP's allreduce_hook (divide, sum), with the flags appended to the first bucket."""
     group = carrier.group

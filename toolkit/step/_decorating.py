@@ -336,7 +336,10 @@ def guard_nonfinite(
     already at ``max_retries``, ``on_exhaust`` decides: ``"raise"`` :class:`NonFiniteError`,
     ``"skip"`` it and keep skipping, or ``"accept"`` it (optax ``apply_if_finite``). Under
     fp16 non-finite *gradients* are the GradScaler's overflow (counted in
-    ``state.guard.total_overflow``), and only a non-finite loss is a failure.
+    ``state.guard.total_overflow``), and only a non-finite loss is a failure. What the
+    window's forward passes changed stays: BatchNorm running statistics (and any buffer a
+    forward updates) keep the rejected batches, possibly NaN; reset them, or load a
+    checkpoint, if the model has such buffers.
 
     Args:
         step: the step to wrap; omit it to get a decorator.

@@ -19,6 +19,7 @@ from toolkit.distributed._collectives import (
     all_reduce_,
     carrier_of,
     data_parallel_group,
+    join_gradient_sync,
     suppress_grad_sync,
     sync_kind,
 )
@@ -276,6 +277,8 @@ class Step:
                 return state, out
             # Data parallel: counted, for the ranks to compare when the window closes.
             window = opened._replace(skipped=opened.skipped + 1)
+            if sync == "ddp" and window.skipped >= k:  # a rank skipping on: it closes the
+                return self._close_skipped(state, window, scaler)  # window, or others hang
         if out.skipped or not closes:
             return state._evolve({"window": window, "_graph": loss}, consume=True), out
         return self._close(state, window, out, loss, scaler, sync)
@@ -353,7 +356,7 @@ class Step:
             scaler.unscale_(optimizer)
         # 5. divide by the window's total target count, summed over ranks (or, for a short
         # window of mean losses, turn the sum of m losses / k into their mean)
-        total, empty = None, False
+        total, empty = None, not window.micro_step  # a window of skips: nothing to learn
         if window.count is not None and grads:
             total, empty = _divide_by_count(grads, window.count, group)
         elif short and grads:
@@ -422,6 +425,20 @@ class Step:
             shown, records, count, samples, apply, True, False, v.nonfinite, v.overflow, v.empty,
             grad_norm, lr,
         )  # fmt: skip
+
+    def _close_skipped(
+        self, state: TrainState, window: WindowState, scaler: Scaler
+    ) -> tuple[TrainState, StepOutput]:
+        """DDP: k skips in one window. The other ranks may be in their closing backward's
+        gradient all-reduce: this rank takes part with zeros (and its skips), then closes."""
+        first = state.optimizer.param_groups[0]["params"][0]
+        loss = window.loss if window.loss is not None else torch.zeros((), device=first.device)
+        window = window._replace(loss=loss if self.guard is not None else None)
+        carrier = carrier_of(state.model) if self.grad_transforms is None else None
+        if carrier is not None:
+            carrier.send(window.loss, window.skipped, first)
+        join_gradient_sync(state.model)
+        return self._close(state, window, _SKIPPED, None, scaler, "ddp")
 
     def _judge(
         self, state: TrainState, window: WindowState, verdict: Verdict, norm: Any, group: Any
