@@ -45,7 +45,7 @@ def test_a_loss_record_is_refused_at_the_first_step(kind: str) -> None:
 
     state = _state()
     before = [p.detach().clone() for p in state.model.parameters()]
-    with pytest.raises(ValueError, match=r"'loss' key; the step reports the loss.*out\.loss"):
+    with pytest.raises(ValueError, match=r"without a 'loss' key.*return out\.loss alone"):
         make_step(loss_fn)(state, torch.randn(4, 3))
     assert all(torch.equal(a, p) for a, p in zip(before, state.model.parameters()))
 
@@ -71,5 +71,5 @@ def test_a_scheduler_stepped_outside_the_step_warns() -> None:
         other.step()  # a new scheduler, already stepped: no history with this one
         state, _ = step(state.replace(scheduler=other), torch.randn(4, 3))
     other.step()  # the user's own sched.step() next to the step's
-    with pytest.warns(UserWarning, match=r"stepped outside the train step.*Remove your"):
+    with pytest.warns(UserWarning, match=r"stepped outside the train step.*Remove your scheduler"):
         state, _ = step(state, torch.randn(4, 3))

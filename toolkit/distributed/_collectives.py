@@ -183,12 +183,6 @@ def _fsdp2_group(model: torch.nn.Module) -> ProcessGroup | None:
     return None
 
 
-def data_parallel_size(model: torch.nn.Module) -> int:
-    """Ranks over which ``model``'s gradients are averaged, 1 when not data parallel."""
-    group = data_parallel_group(model)
-    return 1 if group is None else dist.get_world_size(group)
-
-
 def _device(group: ProcessGroup | None) -> torch.device:
     """The device whose tensors ``group``'s backend reduces (see the module docstring)."""
     if "nccl" in dist.get_backend(group):

@@ -125,6 +125,10 @@ Scaler = torch.amp.GradScaler | None
 _NO_RECORDS: Mapping[str, Any] = types.MappingProxyType({})  # shared, so read-only
 _NO_WINDOW = WindowState()
 _NO_CONTEXT = contextlib.nullcontext()  # reentrant, holds nothing: shared
+_TWICE = (  # scheduler.step() outside the step: the schedule runs ahead
+    "the LR scheduler was stepped outside the train step (last_epoch {}, {} after the step's "
+    "own step()). Remove your scheduler.step(), or mark it toolkit.per_epoch(scheduler)."
+)
 _SKIPPED = StepOutput(None, _NO_RECORDS, None, None, updated=False, closed=False, skipped=True)
 
 
@@ -153,12 +157,8 @@ def _parse(result: Any) -> tuple[torch.Tensor, torch.Tensor | float | None, Mapp
         loss, count, records = result, None, _NO_RECORDS
     if not isinstance(loss, torch.Tensor):
         raise _bad_return(result)
-    if "loss" in records:  # a model output such as Hugging Face's, or a clash with out.loss
-        raise ValueError(
-            f"loss_fn returned records ({type(records).__name__}) with a 'loss' key; the step "
-            "reports the loss itself. Return the loss alone (out.loss for a model output), or "
-            "records of numbers or 0-d tensors under other names."
-        )
+    fix = "The step reports the loss itself: return out.loss alone, or rename the record."
+    check("loss" not in records, "loss_fn", "records", "without a 'loss' key", type(records), fix)
     if loss.ndim != 0:
         raise ValueError(
             f"loss_fn must return a scalar loss (a 0-d tensor); got a tensor of shape "
@@ -238,8 +238,7 @@ class Step:
             param = None
         kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
         object.__setattr__(self, "_with_step", param is not None and param.kind in kinds)
-        k = self.accumulation.micro_batches if self.accumulation is not None else 1
-        object.__setattr__(self, "_k", k)
+        object.__setattr__(self, "_k", self.accumulation.micro_batches if self.accumulation else 1)
 
     def __call__(
         self, state: TrainState, batch: Any, *, close: bool = False
@@ -281,7 +280,7 @@ class Step:
                 return self._close_skipped(state, window, scaler)  # window, or others hang
         if out.skipped or not closes:
             return state._evolve({"window": window, "_graph": loss}, consume=True), out
-        return self._close(state, window, out, loss, scaler, sync)
+        return self._close(state, window, out, loss, scaler)
 
     def _micro_batch(
         self, state: TrainState, batch: Any, k: int, closes: bool, scaler: Scaler, sync: str
@@ -335,19 +334,14 @@ class Step:
         return window, StepOutput(shown, records, count, samples, False, False), loss
 
     def _close(
-        self,
-        state: TrainState,
-        window: WindowState,
-        out: StepOutput,
-        loss: torch.Tensor | None,
-        scaler: Scaler,
-        sync: str,
+        self, state: TrainState, window: WindowState, out: StepOutput, loss: Any, scaler: Scaler
     ) -> tuple[TrainState, StepOutput]:
         """Phases 4-11, once per window, whose gradients are complete (and synced)."""
         optimizer, transforms = state.optimizer, self.grad_transforms
         clipping, guard = self.clipping, self.guard
         k, short = window.length, window.micro_step != window.length  # short: close=True
         # The data-parallel group, over which counts are summed and verdicts agreed.
+        sync = sync_kind(state.model)
         group = None if sync == "none" else data_parallel_group(state.model)
         needs_grads = window.count is not None or short or transforms or clipping or guard
         params, grads = _with_grads(optimizer) if needs_grads else ([], [])
@@ -415,7 +409,7 @@ class Step:
         if apply and scheduler is not None and not isinstance(scheduler, _NOT_PER_UPDATE):
             done = state._scheduled  # (scheduler, its last_epoch after the step stepped it)
             if done[0] is scheduler and getattr(scheduler, "last_epoch", 0) > done[1]:
-                warnings.warn(_stepped_outside(done[1], scheduler.last_epoch), stacklevel=3)
+                warnings.warn(_TWICE.format(scheduler.last_epoch, done[1]), stacklevel=3)
             scheduler.step()
             changes["_scheduled"] = (scheduler, getattr(scheduler, "last_epoch", 0))
         new = state._evolve(changes, consume=True)
@@ -432,13 +426,13 @@ class Step:
         """DDP: k skips in one window. The other ranks may be in their closing backward's
         gradient all-reduce: this rank takes part with zeros (and its skips), then closes."""
         first = state.optimizer.param_groups[0]["params"][0]
-        loss = window.loss if window.loss is not None else torch.zeros((), device=first.device)
-        window = window._replace(loss=loss if self.guard is not None else None)
+        if self.guard is not None and window.loss is None:  # the guard checks a loss
+            window = window._replace(loss=torch.zeros((), device=first.device))
         carrier = carrier_of(state.model) if self.grad_transforms is None else None
         if carrier is not None:
             carrier.send(window.loss, window.skipped, first)
         join_gradient_sync(state.model)
-        return self._close(state, window, _SKIPPED, None, scaler, "ddp")
+        return self._close(state, window, _SKIPPED, None, scaler)
 
     def _judge(
         self, state: TrainState, window: WindowState, verdict: Verdict, norm: Any, group: Any
@@ -446,7 +440,12 @@ class Step:
         """Phase 6's outcome: whether to apply the window, the counters, an error to raise."""
         guard, counters = self.guard, state.guard
         apply = not (verdict.nonfinite or verdict.overflow or verdict.empty or verdict.negative)
-        failure: Exception | None = _negative_total() if verdict.negative else None
+        failure: Exception | None = None
+        if verdict.negative:  # tensor counts only (python ones are checked when returned)
+            failure = ValueError(
+                "loss_fn reported a negative total target count for the window, which would "
+                "turn the update into gradient ascent; the window was thrown away."
+            )
         if verdict.overflow:  # the scaler's business: neither a failure nor a success
             counters = counters._replace(total_overflow=counters.total_overflow + 1)
         elif verdict.nonfinite:  # rejected: retried, skipped, accepted or raised
@@ -468,13 +467,8 @@ class Step:
 
 def _with_grads(optimizer: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The optimizer's parameters that have a gradient, and their gradients."""
-    params, grads = [], []  # a loop: each comprehension is one more call in Python 3.11
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if param.grad is not None:
-                params.append(param)
-                grads.append(param.grad)
-    return params, grads
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    return params, [p.grad for p in params]
 
 
 def _divide_by_count(
@@ -538,23 +532,6 @@ def _uneven_skips(skipped: int, fewest: int, most: int) -> ValueError:
         f"within one accumulation window (from {fewest} to {most} skipped micro-batches; this "
         f"rank skipped {skipped}); the window was thrown away. Skip a batch on every rank "
         "alike, or return a zero loss instead of None (loss * 0, or LossSum(total * 0, 0))."
-    )
-
-
-def _stepped_outside(expected: int, found: int) -> str:
-    return (
-        f"the LR scheduler was stepped outside the train step (its last_epoch is {found}, "
-        f"{expected} after the step's own scheduler.step()): the step steps it after each "
-        "applied update, so the schedule runs ahead. Remove your scheduler.step() call, "
-        "or mark the scheduler toolkit.per_epoch(scheduler) for run() to step per epoch."
-    )
-
-
-def _negative_total() -> ValueError:
-    # Only tensor counts can be negative here (python ones are checked when returned).
-    return ValueError(
-        "loss_fn reported a negative total target count for the window, which would "
-        "turn the update into gradient ascent; the window was thrown away."
     )
 
 
