@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import atexit
-import contextlib
 import dataclasses
 import fcntl
-import inspect
 import os
 import signal
 import socket
@@ -33,7 +31,14 @@ from toolkit.checkpoints._manifest import read_manifest
 from toolkit.checkpoints._model_state import parameter_names, put_model
 from toolkit.checkpoints._retention import Retention, retain
 from toolkit.checkpoints._save import save_checkpoint, save_in_background
-from toolkit.distributed._collectives import Group, agree, group_of, max_over_ranks, rank_of
+from toolkit.distributed._collectives import (
+    Group,
+    agree,
+    broadcast_int,
+    group_of,
+    max_over_ranks,
+    rank_of,
+)
 from toolkit.loop._data import pass_settings, position, restore_generators, seen_after_change
 from toolkit.loop._run import Event, LoopInfo, Plugin, plugin_factory
 from toolkit.plugins._shared import metric_entry
@@ -44,7 +49,11 @@ __all__ = ["SIGNAL_EVERY", "checkpoints"]
 _SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 _FLAGS = ("per_epoch", "at_end", "restore_best", "background", "trainable_only")
 _PLAIN = (int, float, str, type(None))  # a setting's value, or the items of a tuple of them
-_NOT_SETTINGS = {"params", "initial_lr", "last_epoch", "verbose"}  # in state dicts, not settings
+# In state dicts, not settings: the parameters, their lr (compared as the optimizer's), counters.
+_NOT_SETTINGS = {"params", "initial_lr", "base_lrs", "last_epoch", "_step_count", "_last_lr"}
+_NOT_SETTINGS |= {"verbose", "_is_initial", "_get_lr_called_within_step", "best", "T_cur", "T_i"}
+_NOT_SETTINGS |= {"num_bad_epochs", "cooldown_counter"}
+_LOCKS: list[int] = []  # the lock files this process holds open (see _forget_locks)
 SIGNAL_EVERY = 10  # data-parallel ranks agree on a received signal every this many updates
 
 
@@ -130,11 +139,11 @@ def _fresh_metrics(state: TrainState) -> dict[str, float]:
     return {k: float(v) for k, v in numbers if isinstance(v, (int, float)) and type(v) is not bool}
 
 
-def _check_metric(metric: str, state: TrainState, claimed: Mapping[str, str]) -> None:
-    """Refuse a keep_best metric that no plugin publishes (a typo), once that is known."""
+def _check_metric(metric: str, state: TrainState) -> None:
+    """Refuse a keep_best metric (a typo) that its prefix's plugin published without."""
     published = {n: p[1] for n, e in state.extras.items() if (p := metric_entry(e)) is not None}
     known = [f"{name}/{key}" for name, metrics in published.items() for key in metrics]
-    if metric not in known and all(n in published for n in claimed if metric.startswith(f"{n}/")):
+    if metric not in known and any(metric.startswith(f"{name}/") for name in published):
         raise ValueError(
             f"checkpoints: keep_best ranks by {metric!r}, which no plugin publishes (known: "
             f"{known}); name one of them, e.g. 'val/loss' for validate(key='val')."
@@ -171,7 +180,7 @@ def _save(config: _Config, run_: _Run, state: TrainState, loop: LoopInfo) -> Non
     if run_.saved_step == state.step:
         return
     if config.rules.metric is not None:
-        _check_metric(config.rules.metric, state, loop.claimed)
+        _check_metric(config.rules.metric, state)
     _finish(config, run_)
     path = config.folder / f"step_{state.step:06d}"
     state = state.replace(data_state=position(loop.data, state.data_state, not state.batches_seen))
@@ -206,12 +215,19 @@ def _install(config: _Config, run_: _Run) -> None:
 
 def _lock(root: Path) -> int:
     """Hold ``root``'s lock file open and locked: the kernel frees it when the process ends."""
-    fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    path = root / ".lock"  # never followed elsewhere (O_NOFOLLOW), nor waited on (a FIFO)
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        raise RuntimeError(
+            f"checkpoints: {str(path)!r} is not a regular file; it only names the run that "
+            "holds the folder, and is written to. Remove it."
+        )
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    _LOCKS.append(fd)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
-        os.close(fd)
+        os.close(_LOCKS.pop())
         raise RuntimeError(
             f"checkpoints: {str(root)!r} is in use by {holder}; two runs in one folder would "
             "delete each other's checkpoints. Wait for that run to end, or use another folder."
@@ -222,49 +238,46 @@ def _lock(root: Path) -> int:
 
 def _settings(state: TrainState, loop: LoopInfo, group: Group | None) -> dict[str, Any]:
     """What the run is made with: each parameter group's hyperparameters (its starting lr),
-    the scheduler's constructor arguments, micro-batches, the data's pass and world size."""
+    the scheduler's class and fresh state dict flattened (its arguments, and those of the
+    schedulers inside it), micro-batches, the data's pass and world size."""
     groups = getattr(state.optimizer, "param_groups", [])
     optimizer = [_plain({**g, "lr": g.get("initial_lr", g.get("lr"))}) for g in groups]
-    scheduler, arguments = state.scheduler, {}
-    if callable(getattr(scheduler, "state_dict", None)):
-        with contextlib.suppress(TypeError, ValueError):  # a signature Python cannot read
-            names = inspect.signature(type(scheduler)).parameters
-            arguments = {k: v for k, v in scheduler.state_dict().items() if k in names}
-    kind = None if scheduler is None else {"class": type(scheduler).__name__, **_plain(arguments)}
+    sched = state.scheduler
+    fresh = _flat(sched.state_dict()) if callable(getattr(sched, "state_dict", None)) else {}
+    kind = None if sched is None else {"class": type(sched).__name__, **_plain(fresh)}
     data = {**pass_settings(loop.data), "world_size": rank_of(group)[1]}
     return dict(optimizer=optimizer, scheduler=kind, micro_batches=loop.micro_batches, data=data)
 
 
 def _plain(values: Mapping[str, Any]) -> dict[str, Any]:
-    """The settings among ``values``: numbers, strings and tuples of them (0-d tensors too)."""
+    """The settings among ``values`` (by name or path ``a.0.b``): numbers, strings and tuples
+    of them (0-d tensors too)."""
     plain = {}
     for key, value in values.items():
         value = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
         value = tuple(value) if isinstance(value, list) else value
-        if key not in _NOT_SETTINGS and all(isinstance(v, _PLAIN) for v in _tuple(value)):
+        items = value if isinstance(value, tuple) else (value,)
+        if key.rsplit(".")[-1] not in _NOT_SETTINGS and all(isinstance(v, _PLAIN) for v in items):
             plain[key] = value
     return plain
 
 
-def _tuple(value: Any) -> tuple[Any, ...]:
-    return value if isinstance(value, tuple) else (value,)
-
-
 def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """``tree``'s leaves by their paths: ``{"a": [{"b": 1}]}`` gives ``{"a.0.b": 1}``."""
     if not isinstance(tree, (Mapping, list)):
         return {prefix.rstrip("."): tree}
     pairs = tree.items() if isinstance(tree, Mapping) else enumerate(tree)
     return {k: v for key, value in pairs for k, v in _flat(value, f"{prefix}{key}.").items()}
 
 
-def _changed(config: _Config, run_: _Run, state: TrainState, data: Any, saved: Any) -> TrainState:
-    """``state`` resumed into the current settings ``run_.settings``, differences reported."""
+def _changed(config: _Config, run_: _Run, seen: int, data: Any, saved: Any) -> int:
+    """The pass position ``seen`` in the current settings ``run_.settings``, every
+    difference from the ``saved`` ones reported."""
     was, now = _flat(saved), _flat(run_.settings)
     pairs = {k: (was.get(k, "-"), now.get(k, "-")) for k in sorted(was.keys() | now.keys())}
     changes = [f"{key} {old} -> {new}" for key, (old, new) in pairs.items() if old != new]
     if not saved or not changes:
-        return state
-    seen = state.batches_seen
+        return seen
     if seen:  # the pass position, in the current batches: no unseen sample skipped
         seen = seen_after_change(data, seen, saved.get("data", {}), run_.settings["data"])
     run_.settings.update(optimizer=saved.get("optimizer"), scheduler=saved.get("scheduler"))
@@ -278,7 +291,7 @@ def _changed(config: _Config, run_: _Run, state: TrainState, data: Any, saved: A
     if config.on_change == "error":
         raise ValueError(message)
     warnings.warn(message, RuntimeWarning, stacklevel=6)
-    return state._evolve({"batches_seen": seen})
+    return seen
 
 
 def _resumed(config: _Config, run_: _Run, event: Event) -> TrainState:
@@ -301,7 +314,14 @@ def _resumed(config: _Config, run_: _Run, event: Event) -> TrainState:
         )
     if path is None:
         return state
-    state = _changed(config, run_, state, loop.data, read_manifest(path).settings)
+    error, seen = None, state.batches_seen
+    try:  # the saved settings are rank 0's own (its data): its verdict holds for every rank
+        if rank_of(run_.group)[0] == 0:
+            seen = _changed(config, run_, seen, loop.data, read_manifest(path).settings)
+    except Exception as caught:
+        error = caught
+    agree(error, run_.group, "checkpoints")
+    state = state._evolve({"batches_seen": broadcast_int(seen, run_.group)})
     if not state.batches_seen:  # between passes: the next one draws from the saved generators
         restore_generators(loop.data, state.data_state)
     limits = ((loop.max_steps, state.step), (loop.epochs, state.epoch))
@@ -332,7 +352,7 @@ def _start(config: _Config, event: Event) -> tuple[_Run, TrainState]:
         agree(error, run_.group, "checkpoints")
         state = _resumed(config, run_, event)
     except BaseException:
-        _release(run_, handlers=True)
+        _release(run_)
         raise
     _share_signal(config, run_)
     if run_.signum is not None:  # a signal while starting: stop before any update
@@ -340,13 +360,26 @@ def _start(config: _Config, event: Event) -> tuple[_Run, TrainState]:
     return run_, state
 
 
-def _release(run_: _Run, handlers: bool) -> None:
-    """Unlock the folder (closing the lock file frees it); put the old handlers back."""
+def _release(run_: _Run, stopped: bool = False) -> None:
+    """Unlock the folder (closing the lock file frees it); put the old handlers back (after
+    a signal-stop, SIGINT's only: see _end)."""
     if run_.lock is not None:
+        _LOCKS.remove(run_.lock)
         os.close(run_.lock)
         run_.lock = None
-    for signum, old in run_.handlers.items() if handlers else ():
-        signal.signal(signum, old)
+    for signum, old in run_.handlers.items():
+        if not stopped or signum == signal.SIGINT:
+            signal.signal(signum, old)
+
+
+def _forget_locks() -> None:
+    """In a forked child (a DataLoader worker): close the parent's lock files, whose locks
+    the child would otherwise hold after the parent let them go, or died."""
+    while _LOCKS:
+        os.close(_LOCKS.pop())
+
+
+os.register_at_fork(after_in_child=_forget_locks)
 
 
 def _ignore(signals: tuple[int, ...]) -> None:
@@ -382,8 +415,9 @@ def _on_step(config: _Config, run_: _Run, event: Event) -> TrainState | None:
 
 
 def _end(config: _Config, run_: _Run, event: Event) -> None:
+    error = event.error
     try:
-        if event.error is None:
+        if error is None:
             _share_signal(config, run_)  # a signal after the last update: all save, or none
             if open_ := event.state.window.micro_step:  # its gradients are in no state dict
                 window = f"an open accumulation window ({open_} micro-batches)"
@@ -393,16 +427,31 @@ def _end(config: _Config, run_: _Run, event: Event) -> None:
             elif run_.signum is not None or config.at_end:
                 _save(config, run_, event.state, event.loop)
         _finish(config, run_)
-        if event.error is None and config.restore_best and run_.signum is None:
-            _restore_best(config.folder, config.rules, event.state.model)
+        if error is None and run_.signum is None and config.rules.metric is not None:
+            _best(config, event.state.model)
+    except Exception as caught:
+        if run_.signum is None or error is not None:
+            raise
+        error = caught  # the stop's save failed: said at the exit below
     finally:
-        # After a signal the process is on its way out: the flag-only handlers stay, so that
-        # a second signal (or torchrun stopping the other ranks) cannot cut short the "end"
-        # of the plugins after this one, nor the exit with 128 + signal.
-        _release(run_, handlers=run_.signum is None)
-    if run_.signum is not None:
-        atexit.register(_ignore, tuple(run_.handlers))
-        raise SystemExit(128 + run_.signum if config.exit_code is None else config.exit_code)
+        # After a signal the process is on its way out: SIGTERM and SIGUSR1 stay flag-only,
+        # so that a second one (or torchrun stopping the other ranks) cannot cut short the
+        # "end" of the plugins after this one, nor the exit; SIGINT's handler goes back, for
+        # a process that goes on (a notebook catches the SystemExit).
+        _release(run_, stopped=run_.signum is not None)
+    if run_.signum is None:
+        return
+    atexit.register(_ignore, tuple(run_.handlers))
+    name, code = signal.Signals(run_.signum).name, config.exit_code
+    code = 128 + run_.signum if code is None else code
+    if event.error is not None:  # the error that ended training propagates
+        event.error.add_note(
+            f"checkpoints: {name} was received too; this error replaces exit {code}"
+        )
+    elif error is not None:
+        raise SystemExit(f"checkpoints: {name} was received, then the save failed: {error!r}")
+    else:
+        raise SystemExit(code)
 
 
 @plugin_factory(order=80)
@@ -596,19 +645,22 @@ def checkpoints(
     return plugin
 
 
-def _restore_best(root: Path, rules: Retention, model: torch.nn.Module) -> None:
-    """Load the best checkpoint's weights into ``model``."""
+def _best(config: _Config, model: torch.nn.Module) -> None:
+    """``restore_best``: load the best checkpoint's weights into ``model``; and warn when no
+    checkpoint holds the ``keep_best`` metric (a typo that no save could tell)."""
+    root, rules = config.folder, config.rules
     infos = {i.name: i for i in list_checkpoints(root) if i.intact and i.step is not None}
     best_only = dataclasses.replace(rules, keep_best=1)
     kept = retain(((i.name, i.step, i.metrics) for i in infos.values()), best_only)  # type: ignore[misc]
     best = [name for name, why in kept.items() if "keep_best" in why]
-    if best:
+    if best and config.restore_best:
         manifest = verified_manifest(infos[best[0]].path)
         put_model(model, full_model(manifest, partial=True), strict=manifest.frozen is None)
-    else:
+    elif not best:
         warnings.warn(
-            f"checkpoints: restore_best found no checkpoint with {rules.metric!r} in "
-            f"{str(root)!r}; the model keeps its final weights.",
+            f"checkpoints: no checkpoint in {str(root)!r} holds keep_best's {rules.metric!r}: "
+            "no plugin published it at a save (a typo?)"
+            + ("; the model keeps its final weights." if config.restore_best else "."),
             RuntimeWarning,
             stacklevel=4,
         )
