@@ -14,6 +14,7 @@ import json
 import os
 import random
 import resource
+import shutil
 import subprocess
 import sys
 import threading
@@ -382,6 +383,61 @@ def test_an_intact_checkpoint_still_loads_exactly(tmp_path: Path) -> None:
     assert verify_checkpoint(path) == []
 
 
+def _plateau_run(extras: dict[str, Any]) -> TrainState:
+    """A ReduceLROnPlateau and a GradScaler that count (bad epochs, good steps) as it trains."""
+    torch.manual_seed(0)
+    model = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = lrs.ReduceLROnPlateau(optimizer, patience=5)
+    scaler = torch.amp.GradScaler("cpu")
+    return TrainState(
+        model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, extras=extras
+    )
+
+
+def _train_plateau(state: TrainState, updates: int) -> TrainState:
+    for _ in range(updates):
+        loss = state.model(torch.ones(2, 2)).square().mean()
+        state.scaler.scale(loss).backward()
+        state.scaler.step(state.optimizer), state.scaler.update(), state.optimizer.zero_grad()
+        state.scheduler.step(1.0)  # a plateau: num_bad_epochs grows
+    return state.replace(step=state.step + updates)
+
+
+def test_an_earlier_checkpoint_loads_into_the_live_state_that_went_on_training(
+    tmp_path: Path,
+) -> None:
+    # Before: refused, its counters compared with the template's as if they were settings
+    # (num_bad_epochs 0 vs 2, _growth_tracker 0 vs 3) and the user's extras by value
+    # (a list of 2 items vs 0, an int 0 where the template's is 3, None for a float).
+    saved_extras = {"history": [0.5, 0.4], "user": {"patience_left": 0, "best": None}}
+    path = save_checkpoint(_plateau_run(saved_extras), tmp_path / "step_000000")
+    live = {"history": [], "user": {"patience_left": 3, "best": 0.3}}
+    state = _train_plateau(_plateau_run(live), 3)
+    assert state.scheduler.num_bad_epochs == 2 and state.scaler.state_dict()["_growth_tracker"]
+    loaded = load_checkpoint(path, like=state)
+    assert loaded.step == 0 and loaded.extras == saved_extras
+    assert loaded.scheduler.num_bad_epochs == 0
+    assert loaded.scaler.state_dict()["_growth_tracker"] == 0
+
+
+def test_a_muon_checkpoint_loads(tmp_path: Path) -> None:
+    # Before: refused: the hyperparameters were checked on a new Muon over a 1-D tensor
+    # ("Muon only supports 2D parameters").
+    def build() -> TrainState:
+        torch.manual_seed(0)
+        model = nn.Linear(3, 2, bias=False)
+        return TrainState(model=model, optimizer=torch.optim.Muon(model.parameters(), lr=0.02))
+
+    state = build()
+    state.model(torch.ones(4, 3)).sum().backward()
+    state.optimizer.step()
+    path = save_checkpoint(state.replace(step=1), tmp_path / "c")
+    loaded = load_checkpoint(path, like=build())
+    assert _same(loaded.optimizer.state_dict(), state.optimizer.state_dict())
+    assert torch.equal(loaded.model.weight, state.model.weight)
+
+
 # ----------------------------------------------------------------------------------------
 # 5. --verify checks what a load checks.
 
@@ -452,3 +508,20 @@ def test_the_listing_says_which_checkpoints_are_model_only(
         ["ok,", "model-only"],
         ["newest", "ok"],
     ]
+
+
+def test_a_folder_of_model_only_checkpoints_is_no_resume_and_says_why(tmp_path: Path) -> None:
+    # Before: DamagedCheckpointError with 0 problems (an intact model-only checkpoint
+    # reported as the damaged one).
+    for updates in (1, 2, 3):
+        save_checkpoint(_build(0, updates), tmp_path / f"step_{updates:06d}")
+    prune_checkpoints(tmp_path, Retention(keep_last=3, keep_full=1))
+    data = bytearray((tmp_path / "step_000003" / "model.safetensors").read_bytes())
+    data[-1] ^= 1  # the only full checkpoint: a flipped bit only its checksum shows
+    (tmp_path / "step_000003" / "model.safetensors").write_bytes(bytes(data))
+    with pytest.warns(UserWarning), pytest.raises(DamagedCheckpointError) as error:
+        load_latest(tmp_path, like=_build(1))
+    assert error.value.path.name == "step_000003" and "checksum" in error.value.problems[0]
+    shutil.rmtree(tmp_path / "step_000003")
+    with pytest.raises(ValueError, match=r"a folder of full checkpoints; .* are model-only"):
+        load_latest(tmp_path, like=_build(1))

@@ -239,9 +239,10 @@ def load_latest(
         checkpoint folder at all (a fresh start).
 
     Raises:
-        DamagedCheckpointError: every checkpoint in ``root`` is damaged (the newest one's
-            problems; each was warned about).
-        ValueError: the newest intact checkpoint does not fit the template.
+        DamagedCheckpointError: every full checkpoint in ``root`` is damaged (the newest
+            one's problems; each was warned about).
+        ValueError: the newest intact checkpoint does not fit the template, or ``root``
+            holds model-only checkpoints only (``Retention.keep_full``).
 
     Example:
         >>> import torch
@@ -260,9 +261,12 @@ def load_latest(
     if rank_of(group)[0] == 0:  # one rank picks, so that ranks cannot disagree
         try:
             found = latest_checkpoint(root)
-            damaged = list_checkpoints(root) if found is None else []
-            if damaged:
-                raise DamagedCheckpointError(damaged[-1].path, damaged[-1].problems)
+            infos = list_checkpoints(root) if found is None else []
+            full = [c.path for c in infos if not c.model_only]
+            if full:  # each was damaged: the newest one's problems, checksums included
+                raise DamagedCheckpointError(full[-1], _info(full[-1], checksums=True).problems)
+            fix = "Its checkpoints are model-only (keep_full removed their optimizer state)."
+            check(not infos, "load_latest", "root", "a folder of full checkpoints", str(root), fix)
             choice = found.name if found else ""
         except Exception as caught:
             error = caught

@@ -58,8 +58,7 @@ __all__ = [
 def verified_manifest(path: str | os.PathLike[str]) -> Manifest:
     """The manifest of ``path`` after checking every file it lists (sizes and checksums)."""
     manifest = read_manifest(path)
-    problems = file_problems(manifest, checksums=True)
-    if problems:
+    if problems := file_problems(manifest, checksums=True):
         raise DamagedCheckpointError(manifest.path, problems)
     return manifest
 
@@ -154,10 +153,9 @@ def _compare(what: str, saved: Mapping[str, Any], live: Mapping[str, Any]) -> li
         "in the checkpoint, not the template": saved.keys() - live.keys(),
     }
     out = [f"{what}: {where}: {few(keys)}" for where, keys in lacking.items() if keys]
-    changed = [key for key in sorted(saved.keys() & live.keys()) if saved[key] != live[key]]
-    return out + [
-        f"{what}: {k!r}: {saved[k]} in the checkpoint, {live[k]} in the template" for k in changed
-    ]
+    diff = [key for key in sorted(saved.keys() & live.keys()) if saved[key] != live[key]]
+    out += [f"{what}: {k!r}: {saved[k]} in the checkpoint, {live[k]} in the template" for k in diff]
+    return out
 
 
 def _kind(value: Any) -> str:
@@ -165,38 +163,59 @@ def _kind(value: Any) -> str:
     return f"shape {list(value.shape)} {value.dtype}" if tensor else repr(value)[:40]
 
 
-def _fits(saved: Any, live: Any) -> bool:
+def _fits(saved: Any, live: Any, strict: bool) -> bool:
     if isinstance(live, torch.Tensor):
         return isinstance(saved, torch.Tensor) and _kind(saved) == _kind(live)
     if isinstance(live, bool):
         return isinstance(saved, bool)
     if isinstance(live, (int, float)):
-        finite = type(saved) in (int, float) and (abs(saved) < math.inf or abs(live) == math.inf)
-        return finite and (saved > 0 or not (type(live) is int and live > 0))
+        if type(saved) not in (int, float) or saved != saved:  # a number, not NaN
+            return False
+        finite = abs(saved) < math.inf or abs(live) == math.inf
+        return not strict or (finite and (saved > 0 or not (type(live) is int and live > 0)))
     return not isinstance(live, (dict, list, tuple))
 
 
-def _mismatches(where: str, saved: Any, live: Any, required: bool = False) -> list[str]:
+def _mismatches(where: str, saved: Any, live: Any, settings: Any, strict: bool) -> list[str]:
     """Where ``saved`` holds what could not replace the template's ``live`` value.
 
-    Tensors of the same shape and dtype, a bool for a bool, a finite number for a finite
-    one (no NaN learning rate), a number > 0 for an int > 0 (``StepLR``'s ``step_size``),
-    lists of the same length, a dict for a dict; with ``required`` (an optimizer's state)
-    also every key of the template that holds more than a flag.
+    Tensors of the same shape and dtype, a bool for a bool, a number (not NaN) for a
+    number, lists of the same length, a dict for a dict. A setting (under a key of
+    ``settings``: a constructor argument) is also finite where the template's is (no
+    infinite learning rate) and > 0 where the template's is an int > 0 (``StepLR``'s
+    ``step_size``); a counter or a best value is not held to that (``strict``: this value
+    is a setting). ``settings=None`` (an optimizer's state, or tensors): every key of the
+    template that holds more than a flag must be there.
     """
     out: list[str] = []
     if isinstance(live, dict) and isinstance(saved, dict):
-        lacking = [k for k, v in live.items() if required and k not in saved and v is not None]
-        out = [f"{where}[{k!r}]: missing" for k in lacking if not isinstance(live[k], (bool, str))]
-        children = [(k, saved[k], live[k]) for k in live if k in saved]
+        required = [k for k, v in live.items() if v is not None and not isinstance(v, (bool, str))]
+        out = [f"{where}[{k!r}]: missing" for k in required if k not in saved and settings is None]
+        children = [(k, saved[k], live[k], strict or k in settings) for k in live if k in saved]
     elif isinstance(live, (list, tuple)) and isinstance(saved, (list, tuple)):
-        children = list(zip(range(len(live)), saved, live))
+        children = [(i, s, v, strict) for i, (s, v) in enumerate(zip(saved, live))]
         if len(saved) != len(live):
             return [f"{where}: {len(saved)} items in the checkpoint, {len(live)} in the template"]
     else:
         differ = f"{where}: {_kind(saved)} in the checkpoint, {_kind(live)} in the template"
-        return [] if _fits(saved, live) else [differ]
-    return out + [m for k, s, v in children for m in _mismatches(f"{where}[{k!r}]", s, v, required)]
+        return [] if _fits(saved, live, strict) else [differ]
+    nested = (_mismatches(f"{where}[{k!r}]", s, v, settings, q) for k, s, v, q in children)
+    return out + [m for found in nested for m in found]
+
+
+def _tensor_part(tree: Any) -> Any:
+    """``tree``'s mappings reduced to the entries that hold a tensor; None if it holds none."""
+    if isinstance(tree, Mapping):
+        return {k: part for k, v in tree.items() if (part := _tensor_part(v)) is not None} or None
+    return tree if any(isinstance(x, torch.Tensor) for x in optree.tree_leaves(tree)) else None
+
+
+def _settings(obj: Any) -> set[str]:
+    """A scheduler's (or scaler's) settings: the arguments of its constructor and of the
+    schedulers it chains, its base learning rates and scale; not ``last_epoch``, a counter."""
+    kinds = [type(o) for o in (obj, *getattr(obj, "_schedulers", ()))]
+    found = {name for kind in kinds for name in inspect.signature(kind).parameters}
+    return found - {"last_epoch"} | {"base_lrs", "scale"}
 
 
 def _hyperparameters(folder: Path, optimizer: Any, groups: list[Any]) -> list[str]:
@@ -206,7 +225,8 @@ def _hyperparameters(folder: Path, optimizer: Any, groups: list[Any]) -> list[st
     kinds = [(type(o), [*g["params"], torch.empty(0)][0]) for o in members for g in o.param_groups]
     for i, ((kind, param), group) in enumerate(zip(kinds, groups)):
         names = inspect.signature(kind).parameters.keys() - {"params"}
-        scratch = torch.zeros(1, dtype=param.dtype, device=param.device, requires_grad=True)
+        # As many dimensions as the parameter (Muon takes 2-D ones only).
+        scratch = param.new_zeros((1,) * param.dim(), requires_grad=True)
         try:
             kind([scratch], **{name: group[name] for name in names & group.keys()})
         except TypeError:  # a constructor of other arguments: its checks cannot be run
@@ -246,17 +266,18 @@ def _differences(
     for name, template in templates.items():
         if name in saved and template is not None and not out:
             found = template if name == "optimizer" else template.state_dict()
-            out += _mismatches(f"{folder}/{name}.json", trees[name], found, name == "optimizer")
+            settings = None if name == "optimizer" else _settings(template)
+            out += _mismatches(
+                f"{folder}/{name}.json", trees[name], found, settings, settings is None
+            )
     if "optimizer" in saved and optimizer_like is not None and not out:
         out += _hyperparameters(folder, like.optimizer, trees["optimizer"]["param_groups"])
-    extras = trees["extras"] or {}
-    common = [key for key in like.extras if key in extras]
-    saved_extras, live_extras = ({k: tree[k] for k in common} for tree in (extras, like.extras))
-    out += _mismatches(f"{folder}/extras.json", saved_extras, live_extras, required=True)
+    # Of extras only the tensors are compared (an EMA's): the rest is the user's, any value.
+    extras = {**like.extras, **(trees["extras"] or {})}  # the load's: template keys kept
+    out += _mismatches(f"{folder}/extras.json", extras, _tensor_part(like.extras) or {}, None, True)
     saved_objects = {n: classes.get("objects", {}).get(n) for n in trees["objects"] or {}}
-    return out + _compare(
-        "objects", saved_objects, {n: type(o).__name__ for n, o in objects.items()}
-    )
+    live_objects = {n: type(o).__name__ for n, o in objects.items()}
+    return out + _compare("objects", saved_objects, live_objects)
 
 
 def _field_values(
@@ -293,15 +314,20 @@ def load_checkpoint(
     safetensors are read (nothing is unpickled). Then what no save writes is refused
     (counters below 0 or not ints, an open window, RNG states a generator refuses,
     non-finite hyperparameters), and the checkpoint is compared with the template: every
-    tensor of the optimizer, scheduler, scaler and ``extras`` of the same shape and dtype,
-    finite numbers where the template's are, an int > 0 where the template's is
-    (``StepLR``'s ``step_size``), each parameter group through its optimizer's own
-    argument checks; *all* differences are reported at once. A refused load changes
-    nothing. Then the objects are restored in place in this order: the extra ``objects``
-    (only they can check their state), the model (``load_state_dict(strict=True)`` on the
-    unwrapped model; tied weights stay tied), the scheduler, the optimizer (after the
-    scheduler, whose loading changes the optimizer's learning rates, pytorch#119168: the
-    saved rates win), the GradScaler, and last the RNG states.
+    tensor of the optimizer, scheduler, scaler and ``extras`` of the same shape and dtype;
+    in the optimizer, scheduler and scaler a number (not NaN) where the template has one;
+    in the optimizer and the scheduler's and scaler's settings (constructor arguments,
+    base learning rates) finite numbers where the template's are and an int > 0 where the
+    template's is (``StepLR``'s ``step_size``); each parameter group through its
+    optimizer's own argument checks. Counters (``ReduceLROnPlateau``'s bad epochs) and the
+    non-tensor values of ``extras`` are not compared, so a template that trained on (a
+    live state) takes an earlier checkpoint. *All* differences are reported at once. A
+    refused load changes nothing. Then the objects are restored in place in this order:
+    the extra ``objects`` (only they can check their state), the model
+    (``load_state_dict(strict=True)`` on the unwrapped model; tied weights stay tied), the
+    scheduler, the optimizer (after the scheduler, whose loading changes the optimizer's
+    learning rates, pytorch#119168: the saved rates win), the GradScaler, and last the RNG
+    states.
 
     TrainState fields missing from an older checkpoint keep the template's values.
 
@@ -356,8 +382,7 @@ def load_checkpoint(
     check(ok, who, "like", "a TrainState (the template)", type(like).__name__, "", TypeError)
     objects = check_objects(objects, who)
     group = group_of(like.model)
-    plan: _Plan | None = None
-    error: BaseException | None = None
+    plan, error = None, None  # type: _Plan | None, BaseException | None
     try:
         plan = _plan(path, like, objects, rng, rank_of(group)[0])
     except Exception as caught:
@@ -517,8 +542,7 @@ def _plan(
     trees, optimizer_like = _trees(manifest, like, shards, differences)
     rng_state, own = _rank_state(manifest, rank, rng)
     fields = {**_field_values(like, trees["state"] or {}, differences), **own}
-    damage = _content_problems(manifest.path, {**trees, "rng": rng_state}, fields)
-    if damage:
+    if damage := _content_problems(manifest.path, {**trees, "rng": rng_state}, fields):
         raise DamagedCheckpointError(manifest.path, damage)
     differences += _differences(manifest, like, objects, trees, optimizer_like)
     if differences:

@@ -226,9 +226,9 @@ def file_problems(manifest: Manifest, *, checksums: bool = True) -> list[str]:
                 f"{path}: {info.st_size} bytes, the manifest says {entry['size']} "
                 f"({'truncated' if info.st_size < entry['size'] else 'grown'})"
             )
-        elif checksums and checksum(path) != entry[CHECKSUM]:
+        elif checksums and (found := checksum(path)) != entry[CHECKSUM]:  # read once
             problems.append(
-                f"{path}: {CHECKSUM} checksum {checksum(path)}, the manifest says "
+                f"{path}: {CHECKSUM} checksum {found}, the manifest says "
                 f"{entry[CHECKSUM]} (corrupted)"
             )
     listed = {manifest.path / name for name in manifest.files}
