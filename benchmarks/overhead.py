@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterator
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import warnings
+
 import torch
 
 from toolkit import (
@@ -38,6 +40,9 @@ from toolkit import (
     run,
 )
 
+# Both sides of a row take turns on one model, optimizer and scheduler: the hand-written loop's
+# scheduler.step() is, to the step, a step outside it.
+warnings.filterwarnings("ignore", "the LR scheduler was stepped outside the train step")
 K = 4  # micro-batches per update
 EPOCH_UPDATES = 50  # updates per epoch in the run() case
 MAX_NORM = 1.0

@@ -125,9 +125,9 @@ Scaler = torch.amp.GradScaler | None
 _NO_RECORDS: Mapping[str, Any] = types.MappingProxyType({})  # shared, so read-only
 _NO_WINDOW = WindowState()
 _NO_CONTEXT = contextlib.nullcontext()  # reentrant, holds nothing: shared
-_TWICE = (  # scheduler.step() outside the step: the schedule runs ahead
-    "the LR scheduler was stepped outside the train step (last_epoch {}, {} after the step's "
-    "own step()). Remove your scheduler.step(), or mark it toolkit.per_epoch(scheduler)."
+_TWICE = (  # scheduler.step() outside the step: the schedule runs ahead (a fixed text: once)
+    "the LR scheduler was stepped outside the train step (its last_epoch moved between the "
+    "step's own steps). Remove your scheduler.step(), or mark it toolkit.per_epoch(scheduler)."
 )
 _SKIPPED = StepOutput(None, _NO_RECORDS, None, None, updated=False, closed=False, skipped=True)
 
@@ -409,7 +409,7 @@ class Step:
         if apply and scheduler is not None and not isinstance(scheduler, _NOT_PER_UPDATE):
             done = state._scheduled  # (scheduler, its last_epoch after the step stepped it)
             if done[0] is scheduler and getattr(scheduler, "last_epoch", 0) > done[1]:
-                warnings.warn(_TWICE.format(scheduler.last_epoch, done[1]), stacklevel=3)
+                warnings.warn(_TWICE, stacklevel=3)
             scheduler.step()
             changes["_scheduled"] = (scheduler, getattr(scheduler, "last_epoch", 0))
         new = state._evolve(changes, consume=True)
