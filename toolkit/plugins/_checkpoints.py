@@ -11,7 +11,7 @@ import socket
 import sys
 import threading
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -31,14 +31,7 @@ from toolkit.checkpoints._manifest import read_manifest
 from toolkit.checkpoints._model_state import parameter_names, put_model
 from toolkit.checkpoints._retention import Retention, retain
 from toolkit.checkpoints._save import save_checkpoint, save_in_background
-from toolkit.distributed._collectives import (
-    Group,
-    agree,
-    broadcast_int,
-    group_of,
-    max_over_ranks,
-    rank_of,
-)
+from toolkit.distributed._collectives import Group, agree, group_of, max_over_ranks, rank_of
 from toolkit.loop._data import pass_settings, position, restore_generators, seen_after_change
 from toolkit.loop._run import Event, LoopInfo, Plugin, plugin_factory
 from toolkit.plugins._shared import metric_entry
@@ -49,10 +42,10 @@ __all__ = ["SIGNAL_EVERY", "checkpoints"]
 _SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 _FLAGS = ("per_epoch", "at_end", "restore_best", "background", "trainable_only")
 _PLAIN = (int, float, str, type(None))  # a setting's value, or the items of a tuple of them
-# In state dicts, not settings: the parameters, their lr (compared as the optimizer's), counters.
-_NOT_SETTINGS = {"params", "initial_lr", "base_lrs", "last_epoch", "_step_count", "_last_lr"}
-_NOT_SETTINGS |= {"verbose", "_is_initial", "_get_lr_called_within_step", "best", "T_cur", "T_i"}
-_NOT_SETTINGS |= {"num_bad_epochs", "cooldown_counter"}
+# In state dicts, not settings: parameters, their lr (compared as the optimizer's), what moves.
+_NOT_SETTINGS = {"params", "initial_lr", "base_lrs", "verbose", "last_epoch", "_step_count",
+                 "_last_lr", "_is_initial", "_get_lr_called_within_step", "best", "T_cur", "T_i",
+                 "num_bad_epochs", "cooldown_counter"}  # fmt: skip
 _LOCKS: list[int] = []  # the lock files this process holds open (see _forget_locks)
 SIGNAL_EVERY = 10  # data-parallel ranks agree on a received signal every this many updates
 
@@ -150,6 +143,18 @@ def _check_metric(metric: str, state: TrainState) -> None:
         )
 
 
+def _on_rank0(group: Group | None, work: Callable[[], Any], default: Any = None) -> Any:
+    """``work()`` on rank 0 alone (``default`` elsewhere); its error raised on every rank."""
+    error, result = None, default
+    try:
+        if rank_of(group)[0] == 0:
+            result = work()
+    except Exception as caught:
+        error = caught
+    agree(error, group, "checkpoints")
+    return result
+
+
 def _failed(config: _Config, error: BaseException) -> None:
     if config.on_error == "raise":
         raise error
@@ -164,14 +169,12 @@ def _finish(config: _Config, run_: _Run) -> None:
         return
     try:
         path = writing.result() if isinstance(writing, Future) else writing
-        problem = None
-        try:
-            if rank_of(run_.group)[0] == 0:
-                write_pointer(config.folder, path)
-                prune_checkpoints(config.folder, config.rules)
-        except Exception as caught:
-            problem = caught
-        agree(problem, run_.group, "checkpoints")  # the other ranks wait for rank 0
+
+        def publish() -> None:
+            write_pointer(config.folder, path)
+            prune_checkpoints(config.folder, config.rules)
+
+        _on_rank0(run_.group, publish)  # the other ranks wait for rank 0
     except Exception as error:
         _failed(config, error)
 
@@ -204,9 +207,8 @@ def _install(config: _Config, run_: _Run) -> None:
         run_.signum = signum  # only a flag: the loop acts on it between updates
 
     if threading.current_thread() is not threading.main_thread():  # Python allows no other
-        names = [signal.Signals(s).name for s in config.signals]
-        message = "checkpoints: run() is not on the main thread, where Python delivers signals"
-        if names:
+        if names := [signal.Signals(s).name for s in config.signals]:
+            message = "checkpoints: run() is not on the main thread, where Python delivers signals"
             warnings.warn(f"{message}; {names} keep their handlers.", RuntimeWarning, stacklevel=5)
         return
     for signum in config.signals:
@@ -263,16 +265,21 @@ def _plain(values: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-    """``tree``'s leaves by their paths: ``{"a": [{"b": 1}]}`` gives ``{"a.0.b": 1}``."""
+    """``tree``'s leaves by their paths: ``{"a": [{"b": 1}]}`` gives ``{"a.0.b": 1}``; a
+    mapping with other keys than str (MultiStepLR's Counter of milestones) is one leaf, its
+    sorted items in a row: ``{4: 1, 2: 1}`` gives ``(2, 1, 4, 1)``."""
+    if isinstance(tree, Mapping) and not all(isinstance(key, str) for key in tree):
+        tree = tuple(x for item in sorted(tree.items(), key=str) for x in item)
     if not isinstance(tree, (Mapping, list)):
         return {prefix.rstrip("."): tree}
     pairs = tree.items() if isinstance(tree, Mapping) else enumerate(tree)
     return {k: v for key, value in pairs for k, v in _flat(value, f"{prefix}{key}.").items()}
 
 
-def _changed(config: _Config, run_: _Run, seen: int, data: Any, saved: Any) -> int:
+def _changed(config: _Config, run_: _Run, seen: int, data: Any, path: Path) -> int:
     """The pass position ``seen`` in the current settings ``run_.settings``, every
-    difference from the ``saved`` ones reported."""
+    difference from those saved in ``path`` reported."""
+    saved = read_manifest(path).settings
     was, now = _flat(saved), _flat(run_.settings)
     pairs = {k: (was.get(k, "-"), now.get(k, "-")) for k in sorted(was.keys() | now.keys())}
     changes = [f"{key} {old} -> {new}" for key, (old, new) in pairs.items() if old != new]
@@ -314,14 +321,9 @@ def _resumed(config: _Config, run_: _Run, event: Event) -> TrainState:
         )
     if path is None:
         return state
-    error, seen = None, state.batches_seen
-    try:  # the saved settings are rank 0's own (its data): its verdict holds for every rank
-        if rank_of(run_.group)[0] == 0:
-            seen = _changed(config, run_, seen, loop.data, read_manifest(path).settings)
-    except Exception as caught:
-        error = caught
-    agree(error, run_.group, "checkpoints")
-    state = state._evolve({"batches_seen": broadcast_int(seen, run_.group)})
+    seen, saved = state.batches_seen, path  # rank 0 compares: the saved settings are its own
+    seen = _on_rank0(run_.group, lambda: _changed(config, run_, seen, loop.data, saved), 0)
+    state = state._evolve({"batches_seen": max_over_ranks(seen, run_.group)})  # rank 0's
     if not state.batches_seen:  # between passes: the next one draws from the saved generators
         restore_generators(loop.data, state.data_state)
     limits = ((loop.max_steps, state.step), (loop.epochs, state.epoch))
@@ -340,16 +342,14 @@ def _start(config: _Config, event: Event) -> tuple[_Run, TrainState]:
     expected = "False with a data-parallel model (DDP or FSDP2), whose ranks save together"
     check(run_.group is None or not config.background, "checkpoints", "background", expected, True)
     _install(config, run_)
-    error = None
+
+    def own() -> None:  # one rank locks and cleans; the others wait
+        config.folder.mkdir(parents=True, exist_ok=True)
+        run_.lock = _lock(config.folder)
+        clean_temporaries(config.folder)
+
     try:
-        try:
-            if rank_of(run_.group)[0] == 0:  # one rank locks and cleans; the others wait
-                config.folder.mkdir(parents=True, exist_ok=True)
-                run_.lock = _lock(config.folder)
-                clean_temporaries(config.folder)
-        except Exception as caught:
-            error = caught
-        agree(error, run_.group, "checkpoints")
+        _on_rank0(run_.group, own)
         state = _resumed(config, run_, event)
     except BaseException:
         _release(run_)
@@ -442,16 +442,12 @@ def _end(config: _Config, run_: _Run, event: Event) -> None:
     if run_.signum is None:
         return
     atexit.register(_ignore, tuple(run_.handlers))
-    name, code = signal.Signals(run_.signum).name, config.exit_code
-    code = 128 + run_.signum if code is None else code
-    if event.error is not None:  # the error that ended training propagates
-        event.error.add_note(
-            f"checkpoints: {name} was received too; this error replaces exit {code}"
-        )
-    elif error is not None:
-        raise SystemExit(f"checkpoints: {name} was received, then the save failed: {error!r}")
+    said = f"checkpoints: {signal.Signals(run_.signum).name} was received"
+    code = 128 + run_.signum if config.exit_code is None else config.exit_code
+    if event.error is not None:  # the error that ended training propagates: no silent exit
+        event.error.add_note(f"{said} too; this error replaces the exit with {code}")
     else:
-        raise SystemExit(code)
+        raise SystemExit(code if error is None else f"{said}; then the save failed: {error!r}")
 
 
 @plugin_factory(order=80)
@@ -494,15 +490,20 @@ def checkpoints(
     stays when any rule keeps it: the ``keep_last`` newest, every ``keep_every`` updates,
     ``keep_steps``, and the ``count`` best by ``keep_best=(metric, "min"|"max", count)``. The
     newest is never deleted. ``python -m toolkit.checkpoints FOLDER`` lists them and why.
-    A ``keep_best`` metric that no plugin publishes (a typo) raises at the first save that
-    can tell: the plugin owning its prefix (``val`` of ``validate(key="val")``) published
-    other metrics, or no plugin owns the prefix. ``keep_full=N`` keeps optimizer, scheduler,
-    RNG and data state in the ``N`` newest only; older kept checkpoints keep the weights.
+    A ``keep_best`` metric missing from the metrics published under its prefix (``val/los``
+    where ``validate(key="val")`` published ``val/loss``: a typo) raises at that save. Under
+    a prefix nothing published yet (a plugin of your own that publishes later, or a typo
+    such as ``vall/loss``) no save can tell; a ``RuntimeWarning`` at the end of a run that
+    ended well says so when no checkpoint in the folder holds the metric. ``keep_full=N``
+    keeps optimizer, scheduler, RNG and data state in the ``N`` newest only; older kept
+    checkpoints keep the weights.
 
     **One run per folder.** From ``"restore"`` to ``"end"`` the run holds an exclusive lock
     (``flock``) on ``folder/.lock``, which names its process and host; a second run into the
     same folder is refused at its start, naming the holder. The kernel frees the lock when
-    the holder dies, even by SIGKILL, so a restarted job is never blocked by a dead one.
+    the holder dies, even by SIGKILL, so a restarted job is never blocked by a dead one;
+    forked children (DataLoader workers) close it, so none holds it after the run. A
+    ``.lock`` that is not a regular file (a symlink, a FIFO) is refused, never followed.
     Under data parallelism rank 0 holds it for the job.
 
     **Resume.** At ``"start"``, leftover temporary folders of a killed save are removed, and
@@ -515,10 +516,12 @@ def checkpoints(
     ends with ``the run had already reached its end`` when it had (nothing left to train).
 
     **Settings.** Every save records what the run was started with: each parameter group's
-    hyperparameters (the starting lr), the scheduler's class and constructor arguments,
-    the step's micro-batches, and the data's batch size, samples, batches per pass and the
-    world size. A resume compares them with the current ones and lists every difference in
-    one ``RuntimeWarning`` (``on_change="error"`` raises ``ValueError`` instead). The
+    hyperparameters (the starting lr), the scheduler's class and its state dict as
+    constructed, flattened (``milestones``, a ``SequentialLR``'s schedulers' arguments;
+    counters such as ``last_epoch`` and callables left out), the step's micro-batches, and
+    the data's batch size, samples, batches per pass and the world size. A resume compares
+    them with the current ones and lists every difference in one ``RuntimeWarning``
+    (``on_change="error"`` raises ``ValueError`` instead). The
     checkpoint's optimizer and scheduler values are used (the run goes on as saved); the data
     and micro-batches are the current ones. A pass resumed with another batch size goes on
     at its first unseen sample (a partly seen batch is read again); any other change of the
@@ -535,17 +538,25 @@ def checkpoints(
     every plugin's ``"end"`` runs, and the process exits with ``exit_code`` (default
     ``128 + signal``: 143 for SIGTERM; 0 suits setups that requeue on success). A signal
     during a save waits for it; one before the first update stops the run at once. After a
-    signal the flag-only handlers stay installed until the process exits, so that a second
-    signal (a second Ctrl-C, torchrun stopping the other ranks) cannot cut short the
-    ``"end"`` of the plugins after this one, nor change the exit status; without a signal
-    the previous handlers are put back at ``"end"``. A run that hangs after Ctrl-C still ends
-    by Ctrl-\\ (SIGQUIT) or SIGKILL, unsaved. In a process that catches the ``SystemExit`` and
-    goes on (a notebook), the stopping signals stay flag-only afterwards.
+    signal, SIGTERM's and SIGUSR1's flag-only handlers stay installed until the process
+    exits, so that a second one (torchrun stopping the other ranks) cannot cut short the
+    ``"end"`` of the plugins after this one, nor change the exit status; SIGINT's previous
+    handler is put back at this plugin's ``"end"``, so that Ctrl-C works again in a process
+    that catches the ``SystemExit`` and goes on (a notebook); a second Ctrl-C during the
+    later plugins' ``"end"`` may then raise ``KeyboardInterrupt``. Without a signal every
+    previous handler is put back at ``"end"``. A run that hangs after Ctrl-C still ends by
+    Ctrl-\\ (SIGQUIT) or SIGKILL, unsaved. When training raised after a signal (a DataLoader
+    worker killed by the same SIGTERM, the stop's save failing on a full disk), that error
+    propagates (exit status 1, its traceback printed) with a note naming the signal, rather
+    than the silent exit; a stop's save that fails at ``"end"`` (``background=True``)
+    exits with status 1 and a message naming the error.
 
     **Data parallel (DDP, FSDP2).** Put the plugin on every rank, with the same arguments.
     Saves are collective (see :func:`toolkit.save_checkpoint`: DDP's rank 0 writes, FSDP2's
     ranks write their shards; every rank keeps its own RNG states); the pointer and pruning
     are rank 0's; ``resume="latest"`` loads the checkpoint rank 0 picked, on every rank. A
+    resume compares rank 0's settings with the saved ones (rank 0's own, so ranks may hold
+    shards of different sizes): rank 0 warns, or every rank raises with it. A
     signal delivered to one rank only stops every rank after the same update, with one
     checkpoint: every ``SIGNAL_EVERY`` (10) updates the ranks all-reduce the flag (one small
     all-reduce, only when ``signals`` is not empty; every rank checks at the same updates,
@@ -601,7 +612,8 @@ def checkpoints(
             cannot be mapped; a failing save with ``on_error="raise"``; a ``keep_best``
             metric no plugin publishes.
         RuntimeError: at ``"start"``, ``folder`` locked by another run.
-        SystemExit: at ``"end"`` after a signal, with ``exit_code``.
+        SystemExit: at ``"end"`` after a signal, with ``exit_code`` (status 1 and a message
+            when the stop's save failed there; an error of training propagates instead).
 
     Example:
         >>> import torch
@@ -657,10 +669,7 @@ def _best(config: _Config, model: torch.nn.Module) -> None:
         manifest = verified_manifest(infos[best[0]].path)
         put_model(model, full_model(manifest, partial=True), strict=manifest.frozen is None)
     elif not best:
-        warnings.warn(
-            f"checkpoints: no checkpoint in {str(root)!r} holds keep_best's {rules.metric!r}: "
-            "no plugin published it at a save (a typo?)"
-            + ("; the model keeps its final weights." if config.restore_best else "."),
-            RuntimeWarning,
-            stacklevel=4,
-        )
+        then = "; the model keeps its final weights." if config.restore_best else "."
+        message = f"checkpoints: no checkpoint in {str(root)!r} holds keep_best's "
+        message += f"{rules.metric!r}: no plugin published it at a save (a typo?){then}"
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
