@@ -349,6 +349,9 @@ CORRUPTIONS = {
     "EMA of another shape": _tensor_edit(
         "extras.safetensors", "extras/ema/weight", torch.zeros(3, 3)
     ),
+    # An extras entry holding tensors (an EMA's) is compared whole; other entries are not.
+    "EMA count a list": _json_edit("extras.json", _set(("ema", "count"), [])),
+    "EMA count missing": _json_edit("extras.json", lambda d: d["ema"].pop("count")),
     "aliases naming no tensor": _json_edit("manifest.json", _set(("aliases",), {"w": "nope"})),
 }
 

@@ -184,13 +184,13 @@ def _mismatches(where: str, saved: Any, live: Any, settings: Any, strict: bool) 
     ``settings``: a constructor argument) is also finite where the template's is (no
     infinite learning rate) and > 0 where the template's is an int > 0 (``StepLR``'s
     ``step_size``); a counter or a best value is not held to that (``strict``: this value
-    is a setting). ``settings=None`` (an optimizer's state, or tensors): every key of the
+    is a setting). No ``settings`` (an optimizer's state, an EMA's): every key of the
     template that holds more than a flag must be there.
     """
     out: list[str] = []
     if isinstance(live, dict) and isinstance(saved, dict):
         required = [k for k, v in live.items() if v is not None and not isinstance(v, (bool, str))]
-        out = [f"{where}[{k!r}]: missing" for k in required if k not in saved and settings is None]
+        out = [f"{where}[{k!r}]: missing" for k in required if k not in saved and not settings]
         children = [(k, saved[k], live[k], strict or k in settings) for k in live if k in saved]
     elif isinstance(live, (list, tuple)) and isinstance(saved, (list, tuple)):
         children = [(i, s, v, strict) for i, (s, v) in enumerate(zip(saved, live))]
@@ -203,11 +203,8 @@ def _mismatches(where: str, saved: Any, live: Any, settings: Any, strict: bool) 
     return out + [m for found in nested for m in found]
 
 
-def _tensor_part(tree: Any) -> Any:
-    """``tree``'s mappings reduced to the entries that hold a tensor; None if it holds none."""
-    if isinstance(tree, Mapping):
-        return {k: part for k, v in tree.items() if (part := _tensor_part(v)) is not None} or None
-    return tree if any(isinstance(x, torch.Tensor) for x in optree.tree_leaves(tree)) else None
+def _holds_tensor(tree: Any) -> bool:
+    return any(isinstance(leaf, torch.Tensor) for leaf in optree.tree_leaves(tree))
 
 
 def _settings(obj: Any) -> set[str]:
@@ -272,9 +269,10 @@ def _differences(
             )
     if "optimizer" in saved and optimizer_like is not None and not out:
         out += _hyperparameters(folder, like.optimizer, trees["optimizer"]["param_groups"])
-    # Of extras only the tensors are compared (an EMA's): the rest is the user's, any value.
+    # Of extras the entries holding tensors (an EMA's) are compared; the rest is the user's.
     extras = {**like.extras, **(trees["extras"] or {})}  # the load's: template keys kept
-    out += _mismatches(f"{folder}/extras.json", extras, _tensor_part(like.extras) or {}, None, True)
+    live = {k: v for k, v in like.extras.items() if _holds_tensor(v)}
+    out += _mismatches(f"{folder}/extras.json", extras, live, (), False)
     saved_objects = {n: classes.get("objects", {}).get(n) for n in trees["objects"] or {}}
     live_objects = {n: type(o).__name__ for n, o in objects.items()}
     return out + _compare("objects", saved_objects, live_objects)
@@ -313,14 +311,14 @@ def load_checkpoint(
     and xxh3 checksum) first; files it does not list are never opened, and only JSON and
     safetensors are read (nothing is unpickled). Then what no save writes is refused
     (counters below 0 or not ints, an open window, RNG states a generator refuses,
-    non-finite hyperparameters), and the checkpoint is compared with the template: every
-    tensor of the optimizer, scheduler, scaler and ``extras`` of the same shape and dtype;
-    in the optimizer, scheduler and scaler a number (not NaN) where the template has one;
-    in the optimizer and the scheduler's and scaler's settings (constructor arguments,
-    base learning rates) finite numbers where the template's are and an int > 0 where the
-    template's is (``StepLR``'s ``step_size``); each parameter group through its
+    non-finite hyperparameters), and the checkpoint is compared with the template. In the
+    optimizer, scheduler, scaler and each ``extras`` entry that holds tensors (an EMA's):
+    every tensor of the same shape and dtype, a number (not NaN) where the template has
+    one. In the optimizer and the scheduler's and scaler's settings (constructor
+    arguments, base learning rates): finite numbers where the template's are, an int > 0
+    where the template's is (``StepLR``'s ``step_size``), each parameter group through its
     optimizer's own argument checks. Counters (``ReduceLROnPlateau``'s bad epochs) and the
-    non-tensor values of ``extras`` are not compared, so a template that trained on (a
+    ``extras`` entries without tensors are not compared, so a template that trained on (a
     live state) takes an earlier checkpoint. *All* differences are reported at once. A
     refused load changes nothing. Then the objects are restored in place in this order:
     the extra ``objects`` (only they can check their state), the model
