@@ -149,7 +149,7 @@ def _shards(rank: int, store: str, folder: str, phase: str, out: str) -> None:
 
     from tests.spawning import gloo_group
 
-    samples = {"a": (40, 39), "b": (40, 39), "c": (37, 39)}[phase][rank]  # 10 batches each
+    samples = (37 if phase == "d" else 40, 39)[rank]  # per-rank shards: 10 batches each
     with gloo_group(rank, 2, store), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.manual_seed(0)
@@ -157,9 +157,10 @@ def _shards(rank: int, store: str, folder: str, phase: str, out: str) -> None:
         state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
         data = DataLoader(TensorDataset(torch.ones(samples, 2)), batch_size=4)
         step = make_step(lambda m, b: m(b[0]).square().mean())
-        plugins = [checkpoints(folder, every=3)]
+        plugins = [checkpoints(folder, every=3, per_epoch=True)]
+        until = {"a": {"epochs": 1}, "b": {"max_steps": 13}, "c": {"max_steps": 15}}
         try:
-            state = run(step, state, data, max_steps=3 if phase == "a" else 8, plugins=plugins)
+            state = run(step, state, data, plugins=plugins, **until.get(phase, {"max_steps": 20}))
             said = f"step {state.step}"
         except ValueError as error:
             said = f"ValueError: {error}"
@@ -172,11 +173,12 @@ def _shards(rank: int, store: str, folder: str, phase: str, out: str) -> None:
 @pytest.mark.slow
 def test_ranks_with_unequal_shards_resume_and_refuse_together(tmp_path: Path) -> None:
     # Bug caught: each rank compared its own shard (39 samples) with rank 0's recorded one
-    # (40): rank 1 refused the legal resume and rank 0 died with "Connection closed by peer".
+    # (40): rank 1 warned falsely at an epoch boundary, refused the legal resume inside a
+    # pass, and rank 0 died with "Connection closed by peer" (or waited).
     from tests.timed_spawn import spawn
 
     folder = tmp_path / "ckpt"
-    for phase in "abc":
+    for phase in "abcd":
 
         def arguments(attempt: int, phase: str = phase) -> tuple[str, str, str, str]:
             out = tmp_path / f"{phase}{attempt}"
@@ -186,12 +188,11 @@ def test_ranks_with_unequal_shards_resume_and_refuse_together(tmp_path: Path) ->
         spawn(_shards, arguments, nprocs=2, timeout=90)
         out = sorted(tmp_path.glob(f"{phase}?"))[-1]
         said = [(out / f"rank{rank}.txt").read_text() for rank in (0, 1)]
-        if phase == "a":
-            assert said == ["step 3", "step 3"], said
-        elif phase == "b":  # the same run resumed: no false warning on either rank
-            assert said == ["step 8", "step 8"], said
+        if phase != "d":  # a, then resumed at an epoch boundary (b) and inside a pass (c)
+            steps = {"a": 10, "b": 13, "c": 15}[phase]
+            assert said == [f"step {steps}"] * 2, said  # and no false warning on either rank
         else:  # rank 0's shard changed inside a pass: both ranks refuse, none hangs
-            assert said[0].startswith("ValueError: checkpoints: the checkpoint stopped 8 batches")
+            assert said[0].startswith("ValueError: checkpoints: the checkpoint stopped 5 batches")
             assert "samples 40 -> 37" in said[0], said
             assert said[1].startswith("ValueError: checkpoints: rank 0 of the group failed"), said
 
