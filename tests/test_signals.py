@@ -113,7 +113,7 @@ from toolkit.plugins import checkpoints
 
 def announce(event):
     if event.kind == "start":
-        print(f"pid {os.environ['RANK']} {os.getpid()}", flush=True)
+        os.write(1, f"pid {os.environ['RANK']} {os.getpid()}\\n".encode())  # one write, whole
     if event.kind == "step":
         time.sleep(0.02)
 
@@ -143,7 +143,7 @@ def test_under_torchrun_every_rank_exits_128_plus_signal(tmp_path: Path) -> None
         deadline = time.time() + TIMEOUT
         while len(pids) < 2 and time.time() < deadline:
             line = job.stdout.readline()
-            assert line, "torchrun ended before both ranks started"
+            assert line, f"torchrun ended before both ranks started: {job.communicate()[0]}"
             if line.startswith("pid "):
                 pids[line.split()[1]] = int(line.split()[2])
         time.sleep(0.3)
