@@ -18,9 +18,10 @@ def to_host(tensors: Sequence[torch.Tensor]) -> list[float]:
 
     When every tensor is on the CPU there is nothing to wait for, and each value is read as
     it is (``.item()``: exact, an int for an integer tensor), which costs less than stacking.
-    Otherwise the tensors of each device are stacked per dtype, and their bytes copied to
-    the host at once and read back in their dtypes: the same values and types as on the
-    CPU (an int stays an int, beside float losses too).
+    Otherwise the tensors of each device are stacked and copied with one ``.tolist()``:
+    tensors of one dtype as they are, mixed dtypes (integer counts beside float losses)
+    stacked per dtype, cast to float64 and concatenated, then read back as the CPU gives
+    them (an int for an integer tensor: exact below 2**53, a bool for a bool).
 
     Example:
         >>> import torch
@@ -35,11 +36,13 @@ def to_host(tensors: Sequence[torch.Tensor]) -> list[float]:
     values: list[float] = [0.0] * len(tensors)
     for by_dtype in groups.values():
         parts = [torch.stack([tensors[i] for i in ix]) for ix in by_dtype.values()]
-        # One transfer of the raw bytes, each dtype viewed back on the host: exact, an int
-        # for an integer tensor as .item() gives (a cast to one dtype would turn ints to floats).
-        raw = torch.cat([part.view(torch.uint8) for part in parts]).cpu()
-        chunks = raw.split([part.numel() * part.element_size() for part in parts])
-        for ix, part, chunk in zip(by_dtype.values(), parts, chunks):
-            for i, value in zip(ix, chunk.clone().view(part.dtype).tolist()):
-                values[i] = value
+        flat = (torch.cat([p.double() for p in parts]) if len(parts) > 1 else parts[0]).tolist()
+        kinds = [_python_type(dtype) for dtype, ix in by_dtype.items() for _ in ix]
+        for i, kind, value in zip((i for ix in by_dtype.values() for i in ix), kinds, flat):
+            values[i] = kind(value)
     return values
+
+
+def _python_type(dtype: torch.dtype) -> type:
+    """The type ``.item()`` gives for ``dtype``."""
+    return bool if dtype is torch.bool else float if dtype.is_floating_point else int
