@@ -16,6 +16,7 @@ import torch
 
 from toolkit._checks import check
 from toolkit.distributed._collectives import (
+    SYNC_KIND,
     all_reduce_,
     carrier_of,
     data_parallel_group,
@@ -124,6 +125,8 @@ _NOT_PER_UPDATE = (torch.optim.lr_scheduler.ReduceLROnPlateau, PerEpoch)
 Scaler = torch.amp.GradScaler | None
 _NO_RECORDS: Mapping[str, Any] = types.MappingProxyType({})  # shared, so read-only
 _NO_WINDOW = WindowState()
+_tuple_new = tuple.__new__  # skips a namedtuple's own __new__, a Python call: per micro-batch
+_OPEN = (False, False, False, False, False, False, None, None)  # StepOutput's flags, open
 _NO_CONTEXT = contextlib.nullcontext()  # reentrant, holds nothing: shared
 _TWICE = (  # scheduler.step() outside the step: the schedule runs ahead (a fixed text: once)
     "the LR scheduler was stepped outside the train step (its last_epoch moved between the "
@@ -263,7 +266,7 @@ class Step:
             if state.scaler is None:
                 state = state.replace(scaler=self.amp.make_scaler(optimizer))
             scaler = state.scaler
-        sync = sync_kind(state.model)  # "none", "ddp" or "fsdp2"
+        sync = SYNC_KIND.get(type(state.model)) or sync_kind(state.model)  # "none", "ddp"...
         closes = close or opened.micro_step + 1 == k
         if closes or sync == "none":
             window, out, loss = self._micro_batch(state, batch, k, closes, scaler, sync)
@@ -280,7 +283,7 @@ class Step:
                 return self._close_skipped(state, window, scaler)  # window, or others hang
         if out.skipped or not closes:
             return state._evolve({"window": window, "_graph": loss}, consume=True), out
-        return self._close(state, window, out, loss, scaler)
+        return self._close(state, window, out, loss, scaler, sync)
 
     def _micro_batch(
         self, state: TrainState, batch: Any, k: int, closes: bool, scaler: Scaler, sync: str
@@ -319,7 +322,8 @@ class Step:
         if count is not None:  # python counts stay python numbers: exact, checked sync-free
             window_count = count if window_count is None else window_count + count
             shown = detached / count
-        window = WindowState(window.micro_step + 1, window_count, window_loss, k, window.skipped)
+        fields = (window.micro_step + 1, window_count, window_loss, k, window.skipped)
+        window = _tuple_new(WindowState, fields)
         # 3. backward, through the GradScaler under fp16
         if closes and sync == "ddp" and self.grad_transforms is None:
             # DDP: this rank's window loss and skips ride on the gradient all-reduce.
@@ -330,18 +334,17 @@ class Step:
         first = batch[0] if type(batch) is tuple and batch else batch  # (inputs, targets)
         samples = first.shape[0] if type(first) is torch.Tensor and first.ndim else None
         samples = _leading_dim(batch) if samples is None else samples
-        # Positional: StepOutput(..., updated=False, closed=False) costs more, per micro-batch.
-        return window, StepOutput(shown, records, count, samples, False, False), loss
+        return window, _tuple_new(StepOutput, (shown, records, count, samples, *_OPEN)), loss
 
     def _close(
-        self, state: TrainState, window: WindowState, out: StepOutput, loss: Any, scaler: Scaler
-    ) -> tuple[TrainState, StepOutput]:
+        self, state: TrainState, window: WindowState, out: StepOutput, loss: Any, scaler: Scaler,
+        sync: str,
+    ) -> tuple[TrainState, StepOutput]:  # fmt: skip
         """Phases 4-11, once per window, whose gradients are complete (and synced)."""
         optimizer, transforms = state.optimizer, self.grad_transforms
         clipping, guard = self.clipping, self.guard
         k, short = window.length, window.micro_step != window.length  # short: close=True
         # The data-parallel group, over which counts are summed and verdicts agreed.
-        sync = sync_kind(state.model)
         group = None if sync == "none" else data_parallel_group(state.model)
         needs_grads = window.count is not None or short or transforms or clipping or guard
         params, grads = _with_grads(optimizer) if needs_grads else ([], [])
@@ -401,9 +404,10 @@ class Step:
         optimizer.zero_grad(set_to_none=True)
         if failure is not None:
             raise failure  # the window is thrown away (scaler updated, grads cleared) first
-        # 11. counters
-        step = state.step + 1 if apply else state.step
-        changes = {"step": step, "window": _NO_WINDOW, "guard": counters, "_graph": loss}
+        # 11. counters, in a copy of the state's fields (TrainState._evolve inlined)
+        fields = state.__dict__.copy()
+        fields["step"] = state.step + 1 if apply else state.step
+        fields["window"], fields["guard"], fields["_graph"] = _NO_WINDOW, counters, loss
         # 10. scheduler step, only after an applied update
         scheduler = state.scheduler
         if apply and scheduler is not None and not isinstance(scheduler, _NOT_PER_UPDATE):
@@ -411,14 +415,13 @@ class Step:
             if done[0] is scheduler and getattr(scheduler, "last_epoch", 0) > done[1]:
                 warnings.warn(_TWICE, stacklevel=3)
             scheduler.step()
-            changes["_scheduled"] = (scheduler, getattr(scheduler, "last_epoch", 0))
-        new = state._evolve(changes, consume=True)
-        shown, records, count, samples = out[:4]
+            fields["_scheduled"] = (scheduler, getattr(scheduler, "last_epoch", 0))
+        new = object.__new__(TrainState)
+        object.__setattr__(new, "__dict__", fields)
+        state.__dict__["_consumed"] = True  # past the frozen __setattr__
         v = verdict
-        return new, StepOutput(
-            shown, records, count, samples, apply, True, False, v.nonfinite, v.overflow, v.empty,
-            grad_norm, lr,
-        )  # fmt: skip
+        flags = (apply, True, False, v.nonfinite, v.overflow, v.empty, grad_norm, lr)
+        return new, _tuple_new(StepOutput, (*out[:4], *flags))
 
     def _close_skipped(
         self, state: TrainState, window: WindowState, scaler: Scaler
@@ -432,7 +435,7 @@ class Step:
         if carrier is not None:
             carrier.send(window.loss, window.skipped, first)
         join_gradient_sync(state.model)
-        return self._close(state, window, _SKIPPED, None, scaler)
+        return self._close(state, window, _SKIPPED, None, scaler, "ddp")
 
     def _judge(
         self, state: TrainState, window: WindowState, verdict: Verdict, norm: Any, group: Any
