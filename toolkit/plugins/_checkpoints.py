@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from toolkit._checks import check, check_count, check_one_of, check_path
+from toolkit._checks import check, check_bool, check_count, check_one_of, check_path
 from toolkit.checkpoints._folder import (
     clean_temporaries,
     list_checkpoints,
@@ -89,8 +89,7 @@ class _Config:
         ok = code is None or type(code) is int
         check(ok, who, "exit_code", "an int or None", code, "", TypeError)
         for name in _FLAGS:
-            value = getattr(self, name)
-            check(type(value) is bool, who, name, "True or False", value, "", TypeError)
+            check_bool(who, name, getattr(self, name))
         best, triple = self.keep_best, isinstance(self.keep_best, (tuple, list))
         if best is not None or self.restore_best:
             example = "(metric, mode, count), e.g. ('val/loss', 'min', 3)"
