@@ -187,8 +187,8 @@ def _ties(aliases: Mapping[str, str], names: set[str]) -> dict[str, frozenset[st
     return {name: frozenset(groups[aliases.get(name, name)]) for name in names}
 
 
-def few(names: Any, show: Any = repr, limit: int = 10) -> str:
-    """At most ``limit`` of ``names``, sorted, for an error message."""
+def few(names: Any) -> str:
+    """At most 10 of ``names``, sorted and repr'ed, for an error message."""
     names = sorted(names)
-    more = f" ... (+{len(names) - limit} more)" if len(names) > limit else ""
-    return ", ".join(show(n) for n in names[:limit]) + more
+    more = f" ... (+{len(names) - 10} more)" if len(names) > 10 else ""
+    return ", ".join(map(repr, names[:10])) + more
