@@ -172,7 +172,8 @@ def _parse(result: Any) -> tuple[torch.Tensor, torch.Tensor | float | None, Mapp
             "loss_fn returned a loss that does not require grad; compute it from the model's "
             "output inside loss_fn, outside torch.no_grad()."
         )
-    detached = optree.tree_map(_detached, records, none_is_leaf=True)  # type: ignore[arg-type]
+    # No records (a LossSum's default {}): no tree walk, per micro-batch.
+    detached = optree.tree_map(_detached, records, none_is_leaf=True) if records else _NO_RECORDS  # type: ignore[arg-type]
     return loss, count, detached  # type: ignore[return-value]  # the same kind of mapping
 
 
