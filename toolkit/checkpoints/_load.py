@@ -390,7 +390,7 @@ def load_checkpoint(
     return _restore(plan, objects, group)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class _Plan:
     """What a load restores, read and checked against the template (nothing touched yet)."""
 
