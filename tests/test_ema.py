@@ -43,6 +43,13 @@ def _recorder(trajectory: list[dict[str, torch.Tensor]]):
     return plugin
 
 
+def _recorded_run(model: torch.nn.Module, steps: int, plugin) -> tuple[TrainState, list]:
+    """``steps`` updates of ``model`` under ``plugin``, and the weights' trajectory."""
+    trajectory: list = []
+    data, plugins = _data(steps), [_recorder(trajectory), plugin]
+    return run(make_step(_loss), _state(model), data, max_steps=steps, plugins=plugins), trajectory
+
+
 def _closed_form(trajectory, decay: float, steps: list[int]) -> dict[str, torch.Tensor]:
     """decay^n * p_0 + sum_i (1 - decay) * decay^(n - i) * p_{s_i} over the EMA updates."""
     n = len(steps)
@@ -79,15 +86,7 @@ def test_one_ema_plugin_follows_a_new_model_in_its_next_run():
     # the second run would average the first model's weights into the first entry.
     plugin = ema(0.8, warmup=False)
     run(make_step(_loss), _state(_model(0)), _data(3), max_steps=3, plugins=[plugin])
-    model = _model(1)
-    trajectory: list = []
-    state = run(
-        make_step(_loss),
-        _state(model),
-        _data(4),
-        max_steps=4,
-        plugins=[_recorder(trajectory), plugin],
-    )
+    state, trajectory = _recorded_run(_model(1), 4, plugin)
     _assert_close(state.extras["ema"]["params"], _closed_form(trajectory, 0.8, [1, 2, 3, 4]))
 
 
@@ -109,15 +108,7 @@ def test_warmup_schedule():
 
 
 def test_first_warmup_update_is_mostly_the_new_weights():
-    model = _model()
-    trajectory: list = []
-    state = run(
-        make_step(_loss),
-        _state(model),
-        _data(1),
-        max_steps=1,
-        plugins=[_recorder(trajectory), ema(0.999)],
-    )
+    state, trajectory = _recorded_run(_model(), 1, ema(0.999))
     expected = {k: 0.1 * trajectory[0][k] + 0.9 * trajectory[1][k] for k in trajectory[0]}
     _assert_close(state.extras["ema"]["params"], expected)
 
@@ -377,14 +368,7 @@ def test_frozen_parameters_are_not_averaged_and_ema_model_takes_them_from_the_mo
     # frozen base); ema_model must still return the whole model.
     model = _model()
     model[0].requires_grad_(False)
-    trajectory: list = []
-    state = run(
-        make_step(_loss),
-        _state(model),
-        _data(6),
-        max_steps=6,
-        plugins=[_recorder(trajectory), ema(0.8, warmup=False)],
-    )
+    state, trajectory = _recorded_run(model, 6, ema(0.8, warmup=False))
     params = state.extras["ema"]["params"]
     assert sorted(params) == ["2.bias", "2.weight"]
     assert sum(t.numel() for t in params.values()) == 5  # not 21: the frozen 16 are not held
