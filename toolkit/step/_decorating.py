@@ -128,7 +128,8 @@ def amp_wrap(
     Args:
         step: the step to wrap; omit it to get a decorator (or give the dtype in its place:
             ``amp_wrap("bf16")``).
-        dtype: ``"bf16"``, ``"fp16"``, ``torch.bfloat16`` or ``torch.float16``.
+        dtype: ``"bf16"``, ``"fp16"``, ``torch.bfloat16`` or ``torch.float16`` (also
+            ``"bfloat16"``, ``"float16"``, ``"half"``, in any case).
         scaler: fp16 only: the GradScaler to use when the state holds none.
         min_scale: fp16 only: an overflow taking the scale below this raises
             :class:`LossScaleError`.
@@ -139,9 +140,9 @@ def amp_wrap(
         The wrapped :class:`Step`, or a decorator when ``step`` is omitted.
 
     Raises:
-        ValueError: an unknown dtype, a scaler with bf16, a disabled scaler,
-            ``min_scale <= 0``, a device type without autocast or without a device here,
-            or amp_wrap applied twice.
+        ValueError: an unknown dtype, a scaler with bf16, a disabled scaler, ``min_scale``
+            not a finite number > 0, a device type without autocast or without a device
+            here, or amp_wrap applied twice.
         TypeError: ``step`` not a Step, ``scaler`` not a GradScaler.
 
     Example:
