@@ -360,8 +360,10 @@ def load_checkpoint(
             regular file inside the folder, the manifest is damaged, or a file holds what
             no save writes; the message names each file.
         ValueError: the checkpoint does not fit the template (the message lists every
-            difference), it is of another format or a newer version, or it is model-only
-            (``Retention.keep_full``) and the template has an optimizer.
+            difference; a trainable-only one's frozen parameters among them), it is of
+            another format or version, or it is model-only (``Retention.keep_full``) and
+            the template has an optimizer.
+        TypeError: ``like`` is not a TrainState, or bad ``objects``.
 
     Example:
         >>> import torch

@@ -226,11 +226,12 @@ def save_checkpoint(
     Raises:
         ValueError: the accumulation window is open (``state.window.micro_step > 0``); the
             state was already passed to a train step (save the one it returned); a metric
-            is not a number; ``path`` exists and is not a checkpoint; the optimizer
-            holds a tensor that is not a model parameter; ``trainable_only`` for an FSDP2
-            model.
-        TypeError (toolkit.checkpoints.TreeError): state that breaks the rule above (the
-            message names its path), or bad ``objects``.
+            is not a number; ``settings`` hold tensors; ``path`` exists and is not a
+            checkpoint; the optimizer holds a tensor that is not a model parameter;
+            ``trainable_only`` for an FSDP2 model.
+        TypeError (toolkit.checkpoints.TreeError): state or ``settings`` that break the
+            rule above (the message names its path); ``state`` not a TrainState, ``rules``
+            not a Retention, or bad ``objects``.
         OSError: writing failed (e.g. ``ENOSPC``); the message names ``path``. The
             temporary folder is removed and earlier checkpoints are untouched.
 
