@@ -35,11 +35,12 @@ class Retention:
         metric: the manifest metric ``keep_best`` ranks by (a key of ``metrics=`` given to
             ``save_checkpoint``).
         mode: ``"min"`` (lower is better) or ``"max"``.
-        keep_full: keep the optimizer, scheduler, RNG and data state only in the
-            ``keep_full`` newest checkpoints (``None``: in all); older ones that a rule
-            keeps are reduced to model-only (weights, ``extras`` such as EMA) when pruning,
-            as fairseq2's ``keep_last_n_models``. Resume skips model-only checkpoints;
-            :func:`toolkit.checkpoints.export_model` still reads them.
+        keep_full: keep the optimizer, scheduler, scaler, RNG states, ``objects`` and
+            other ranks' files only in the ``keep_full`` newest full checkpoints (``None``:
+            in all); older intact ones that a rule keeps are reduced to model-only (weights,
+            TrainState's fields, ``extras`` such as EMA) when pruning, as fairseq2's
+            ``keep_last_n_models``; sharded (FSDP2) ones stay full. Resume skips model-only
+            checkpoints; :func:`toolkit.checkpoints.export_model` still reads them.
 
     Example:
         >>> from toolkit.checkpoints import Retention
