@@ -505,14 +505,15 @@ def checkpoints(
     ``.lock`` that is not a regular file (a symlink, a FIFO) is refused, never followed.
     Under data parallelism rank 0 holds it for the job.
 
-    **Resume.** At ``"start"``, leftover temporary folders of a killed save are removed, and
-    with ``resume="latest"`` the newest intact checkpoint (damaged ones are skipped with a
-    warning) is loaded into the state (model, scheduler, optimizer, scaler, RNG states, data
-    position, extras), which is returned: the same command starts and resumes a job. A
-    checkpoint folder may be given instead; with ``resume=None`` a folder that already holds
-    checkpoints is refused rather than mixed with a new run. Rank 0 prints one line to
-    stderr: ``checkpoints: resumed from FOLDER/step_N at update N, epoch E, batch B``, which
-    ends with ``the run had already reached its end`` when it had (nothing left to train).
+    **Resume.** At ``"restore"`` (before any plugin's ``"start"``), leftover temporary
+    folders of a killed save are removed, and with ``resume="latest"`` the newest intact
+    checkpoint (damaged ones are skipped with a warning) is loaded into the state (model,
+    scheduler, optimizer, scaler, RNG states, data position, extras), which is returned:
+    the same command starts and resumes a job. A checkpoint folder may be given instead;
+    with ``resume=None`` a folder that already holds checkpoints is refused rather than
+    mixed with a new run. Rank 0 prints one line to stderr:
+    ``checkpoints: resumed from FOLDER/step_N at update N, epoch E, batch B``, which ends with
+    ``the run had already reached its end`` when it had (nothing left to train).
 
     **Settings.** Every save records what the run was started with: each parameter group's
     hyperparameters (the starting lr), the scheduler's class and its state dict as
@@ -559,7 +560,7 @@ def checkpoints(
     signal delivered to one rank only stops every rank after the same update, with one
     checkpoint: every ``SIGNAL_EVERY`` (10) updates the ranks all-reduce the flag (one small
     all-reduce, only when ``signals`` is not empty; every rank checks at the same updates,
-    so all stop after the same one), and once more at ``"start"`` and ``"end"``.
+    so all stop after the same one), and once more at ``"restore"`` and ``"end"``.
     The folder must be on a file system every rank sees. ``background=True`` is refused
     there.
 
@@ -605,12 +606,13 @@ def checkpoints(
         The plugin, ``plugin(event) -> TrainState | None``.
 
     Raises:
-        TypeError, ValueError: bad arguments (named in the message); at ``"start"``, a
+        TypeError, ValueError: bad arguments (named in the message); at ``"restore"``, a
             checkpoint that does not fit the state, ``resume=None`` with checkpoints in
             ``folder``, changed settings with ``on_change="error"``, a data position that
             cannot be mapped; a failing save with ``on_error="raise"``; a ``keep_best``
             metric no plugin publishes.
-        RuntimeError: at ``"start"``, ``folder`` locked by another run.
+        RuntimeError: at ``"restore"``, ``folder`` locked by another run, or its ``.lock``
+            not a regular file.
         SystemExit: at ``"end"`` after a signal, with ``exit_code`` (status 1 and a message
             when the stop's save failed there; an error of training propagates instead).
 
