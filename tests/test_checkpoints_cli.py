@@ -76,7 +76,7 @@ def test_listing_shows_step_time_size_metrics_and_the_rule_keeping_each(
         f"(pruned at the next save)  ok",
         f" 300  step_000300  {saved_at(paths[2])}  {size}  val/acc=0.9, val/loss=0.4  newest, "
         f"keep_last               ok",
-        "checked: manifests and sizes (--verify also checks checksums)",
+        "checked: manifests and sizes (--verify: also checksums, contents)",
         "leftover of an interrupted save or prune: .tmp-step_000400-12-abcdef01 "
         "(clean_temporaries removes it)",
     ]
@@ -155,5 +155,5 @@ def test_a_single_checkpoint_folder_and_a_folder_without_rules(
     assert main([str(tmp_path / "empty")]) == 0
     assert capsys.readouterr().out.splitlines() == [
         f"{tmp_path / 'empty'}: 0 checkpoints, 0 B",
-        "checked: manifests and sizes (--verify also checks checksums)",
+        "checked: manifests and sizes (--verify: also checksums, contents)",
     ]

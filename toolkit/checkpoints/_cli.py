@@ -105,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     checked = "manifests, sizes, checksums and contents" if args.verify else "manifests and sizes"
     if infos:
         _table(infos, rules)
-    print(f"checked: {checked}" + ("" if args.verify else " (--verify also checks checksums)"))
+    print(f"checked: {checked}" + ("" if args.verify else " (--verify: also checksums, contents)"))
     for name in leftovers:
         print(f"leftover of an interrupted save or prune: {name} (clean_temporaries removes it)")
     damaged = sum(not c.intact for c in infos)
