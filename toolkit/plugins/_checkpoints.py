@@ -277,7 +277,9 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 def _changed(config: _Config, run_: _Run, seen: int, data: Any, path: Path) -> int:
     """The pass position ``seen`` in the current settings ``run_.settings``, every
-    difference from those saved in ``path`` reported."""
+    difference from those saved in ``path`` reported; after a difference, ``run_.settings``
+    takes the saved optimizer and scheduler (what the resumed run goes on with, and what
+    its saves record). Rank 0's alone: only its settings reach a manifest."""
     saved = read_manifest(path).settings
     was, now = _flat(saved), _flat(run_.settings)
     pairs = {k: (was.get(k, "-"), now.get(k, "-")) for k in sorted(was.keys() | now.keys())}
