@@ -47,3 +47,30 @@ def test_the_plugin_saves_objects_and_a_resume_puts_them_back(tmp_path: Path) ->
     resumed = _Seen()
     assert train(resumed, 6).step == 6
     assert resumed.updates == 6  # 4 put back from the checkpoint, 2 more counted
+
+
+def test_signals_given_as_a_generator_are_all_handled(tmp_path: Path) -> None:
+    # Bug caught: the argument check read the generator up, so no handler was installed and
+    # SIGUSR1 killed the process instead of stopping the run with a save.
+    import os
+    import signal
+
+    import pytest
+
+    model = torch.nn.Linear(2, 1)
+    state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+    def send(event: Any) -> None:
+        if event.kind == "step" and event.state.step == 2:
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    plugin = checkpoints(tmp_path, signals=(s for s in [signal.SIGUSR1]))
+    previous = signal.getsignal(signal.SIGUSR1)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            run(make_step(lambda m, b: m(b).sum()), state, [torch.ones(1, 2)] * 5, epochs=1,
+                plugins=[send, plugin])  # fmt: skip
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert stopped.value.code == 128 + signal.SIGUSR1
+    assert read_pointer(tmp_path) == tmp_path / "step_000002"

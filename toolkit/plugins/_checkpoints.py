@@ -83,6 +83,8 @@ class _Config:
         check_one_of(who, "on_change", self.on_change, ("warn", "error"))
         ok = resume is None or isinstance(resume, (str, os.PathLike))
         check(ok, who, "resume", "'latest', a checkpoint folder or None", resume, "", TypeError)
+        if not isinstance(self.signals, str):  # read once (a generator), as a tuple
+            object.__setattr__(self, "signals", tuple(self.signals))
         ok = all(isinstance(s, int) and not isinstance(s, bool) for s in self.signals)
         example = "a sequence of signal numbers, e.g. (signal.SIGTERM, signal.SIGUSR1)"
         check(ok, who, "signals", example, self.signals, "", TypeError)
@@ -566,12 +568,11 @@ def checkpoints(
     The folder must be on a file system every rank sees. ``background=True`` is refused
     there.
 
-    **Order in the plugin list.** Put ``checkpoints`` after the plugins whose state it
-    saves at a step (``ema``, ``validate``, ``early_stop``, and ``log_metrics`` when it
-    keeps run ``totals``) and before those that only report (``progress``, a
-    ``log_metrics`` without totals). ``log_metrics`` starts its sinks at the first event
-    after ``"start"``, so its logs follow the restored step wherever it stands. Plugins
-    before it must accept that their ``"start"`` state is replaced (toolkit's do).
+    **Order.** Wherever it is in the list, :func:`run` calls it after ``ema``,
+    ``validate``, ``early_stop``, your own plugins and ``log_metrics`` and before
+    ``progress``, so a checkpoint holds what they made of its step; it loads at the
+    ``"restore"`` event, before any plugin's ``"start"``, so every plugin starts from the
+    restored state.
     ``restore_best=True`` loads the best checkpoint's weights (by ``keep_best``) into
     the model at the end of a run that did not raise or stop on a signal.
 
