@@ -57,18 +57,16 @@ class Retention:
     keep_full: int | None = None
 
     def __post_init__(self) -> None:
-        who = "Retention"
+        who, steps = "Retention", self.keep_steps
         check_count(who, "keep_last", self.keep_last, 0)
         check_count(who, "keep_best", self.keep_best, 0)
-        if self.keep_every is not None:
-            check_count(who, "keep_every", self.keep_every, 1, "or None")
-        steps = self.keep_steps
+        for name in ("keep_every", "keep_full"):  # None: off
+            if getattr(self, name) is not None:
+                check_count(who, name, getattr(self, name), 1, "or None")
         ints = all(isinstance(s, int) and not isinstance(s, bool) for s in steps)
         check(ints and not isinstance(steps, str), who, "keep_steps", "a sequence of ints", steps)
         object.__setattr__(self, "keep_steps", tuple(sorted(set(steps))))
         check_one_of(who, "mode", self.mode, ("min", "max"))
-        if self.keep_full is not None:
-            check_count(who, "keep_full", self.keep_full, 1, "or None")
         named = not self.keep_best or (isinstance(self.metric, str) and bool(self.metric))
         expected = (
             f"the manifest metric to rank by (e.g. 'val/loss') with keep_best={self.keep_best}"
@@ -120,32 +118,18 @@ def retain(
         >>> retain(on_disk, Retention(keep_last=1, keep_best=1, metric="loss"))
         {'a': ('keep_best',), 'b': (), 'c': ('newest', 'keep_last')}
     """
-    items = [(name, step, metrics) for name, step, metrics in checkpoints]
-    reasons: dict[str, list[str]] = {name: [] for name, _, _ in items}
+    items = list(checkpoints)
     if not items:
         return {}
     by_step = sorted(items, key=lambda item: (item[1], item[0]), reverse=True)
-    newest_step = by_step[0][1]
-    for name, step, _ in items:
-        if step == newest_step:
-            reasons[name].append("newest")
-    for name, _, _ in by_step[: rules.keep_last]:
-        reasons[name].append("keep_last")
-    for name, step, _ in items:
-        if rules.keep_every is not None and step % rules.keep_every == 0:
-            reasons[name].append("keep_every")
-        if step in rules.keep_steps:
-            reasons[name].append("keep_steps")
-    metric = rules.metric
-    if rules.keep_best and metric is not None:
-        scored = [
-            (float(metrics[metric]), step, name)
-            for name, step, metrics in items
-            if metric in metrics and not math.isnan(float(metrics[metric]))
-        ]
-        sign = 1.0 if rules.mode == "min" else -1.0
-        scored.sort(key=lambda row: (sign * row[0], -row[1], row[2]))
-        for _, _, name in scored[: rules.keep_best]:
-            reasons[name].append("keep_best")
-    order = {rule: i for i, rule in enumerate(RULE_NAMES)}
-    return {name: tuple(sorted(reasons[name], key=order.__getitem__)) for name, _, _ in items}
+    metric, every, sign = rules.metric or "", rules.keep_every, 1 if rules.mode == "min" else -1
+    scored = [(sign * float(m[metric]), -step, name) for name, step, m in items if metric in m]
+    best = sorted(s for s in scored if not math.isnan(s[0]))  # better, then later, then by name
+    kept = {
+        "newest": {name for name, step, _ in items if step == by_step[0][1]},
+        "keep_last": {name for name, _, _ in by_step[: rules.keep_last]},
+        "keep_every": {name for name, step, _ in items if every and step % every == 0},
+        "keep_steps": {name for name, step, _ in items if step in rules.keep_steps},
+        "keep_best": {name for _, _, name in best[: rules.keep_best]},
+    }
+    return {name: tuple(rule for rule in RULE_NAMES if name in kept[rule]) for name, _, _ in items}
