@@ -9,8 +9,6 @@ from toolkit.loop._run import Event, Plugin, plugin_factory
 from toolkit.plugins._shared import EarlyStopEntry, better, claim, metric_entry
 from toolkit.step._state import TrainState
 
-__all__ = ["early_stop"]
-
 
 @plugin_factory(order=30)
 def early_stop(
@@ -107,9 +105,8 @@ def early_stop(
                 "{'step': ..., 'metrics': {...}} as validate writes), e.g. early_stop('val/loss')."
             )
         step, metrics = parsed
-        counters: EarlyStopEntry | None = state.extras.get(key)
-        if counters is None or counters["metric"] != metric:
-            counters = fresh
+        counters: EarlyStopEntry = state.extras.get(key) or fresh
+        counters = counters if counters["metric"] == metric else fresh
         if step == counters["seen_step"]:
             return None
         if sub not in metrics:

@@ -8,13 +8,11 @@ from typing import Any
 
 import torch
 
-from toolkit._checks import check, check_count, check_key
+from toolkit._checks import check, check_bool, check_count, check_key
 from toolkit._unwrap import unwrap
 from toolkit.loop._run import Event, Plugin, plugin_factory
 from toolkit.plugins._shared import EmaEntry, claim, due
 from toolkit.step._state import TrainState
-
-__all__ = ["ema", "ema_model"]
 
 
 def _averaged(model: torch.nn.Module, frozen: bool) -> dict[str, torch.nn.Parameter]:
@@ -22,15 +20,11 @@ def _averaged(model: torch.nn.Module, frozen: bool) -> dict[str, torch.nn.Parame
     return {n: p for n, p in model.named_parameters() if frozen or p.requires_grad}
 
 
-def _placed(
-    entry: Mapping[str, Any], model: torch.nn.Module, buffers: bool, key: str, frozen: bool
-) -> dict:
+def _placed(entry: Mapping, model: torch.nn.Module, buffers: bool, key: str, frozen: bool) -> dict:
     """``entry`` with its tensors on the weights' devices and dtypes, once its names match."""
     out = dict(entry)
-    for kind, live in (
-        ("params", _averaged(model, frozen)),
-        ("buffers", dict(model.named_buffers()) if buffers else {}),
-    ):
+    live_buffers = dict(model.named_buffers()) if buffers else {}
+    for kind, live in (("params", _averaged(model, frozen)), ("buffers", live_buffers)):
         held = entry[kind]
         if held.keys() != live.keys():
             raise ValueError(
@@ -45,30 +39,21 @@ def _placed(
 
 
 def _lists(model: torch.nn.Module, entry: Mapping[str, Any], buffers: bool, frozen: bool) -> tuple:
-    """The fused update's lists: averaged and live tensors, copied and source buffers."""
+    """The fused update's lists: averaged and live floating-point tensors, then the held and
+    live integer ones (buffers such as counters), which are copied."""
     bare = unwrap(model)
-    params = _averaged(bare, frozen)
-    averaged = [entry["params"][name] for name in params]
-    live: list[torch.Tensor] = list(params.values())
-    copied: list[torch.Tensor] = []  # integer buffers (counters) are copied
-    sources: list[torch.Tensor] = []
-    for name, b in bare.named_buffers() if buffers else ():
-        mean = b.is_floating_point() or b.is_complex()
-        (averaged if mean else copied).append(entry["buffers"][name])
-        (live if mean else sources).append(b)
-    return averaged, live, copied, sources
+    live = _averaged(bare, frozen) | (dict(bare.named_buffers()) if buffers else {})
+    held = entry["params"] | entry["buffers"]
+    mean = {n for n, t in live.items() if t.is_floating_point() or t.is_complex()}
+    names = ([n for n in live if n in mean], [n for n in live if n not in mean])
+    return tuple([d[n] for n in group] for group in names for d in (held, live))
 
 
 @plugin_factory(order=10)
 def ema(
-    decay: float = 0.999,
-    *,
-    warmup: bool = True,
-    every: int = 1,
-    buffers: bool = False,
-    frozen: bool = False,
-    key: str = "ema",
-) -> Plugin:
+    decay: float = 0.999, *, warmup: bool = True, every: int = 1, buffers: bool = False,
+    frozen: bool = False, key: str = "ema",
+) -> Plugin:  # fmt: skip
     """A plugin keeping an exponential moving average (EMA) of the model's weights.
 
     After every ``every``-th *applied* optimizer update (``state.step % every == 0`` on a
@@ -139,7 +124,7 @@ def ema(
     check(number and 0 <= decay < 1, "ema", "decay", "a number in [0, 1), e.g. 0.999", decay)
     check_count("ema", "every", every, 1, "applied updates between averages")
     for name, value in (("warmup", warmup), ("buffers", buffers), ("frozen", frozen)):
-        check(isinstance(value, bool), "ema", name, "True or False", value, error=TypeError)
+        check_bool("ema", name, value)
     check_key("ema", key)
 
     def fresh(state: TrainState) -> TrainState:
@@ -156,21 +141,18 @@ def ema(
     lists: dict[str, Any] = {"for": None}
 
     def plugin(event: Event) -> TrainState | None:
-        state = event.state
-        if event.kind == "restore":  # the template a checkpoint restores the average into
-            return None if key in state.extras else fresh(state)
-        if event.kind == "start":
+        kind, state = event.kind, event.state
+        if kind == "start":
             claim(event, key, "ema")
-            entry = state.extras.get(key)
-            if entry is None:
-                return fresh(state)
+        entry = state.extras.get(key)
+        if entry is None:  # at a step: called outside run(), no "start" was delivered
+            # At "restore": the template a checkpoint restores the average into.
+            return fresh(state) if kind in ("restore", "start") or due(event, every) else None
+        if kind == "start":
             entry = _placed(entry, unwrap(state.model), buffers, key, frozen)
             return state.replace(extras={**state.extras, key: entry})
         if not due(event, every):
             return None
-        entry = state.extras.get(key)
-        if entry is None:  # called outside run(), or "start" was not delivered
-            return fresh(state)
         n = entry["num_updates"]
         d = min(decay, (1 + n) / (10 + n)) if warmup else decay
         held = (state.model, entry["params"], entry["buffers"])
@@ -226,11 +208,10 @@ def ema_model(state: TrainState, key: str = "ema") -> torch.nn.Module:
             f"add ema(key={key!r}) to run()'s plugins, or pass the key that ema() used."
         )
     averaged = copy.deepcopy(unwrap(state.model))
-    frozen = any(
-        not p.requires_grad for n, p in averaged.named_parameters() if n in entry["params"]
-    )
+    params = dict(averaged.named_parameters())
+    frozen = any(not params[n].requires_grad for n in entry["params"] if n in params)
     placed = _placed(entry, averaged, bool(entry["buffers"]), key, frozen)
-    tensors = dict(averaged.named_parameters()) | dict(averaged.named_buffers())
+    tensors = params | dict(averaged.named_buffers())
     with torch.no_grad():
         for name, t in (placed["params"] | placed["buffers"]).items():
             tensors[name].copy_(t)

@@ -14,8 +14,6 @@ from toolkit.distributed._collectives import is_rank_zero
 from toolkit.loop._run import Event, Plugin, plugin_factory
 from toolkit.step._state import TrainState
 
-__all__ = ["profile"]
-
 _PER_CYCLE = ".*Profiler clears events at the end of each cycle"
 
 
@@ -87,11 +85,9 @@ def profile(
             folder.mkdir(parents=True, exist_ok=True)
             cuda = [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
             running = torch.profiler.profile(
-                activities=[ProfilerActivity.CPU, *cuda],
-                schedule=schedule,
-                on_trace_ready=export,
-                record_shapes=record_shapes,
-            )
+                activities=[ProfilerActivity.CPU, *cuda], schedule=schedule,
+                on_trace_ready=export, record_shapes=record_shapes,
+            )  # fmt: skip
             trace_step = event.state.step
             running.start()
         elif prof is not None and event.out is not None and event.out.updated:

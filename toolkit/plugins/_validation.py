@@ -14,9 +14,6 @@ from toolkit.loop._run import Event, Plugin, plugin_factory
 from toolkit.plugins._shared import ValidationEntry, better, claim, due
 from toolkit.step._state import TrainState
 
-__all__ = ["validate"]
-
-
 # The run's claim (in LoopInfo.claimed) of stepping the ReduceLROnPlateau; no extras key.
 _PLATEAU = "<state.scheduler: ReduceLROnPlateau>"
 
@@ -184,16 +181,13 @@ def validate(
 
     def plugin(event: Event) -> TrainState | None:
         kind, state = event.kind, event.state
-        if kind == "restore":
+        if kind == "restore" and plateau_metric is not None:
             # Claimed before any "start", so that each validate knows there whether one of
             # the run steps the scheduler (the first to claim it does).
-            if plateau_metric is not None:
-                event.loop.claimed.setdefault(_PLATEAU, me)
-            return None
-        if kind == "start":
+            event.loop.claimed.setdefault(_PLATEAU, me)
+        elif kind == "start":
             claim(event, key, "validate")
             _check_plateau(event, plateau_metric, monitor, mode, me)
-            return None
         due_now = (
             (kind == "step" and every is not None and due(event, every))
             or (kind == "epoch_end" and per_epoch)
