@@ -167,13 +167,13 @@ def test_any_nesting_unwraps_to_the_plain_module(chain: list[str]) -> None:
     "value", [None, {"weight": torch.ones(1)}, [nn.Linear(1, 1)], torch.ones(2), "model"]
 )
 def test_non_module_raises_type_error(value: object) -> None:
-    with pytest.raises(TypeError, match=r"must be a torch\.nn\.Module; got \w+; pass state\.model"):
+    with pytest.raises(TypeError, match=r"must be a torch\.nn\.Module; got a \w+\. Pass state\.model"):
         unwrap(value)  # type: ignore[arg-type]
 
 
 def test_optimizer_is_rejected_by_name() -> None:
     optimizer = torch.optim.SGD(Net().parameters(), lr=0.1)
-    with pytest.raises(TypeError, match="got SGD"):
+    with pytest.raises(TypeError, match="got a SGD"):
         unwrap(optimizer)  # type: ignore[arg-type]
 
 

@@ -7,11 +7,13 @@ import math
 import os
 import pathlib
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NoReturn
+
+import torch
 
 __all__ = [
     "check", "check_bool", "check_count", "check_key", "check_names", "check_one_of", "check_path",
-    "check_positive",
+    "check_positive", "check_type", "describe", "refuse",
 ]  # fmt: skip
 
 
@@ -28,6 +30,47 @@ def check(
     """
     if not ok:
         raise error(f"{who}: {name} must be {expected}; got {got!r}." + (f" {fix}" if fix else ""))
+
+
+def check_type(ok: bool, who: str, name: str, expected: str, value: Any, fix: str = "") -> None:
+    """Raise TypeError unless ``ok``, naming ``value``'s type, not its repr (a model, a batch).
+
+    Example:
+        >>> check_type(False, "unwrap", "model", "a torch.nn.Module", [], "Pass state.model.")
+        Traceback (most recent call last):
+        ...
+        TypeError: unwrap: model must be a torch.nn.Module; got a list. Pass state.model.
+    """
+    if not ok:
+        said = f"{who}: {name} must be {expected}; got a {type(value).__name__}."
+        raise TypeError(said + (f" {fix}" if fix else ""))
+
+
+def refuse(who: str, name: str, got: str, expected: str, error: type = ValueError) -> NoReturn:
+    """Raise ``error`` saying what ``name`` is (``got``: a description) and what was expected.
+
+    For values a repr would not show well (a tensor, a key path, a mix of two records).
+
+    Example:
+        >>> refuse("key_average", "records[1]", "a list", "a mapping", TypeError)
+        Traceback (most recent call last):
+        ...
+        TypeError: key_average: records[1] is a list; expected a mapping.
+    """
+    raise error(f"{who}: {name} is {got}; expected {expected}.")
+
+
+def describe(value: Any) -> str:
+    """``value`` in a few words for a message: a tensor's dtype and shape, else type and repr.
+
+    Example:
+        >>> import torch
+        >>> describe(torch.ones(2)), describe("fast")
+        ('a torch.float32 tensor of shape (2,)', "a str ('fast')")
+    """
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__} ({value!r:.40})"
 
 
 def check_bool(who: str, name: str, value: Any) -> None:

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
+import operator
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
 
+from toolkit._checks import check_bool, check_type, describe, refuse
 from toolkit.step._weighted import columns, weighted_sums
 
 __all__ = ["key_average", "map_nested_tensor"]
@@ -63,9 +66,7 @@ def map_nested_tensor(fn: Callable[[torch.Tensor], Any], tree: T) -> T:
         >>> type(out).__name__, out.x.tolist(), out.meta["ids"][0].item(), out.meta["name"]
         ('Batch', [2.0, 2.0], 6, 'a')
     """
-    if not callable(fn):
-        got = type(fn).__name__
-        raise TypeError(f"map_nested_tensor: fn must be callable as fn(tensor); got a {got}.")
+    check_type(callable(fn), "map_nested_tensor", "fn", "callable as fn(tensor)", fn)
     try:
         return _map(fn, tree)
     except RecursionError:
@@ -82,26 +83,22 @@ def _map(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
         return fn(tree)
     if isinstance(tree, Mapping):
         items = {key: _map(fn, value) for key, value in tree.items()}
-        if isinstance(tree, defaultdict):
-            return type(tree)(tree.default_factory, items)
         if type(tree) is dict:
             return items
+        if isinstance(tree, defaultdict):
+            return type(tree)(tree.default_factory, items)
         try:
             return type(tree)(items)  # type: ignore[call-arg]
         except TypeError as error:
-            kind = type(tree).__qualname__
             raise TypeError(
-                f"map_nested_tensor: cannot rebuild the Mapping type {kind} from a dict of its "
-                f"items ({error}); convert it to a dict first."
+                f"map_nested_tensor: cannot rebuild the Mapping type {type(tree).__qualname__} "
+                f"from a dict of its items ({error}); convert it to a dict first."
             ) from error
-    if isinstance(tree, tuple):
+    if isinstance(tree, (tuple, list)):
         values = [_map(fn, value) for value in tree]
         if hasattr(type(tree), "_fields") and hasattr(type(tree), "_make"):  # a namedtuple
-            return type(tree)._make(values)  # type: ignore[attr-defined]
-        # tuple itself, torch.return_types (structseq) and tuple subclasses take an iterable
-        return type(tree)(values)
-    if isinstance(tree, list):
-        values = [_map(fn, value) for value in tree]
+            return type(tree)._make(values)  # type: ignore[union-attr]
+        # list, tuple, torch.return_types (structseq) and their subclasses take an iterable
         return values if type(tree) is list else type(tree)(values)
     if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
         fields = [field.name for field in dataclasses.fields(tree) if field.init]
@@ -134,37 +131,26 @@ def _refuse_cycle(who: str, tree: Any, name: str) -> None:
     """After a RecursionError, a ValueError naming where ``tree`` contains itself, if it does.
 
     Looked for only once the recursion failed: the common, acyclic call pays nothing for it.
-    """
-    cycle = _find_cycle(tree, name)
-    if cycle is not None:
-        raise ValueError(
-            f"{who}: {name} contains itself: {cycle[0]} is {cycle[1]}; expected a structure "
-            "without cycles; remove the back-reference."
-        ) from None
-
-
-def _find_cycle(tree: Any, name: str = "tree") -> tuple[str, str] | None:
-    """``(path, ancestor's path)`` of the first reference back to an enclosing container.
-
-    An explicit stack rather than recursion: it runs after a RecursionError.
+    An explicit stack rather than recursion, since it runs after a RecursionError.
     """
     on_path: dict[int, str] = {}  # id of each container on the current path -> its path
     stack: list[tuple[Any, str, bool]] = [(tree, name, False)]
     while stack:
         node, path, leaving = stack.pop()
+        kids = None if leaving else _children(node)
         if leaving:
             del on_path[id(node)]
-            continue
-        kids = _children(node)
         if kids is None:
             continue
         on_path[id(node)] = path
         stack.append((node, path, True))
         for suffix, child in reversed(kids):
             if id(child) in on_path:
-                return path + suffix, on_path[id(child)]
+                raise ValueError(
+                    f"{who}: {name} contains itself: {path + suffix} is {on_path[id(child)]}; "
+                    "expected a structure without cycles; remove the back-reference."
+                ) from None
             stack.append((child, path + suffix, False))
-    return None
 
 
 _Path = tuple[Hashable, ...]
@@ -225,13 +211,10 @@ def key_average(
         >>> key_average([{"x": float("nan")}, {"x": 1.0}], exclude_nan=True)
         {'x': 1.0}
     """
-    if not isinstance(records, Iterable) or isinstance(records, (Mapping, str, bytes)):
-        raise TypeError(
-            f"key_average: records must be a sequence of mappings; got a {type(records).__name__}"
-            "; for one record, pass key_average([record])."
-        )
-    if not isinstance(exclude_nan, bool):
-        raise TypeError(f"key_average: exclude_nan must be True or False; got {exclude_nan!r}.")
+    iterable = isinstance(records, Iterable) and not isinstance(records, (Mapping, str, bytes))
+    fix = "For one record, pass key_average([record])."
+    check_type(iterable, "key_average", "records", "a sequence of mappings", records, fix)
+    check_bool("key_average", "exclude_nan", exclude_nan)
     records = list(records)
     weight_list = [1] * len(records) if weights is None else _check_weights(weights, len(records))
     # Every path, in pre-order (a parent before its children): whether it holds a mapping,
@@ -239,11 +222,10 @@ def key_average(
     kinds: dict[_Path, tuple[bool, int]] = {}
     flat: list[dict[Hashable, Any]] = []  # each record's leaves by path
     for index, record in enumerate(records):
-        if not isinstance(record, Mapping):
-            raise TypeError(
-                f"key_average: records[{index}] is a {type(record).__name__}; expected a "
-                "mapping of numbers, 0-d tensors or nested mappings."
-            )
+        expected = "a mapping of numbers, 0-d tensors or nested mappings"
+        check_type(
+            isinstance(record, Mapping), "key_average", f"records[{index}]", expected, record
+        )
         flat.append({})
         try:
             _collect(record, (), index, kinds, flat[-1])
@@ -255,14 +237,9 @@ def key_average(
         check_weight_values("key_average", "weights[{}]", reduced.weights)
     result: dict[Hashable, Any] = {}
     for path, (nested, _) in kinds.items():
-        parent = result
-        for key in path[:-1]:
-            parent = parent[key]
-        if nested:
-            parent[path[-1]] = {}
-        else:
-            total, weight = reduced.sums[path]
-            parent[path[-1]] = float(total / weight) if weight else math.nan
+        total, weight = (0, 0) if nested else reduced.sums[path]
+        mean: Any = {} if nested else float(total / weight) if weight else math.nan
+        functools.reduce(operator.getitem, path[:-1], result)[path[-1]] = mean
     return result
 
 
@@ -276,38 +253,30 @@ def _collect(
     for key, value in mapping.items():
         path = (*prefix, key)
         nested = isinstance(value, Mapping)
-        seen = kinds.setdefault(path, (nested, index))
-        if seen[0] != nested:
-            kinds_ = ("value", "nested mapping")
-            raise ValueError(
-                f"key_average: {_name(path)} is a {kinds_[seen[0]]} in records[{seen[1]}] but a "
-                f"{kinds_[nested]} in records[{index}]; give every record the same structure."
-            )
+        first_nested, first = kinds.setdefault(path, (nested, index))
+        if first_nested != nested:
+            said = ("a value", "a nested mapping")
+            got = f"{said[first_nested]} in records[{first}] but {said[nested]} in records[{index}]"
+            refuse("key_average", _name(path), got, "the same structure in every record")
+        tensor = isinstance(value, torch.Tensor)
         if nested:
             _collect(value, path, index, kinds, leaves)
-            continue
-        if isinstance(value, torch.Tensor):
-            ok = value.ndim == 0 and not value.is_complex()
-            got = f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
-            value = value.detach()
+        elif tensor and value.ndim == 0 and not value.is_complex():
+            leaves[path] = value.detach()
+        elif not tensor and isinstance(value, numbers.Real):
+            leaves[path] = value
         else:
-            ok, got = isinstance(value, numbers.Real), f"a {type(value).__name__} ({value!r:.60})"
-        if not ok:
-            raise TypeError(
-                f"key_average: records[{index}]{_name(path)} is {got}; expected a real number, "
-                "a 0-d real tensor (reduce it: .mean()) or a mapping."
-            )
-        leaves[path] = value
+            expected = "a real number, a 0-d real tensor (reduce it: .mean()) or a mapping"
+            where = f"records[{index}]{_name(path)}"
+            refuse("key_average", where, describe(value), expected, TypeError)
 
 
 def _check_weights(weights: Any, count: int) -> list[Any]:
     # A 1-d tensor iterates into 0-d tensors, which are fine; a 0-d one cannot be iterated.
     iterable = isinstance(weights, Iterable) and not isinstance(weights, (Mapping, str, bytes))
-    if not iterable or getattr(weights, "ndim", 1) != 1:
-        raise TypeError(
-            f"key_average: weights must be a sequence of numbers or 0-d tensors, one per "
-            f"record; got a {type(weights).__name__} ({weights!r:.40})."
-        )
+    ok = iterable and getattr(weights, "ndim", 1) == 1
+    expected = "a sequence of numbers or 0-d tensors, one per record"
+    check_type(ok, "key_average", "weights", expected, weights)
     weight_list = [check_weight("key_average", f"weights[{i}]", w) for i, w in enumerate(weights)]
     if len(weight_list) != count:
         raise ValueError(
@@ -323,14 +292,11 @@ def check_weight(who: str, name: str, weight: Any, fix: str = "") -> Any:
     """
     if isinstance(weight, torch.Tensor):
         ok = weight.numel() == 1 and not weight.is_complex() and weight.dtype != torch.bool
-        got = f"a {weight.dtype} tensor of shape {tuple(weight.shape)}"
     else:  # True/False are Reals to Python, but as a weight they are a mix-up (a mask?)
         ok = isinstance(weight, numbers.Real) and not isinstance(weight, bool)
-        got = f"a {type(weight).__name__} ({weight!r:.40})"
     if not ok:
-        raise TypeError(
-            f"{who}: {name} is {got}; expected a number >= 0 or a one-element real tensor{fix}."
-        )
+        expected = f"a number >= 0 or a one-element real tensor{fix}"
+        refuse(who, name, describe(weight), expected, TypeError)
     return weight.reshape(()) if isinstance(weight, torch.Tensor) else weight
 
 
@@ -339,9 +305,7 @@ def check_weight_values(who: str, name: str, weights: Sequence[Any], start: int 
     names weight ``i`` (counted from ``start``)."""
     for i, weight in enumerate(weights, start):
         if not (math.isfinite(weight) and weight >= 0):
-            raise ValueError(
-                f"{who}: {name.format(i)} is {weight!r}; expected a finite number >= 0."
-            )
+            refuse(who, name.format(i), repr(weight), "a finite number >= 0")
 
 
 def _name(path: _Path) -> str:

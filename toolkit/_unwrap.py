@@ -8,10 +8,13 @@ from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 from torch.optim.swa_utils import AveragedModel
 
+from toolkit._checks import check_bool, check_type
+
 __all__ = ["unwrap"]
 
 # Wrappers that keep the wrapped module in ``.module``.
 _MODULE_WRAPPERS = (DistributedDataParallel, DataParallel, AveragedModel)
+_FIX = "Pass state.model."
 
 
 def unwrap(model: nn.Module, *, keep_compile: bool = False) -> nn.Module:
@@ -55,11 +58,8 @@ def unwrap(model: nn.Module, *, keep_compile: bool = False) -> nn.Module:
         >>> unwrap(wrapped, keep_compile=True) is compiled
         True
     """
-    if not isinstance(model, nn.Module):
-        got = type(model).__name__
-        raise TypeError(f"unwrap: model must be a torch.nn.Module; got {got}; pass state.model.")
-    if not isinstance(keep_compile, bool):
-        raise TypeError(f"unwrap: keep_compile must be True or False; got {keep_compile!r}.")
+    check_type(isinstance(model, nn.Module), "unwrap", "model", "a torch.nn.Module", model, _FIX)
+    check_bool("unwrap", "keep_compile", keep_compile)
     # torch._dynamo is imported by torch.compile; when it is not loaded no OptimizedModule
     # can exist, so look it up instead of importing it (a slow import) for every call.
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
