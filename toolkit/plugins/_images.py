@@ -12,8 +12,6 @@ from toolkit.plugins._shared import due
 from toolkit.plugins._sinks import Sink, check_sinks, close_all
 from toolkit.step._state import TrainState
 
-__all__ = ["log_images"]
-
 
 @plugin_factory(order=60)
 def log_images(

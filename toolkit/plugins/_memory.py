@@ -12,8 +12,6 @@ from toolkit.loop._run import Event, Plugin, plugin_factory
 from toolkit.plugins._shared import MetricsEntry, claim, due
 from toolkit.step._state import TrainState
 
-__all__ = ["peak_memory"]
-
 
 def _cuda_device(model: torch.nn.Module) -> torch.device | None:
     param = next(model.parameters(), None)

@@ -9,8 +9,6 @@ import torch
 
 from toolkit._checks import check
 
-__all__ = ["check_name", "pixels"]
-
 _CHANNELS = (1, 3, 4)  # grey, RGB, RGBA
 
 

@@ -22,8 +22,6 @@ from toolkit._checks import check, check_count, check_one_of, check_path
 from toolkit.checkpoints._files import replace_file, write_bytes
 from toolkit.plugins._pixels import check_name, pixels
 
-__all__ = ["Sink", "jsonl", "png_dir", "tensorboard", "wandb"]
-
 _LOGGERS = 'pip install -e ".[loggers]" from a checkout of toolkit'
 _EXISTING = ("refuse", "replace", "append")  # what a fresh run does with logs already there
 
@@ -144,8 +142,7 @@ class _Lazy:
     put: Callable[[Any, int, dict[str, float]], None] | None = None
     put_images: Callable[[Any, int, dict[str, Any]], None] | None = None
     target: Any = None
-    prepared: bool = False
-    started: int | None = None  # the step of the last start
+    started: int | None = None  # the step of the last start; None: never started
     users: int = 0  # plugins that started this sink and have not closed it yet
 
     def start(self, step: int) -> None:
@@ -153,21 +150,20 @@ class _Lazy:
         if self.target is not None and self.started == step:
             self.users += 1  # a second plugin sharing this sink: nothing to do again
             return
-        self.users = 1
-        self.close()  # what an earlier start opened
-        self.prepare(step, not self.prepared)
-        self.prepared, self.started, self.users = True, step, 1
+        self.close(self.users)  # what an earlier start opened, for all its users
+        self.prepare(step, self.started is None)
+        self.started, self.users = step, 1
         self.target = self.open()
 
     def opened(self) -> Any:
-        if not self.prepared:  # written without a start: a fresh run
+        if self.started is None:  # written without a start: a fresh run
             self.start(0)
         elif self.target is None:  # written after a close: reopened
             self.target = self.open()
         return self.target
 
-    def close(self) -> None:
-        self.users = max(self.users - 1, 0)
+    def close(self, users: int = 1) -> None:
+        self.users = max(self.users - users, 0)
         if not self.users and self.target is not None:
             target, self.target = self.target, None
             self.shut(target)
@@ -389,10 +385,8 @@ def tensorboard(log_dir: str | os.PathLike[str], *, existing: str = "refuse") ->
     return _Lazy(prepare, open_writer, lambda w: w.close(), put, put_images).sink()
 
 
-_CHOICES = {
-    "mode": ("online", "offline", "disabled", "shared"),
-    "resume": ("allow", "never", "must", "auto", True, False),
-}
+_CHOICES = {"mode": ("online", "offline", "disabled", "shared"),
+            "resume": ("allow", "never", "must", "auto", True, False)}  # fmt: skip
 _TEXTS = ("entity", "project", "id", "name", "notes", "group", "job_type")
 RUN_FILE = "toolkit-run.json"  # in <dir>/wandb/: {"id": the run's id, "step": last logged}
 
@@ -404,17 +398,16 @@ def _check_wandb(init: Any, kwargs: dict[str, Any]) -> None:
         unknown = sorted(set(kwargs) - set(params))
         fix = f"It takes {sorted(params)}."
         check(not unknown, "wandb", "each argument", "one of wandb.init", unknown, fix, TypeError)
-    for name, value in kwargs.items():
-        if name == "dir" and value is not None:
+    for name, value in ((n, v) for n, v in kwargs.items() if v is not None):  # None: default
+        if name == "dir":
             check_path("wandb", "dir", value)
-        elif name in _CHOICES and value is not None:
+        elif name in _CHOICES:
             check_one_of("wandb", name, value, _CHOICES[name])
-        elif name == "tags" and value is not None:
+        elif name == "tags":
             ok = isinstance(value, (list, tuple)) and all(isinstance(t, str) for t in value)
             check(ok, "wandb", "tags", "a list of str, e.g. ['baseline']", value, "", TypeError)
         elif name in _TEXTS:
-            ok = value is None or isinstance(value, str)
-            check(ok, "wandb", name, "a str", value, "", TypeError)
+            check(isinstance(value, str), "wandb", name, "a str", value, "", TypeError)
 
 
 def wandb(**init_kwargs: Any) -> Sink:
@@ -518,9 +511,6 @@ def wandb(**init_kwargs: Any) -> Sink:
     return _Lazy(prepare, open_run, shut, put, put_images).sink()
 
 
-_PNG = re.compile(r"step_(\d+)\.png")
-
-
 def png_dir(path: str | os.PathLike[str], *, existing: str = "refuse") -> Sink:
     """A sink writing each image as a PNG file: ``<path>/<name>/step_000100.png``.
 
@@ -573,7 +563,7 @@ def png_dir(path: str | os.PathLike[str], *, existing: str = "refuse") -> Sink:
     def prepare(step: int, first: bool) -> None:
         _check_folder("png_dir", "path", directory)
         found = directory.rglob("step_*.png")
-        pngs = {p: int(m[1]) for p in found if (m := _PNG.fullmatch(p.name))}
+        pngs = {p: int(m[1]) for p in found if (m := re.fullmatch(r"step_(\d+)\.png", p.name))}
         old = f"{len(pngs)} step_*.png files" if pngs and first and not step else ""
         replaced = _replaces("png_dir", "path", directory, old, policy)
         for png in [p for p, number in pngs.items() if number > step > 0 or replaced]:
