@@ -19,35 +19,6 @@ from toolkit.checkpoints._load import full_model, full_tree, verified_manifest
 from toolkit.checkpoints._model_state import model_state, split_aliases
 from toolkit.step._state import TrainState
 
-_WHO = "export_model"
-
-
-def _with_average(
-    full: dict[str, torch.Tensor],
-    aliases: Mapping[str, str],
-    extras: Any,
-    key: str,
-    where: str,
-    who: str,
-) -> dict[str, torch.Tensor]:
-    """``full`` with the EMA's parameters and buffers (``extras[key]``) for the live ones."""
-    entry = extras.get(key)
-    if not isinstance(entry, Mapping) or not isinstance(entry.get("params"), Mapping):
-        raise KeyError(
-            f"{who}: {where} has no EMA weights under extras[{key!r}] (extras keys: "
-            f"{sorted(extras)}); train with the ema(key={key!r}) plugin, or export "
-            "weights='model'."
-        )
-    averaged = {**entry["params"], **(entry.get("buffers") or {})}
-    unknown = sorted(set(averaged) - set(full))
-    if unknown:
-        raise ValueError(
-            f"{who}: the EMA holds names the model lacks: {unknown[:5]}; it was made for "
-            "another model."
-        )
-    tied = {alias: averaged[name] for alias, name in aliases.items() if name in averaged}
-    return {**full, **averaged, **tied}  # the EMA names a tied tensor once
-
 
 def export_model(
     source: torch.nn.Module | TrainState | str | os.PathLike[str],
@@ -97,7 +68,7 @@ def export_model(
         >>> torch.nn.Linear(2, 1).load_state_dict(load_file(path), strict=True)
         <All keys matched successfully>
     """
-    full = _read(source, weights, key, _WHO)[0]
+    full = _read(source, weights, key, "export_model")[0]
     if dtype is not None:
         full = {n: v.to(dtype) if v.is_floating_point() else v for n, v in full.items()}
     tensors = {name: host_tensor(value) for name, value in full.items()}
@@ -195,18 +166,15 @@ def export_pretrained(
     return Path(folder)
 
 
-def _read(
-    source: Any, weights: str, key: str, who: str
-) -> tuple[dict[str, torch.Tensor], torch.nn.Module | None]:
-    """The full state dict, the EMA's weights in it with ``weights="ema"``, and the
-    source's module (None for a checkpoint folder)."""
+def _read(source: Any, weights: str, key: str, who: str) -> tuple[dict[str, torch.Tensor], Any]:
+    """The full state dict, with the EMA's parameters and buffers (``extras[key]``) for the
+    live ones with ``weights="ema"``, and the source's module (None for a checkpoint folder)."""
     check_one_of(who, "weights", weights, ("model", "ema"))
-    model = None
+    model, ema = None, weights == "ema"
     if isinstance(source, (str, os.PathLike)):
         manifest = verified_manifest(source)
         full, aliases, where = full_model(manifest), manifest.aliases, f"checkpoint {source}"
-        ema = weights == "ema" and manifest.has("extras")
-        extras = full_tree(manifest, "extras") if ema else {}
+        extras = full_tree(manifest, "extras") if ema and manifest.has("extras") else {}
     else:
         model = source.model if isinstance(source, TrainState) else source
         kinds = "a module, a TrainState or a checkpoint folder"
@@ -216,11 +184,22 @@ def _read(
         extras = source.extras if isinstance(source, TrainState) else None
     # A sharded checkpoint's pieces hold each tied tensor once: every name, one object.
     full.update({alias: full[name] for alias, name in aliases.items()})
-    if weights == "ema":
-        if extras is None:
-            raise ValueError(
-                f"{who}: weights='ema' needs a TrainState or a checkpoint folder (the EMA "
-                "lives in state.extras); got a bare module."
-            )
-        full = _with_average(full, aliases, extras, key, where, who)
-    return full, model
+    if not ema:
+        return full, model
+    if extras is None:
+        raise ValueError(
+            f"{who}: weights='ema' needs a TrainState or a checkpoint folder (the EMA lives in "
+            "state.extras); got a bare module."
+        )
+    entry = extras.get(key)
+    if not isinstance(entry, Mapping) or not isinstance(entry.get("params"), Mapping):
+        raise KeyError(
+            f"{who}: {where} has no EMA weights under extras[{key!r}] (extras keys: "
+            f"{sorted(extras)}); train with the ema(key={key!r}) plugin, or export weights='model'."
+        )
+    averaged = {**entry["params"], **(entry.get("buffers") or {})}
+    unknown = sorted(set(averaged) - set(full))
+    fix = "It was made for another model."
+    check(not unknown, who, "the EMA's names", "the model's", unknown[:5], fix)
+    tied = {alias: averaged[name] for alias, name in aliases.items() if name in averaged}
+    return {**full, **averaged, **tied}, model  # the EMA names a tied tensor once

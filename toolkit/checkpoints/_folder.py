@@ -18,7 +18,7 @@ import os
 import re
 import shutil
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ from toolkit.checkpoints._manifest import (
     reduce_to_model,
 )
 from toolkit.checkpoints._retention import Retention, retain, retention_from_document
-from toolkit.distributed._collectives import agree, broadcast_text, group_of, rank_of
+from toolkit.distributed._collectives import Group, agree, broadcast_text, group_of, rank_of
 from toolkit.step._state import TrainState
 
 __all__ = [
@@ -257,25 +257,38 @@ def load_latest(
         True
     """
     group = group_of(like.model) if isinstance(like, TrainState) else None
-    choice, error = "", None  # type: str, BaseException | None
-    if rank_of(group)[0] == 0:  # one rank picks, so that ranks cannot disagree
-        try:
-            found = latest_checkpoint(root)
-            infos = list_checkpoints(root) if found is None else []
-            full = [c.path for c in infos if not c.model_only]
-            if full:  # each was damaged: the newest one's problems, checksums included
-                raise DamagedCheckpointError(full[-1], _info(full[-1], checksums=True).problems)
-            fix = "Its checkpoints are model-only (keep_full removed their optimizer state)."
-            check(not infos, "load_latest", "root", "a folder of full checkpoints", str(root), fix)
-            choice = found.name if found else ""
-        except Exception as caught:
-            error = caught
-    agree(error, group, "load_latest")
-    choice = broadcast_text(choice, group)
+    # One rank picks, so that ranks cannot disagree.
+    choice = broadcast_text(on_rank0(group, "load_latest", _pick, root) or "", group)
     if not choice:
         return None
     path = Path(root) / choice
     return load_checkpoint(path, like, objects=objects, rng=rng), path
+
+
+def _pick(root: str | os.PathLike[str]) -> str:
+    """The name of ``root``'s newest intact full checkpoint, "" for none; an error when
+    ``root`` holds checkpoints but none of them will do."""
+    found = latest_checkpoint(root)
+    infos = list_checkpoints(root) if found is None else []
+    full = [c.path for c in infos if not c.model_only]
+    if full:  # each was damaged: the newest one's problems, checksums included
+        raise DamagedCheckpointError(full[-1], _info(full[-1], checksums=True).problems)
+    fix = "Its checkpoints are model-only (keep_full removed their optimizer state)."
+    check(not infos, "load_latest", "root", "a folder of full checkpoints", str(root), fix)
+    return found.name if found else ""
+
+
+def on_rank0(group: Group | None, who: str, work: Callable[..., Any], *args: Any) -> Any:
+    """``work(*args)`` on rank 0 alone (``None`` on the others); its error raised on every
+    rank, as ``who``'s."""
+    error, result = None, None
+    try:
+        if rank_of(group)[0] == 0:
+            result = work(*args)
+    except Exception as caught:
+        error = caught
+    agree(error, group, who)
+    return result
 
 
 def write_pointer(root: str | os.PathLike[str], checkpoint: str | os.PathLike[str]) -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import fcntl
 import os
@@ -11,7 +12,7 @@ import socket
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from toolkit.checkpoints._folder import (
     clean_temporaries,
     list_checkpoints,
     load_latest,
+    on_rank0,
     prune_checkpoints,
     write_pointer,
 )
@@ -31,7 +33,7 @@ from toolkit.checkpoints._manifest import read_manifest
 from toolkit.checkpoints._model_state import parameter_names, put_model
 from toolkit.checkpoints._retention import Retention, retain
 from toolkit.checkpoints._save import save_checkpoint, save_in_background
-from toolkit.distributed._collectives import Group, agree, group_of, max_over_ranks, rank_of
+from toolkit.distributed._collectives import Group, group_of, max_over_ranks, rank_of
 from toolkit.loop._data import pass_settings, position, restore_generators, seen_after_change
 from toolkit.loop._run import Event, LoopInfo, Plugin, plugin_factory
 from toolkit.plugins._shared import metric_entry
@@ -124,81 +126,62 @@ def _share_signal(config: _Config, run_: _Run) -> None:
         run_.signum = max_over_ranks(run_.signum or 0, run_.group) or None
 
 
-def _fresh_metrics(state: TrainState) -> dict[str, float]:
-    """The plugins' metrics made at this very step (a checkpoint's score for keep_best)."""
-    fresh = [
-        (n, p[1]) for n, e in state.extras.items() if (p := metric_entry(e)) and p[0] == state.step
-    ]
-    numbers = [(f"{n}/{k}", v) for n, metrics in fresh for k, v in metrics.items()]
-    return {k: float(v) for k, v in numbers if isinstance(v, (int, float)) and type(v) is not bool}
-
-
-def _check_metric(metric: str, state: TrainState) -> None:
-    """Refuse a keep_best metric (a typo) that its prefix's plugin published without."""
-    published = {n: p[1] for n, e in state.extras.items() if (p := metric_entry(e)) is not None}
-    known = [f"{name}/{key}" for name, metrics in published.items() for key in metrics]
-    if metric not in known and any(metric.startswith(f"{name}/") for name in published):
+def _metrics(state: TrainState, metric: str | None) -> dict[str, float]:
+    """The numbers the plugins published at this very step (a checkpoint's scores for
+    keep_best); a keep_best ``metric`` missing from what its prefix's plugin published (a
+    typo) is refused."""
+    published = {n: p for n, e in state.extras.items() if (p := metric_entry(e)) is not None}
+    known = {f"{n}/{k}": (at, v) for n, (at, m) in published.items() for k, v in m.items()}
+    if metric and metric not in known and any(metric.startswith(f"{n}/") for n in published):
         raise ValueError(
             f"checkpoints: keep_best ranks by {metric!r}, which no plugin publishes (known: "
-            f"{known}); name one of them, e.g. 'val/loss' for validate(key='val')."
+            f"{list(known)}); name one of them, e.g. 'val/loss' for validate(key='val')."
         )
+    fresh = {k: v for k, (at, v) in known.items() if at == state.step and type(v) is not bool}
+    return {k: float(v) for k, v in fresh.items() if isinstance(v, (int, float))}
 
 
-def _on_rank0(group: Group | None, work: Callable[[], Any], default: Any = None) -> Any:
-    """``work()`` on rank 0 alone (``default`` elsewhere); its error raised on every rank."""
-    error, result = None, default
+@contextlib.contextmanager
+def _saving(config: _Config) -> Iterator[None]:
+    """Raise a save's error (``on_error="raise"``), or warn and let training go on."""
     try:
-        if rank_of(group)[0] == 0:
-            result = work()
-    except Exception as caught:
-        error = caught
-    agree(error, group, "checkpoints")
-    return result
+        yield
+    except Exception as error:
+        if config.on_error == "raise":
+            raise
+        message = f"checkpoints: a save failed and training goes on (on_error='warn'): {error}"
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
-def _failed(config: _Config, error: BaseException) -> None:
-    if config.on_error == "raise":
-        raise error
-    message = f"checkpoints: a save failed and training goes on (on_error='warn'): {error}"
-    warnings.warn(message, RuntimeWarning, stacklevel=5)
+def _publish(config: _Config, path: Path) -> None:
+    """Rank 0's, after a save succeeded: point ``latest`` at it, then prune."""
+    write_pointer(config.folder, path)
+    prune_checkpoints(config.folder, config.rules)
 
 
 def _finish(config: _Config, run_: _Run) -> None:
-    """Wait for the save in flight; then rank 0 moves the pointer and prunes (after success)."""
+    """Wait for the save in flight; then rank 0 publishes it while the other ranks wait."""
     writing, run_.writing = run_.writing, None
-    if writing is None:
-        return
-    try:
+    with _saving(config):
         path = writing.result() if isinstance(writing, Future) else writing
-
-        def publish() -> None:
-            write_pointer(config.folder, path)
-            prune_checkpoints(config.folder, config.rules)
-
-        _on_rank0(run_.group, publish)  # the other ranks wait for rank 0
-    except Exception as error:
-        _failed(config, error)
+        if path is not None:
+            on_rank0(run_.group, "checkpoints", _publish, config, path)
 
 
 def _save(config: _Config, run_: _Run, state: TrainState, loop: LoopInfo) -> None:
     if run_.saved_step == state.step:
         return
-    if config.rules.metric is not None:
-        _check_metric(config.rules.metric, state)
+    metrics = _metrics(state, config.rules.metric)  # a keep_best typo raises before a write
     _finish(config, run_)
     path = config.folder / f"step_{state.step:06d}"
     state = state.replace(data_state=position(loop.data, state.data_state, not state.batches_seen))
     save = save_in_background if config.background else save_checkpoint
-    metrics, rules = _fresh_metrics(state), config.rules
-    extra: dict[str, Any] = {"settings": run_.settings, "trainable_only": config.trainable_only}
-    try:
+    extra: dict[str, Any] = {"metrics": metrics, "rules": config.rules, "settings": run_.settings}
+    with _saving(config):
         run_.writing = save(
-            state, path, objects=config.objects, metrics=metrics, rules=rules, **extra
+            state, path, objects=config.objects, trainable_only=config.trainable_only, **extra
         )
-    except Exception as error:
-        _failed(config, error)
-        return
-    run_.saved_step = state.step
+        run_.saved_step = state.step
     if not config.background:
         _finish(config, run_)
 
@@ -207,13 +190,11 @@ def _install(config: _Config, run_: _Run) -> None:
     def handler(signum: int, frame: Any) -> None:
         run_.signum = signum  # only a flag: the loop acts on it between updates
 
-    if threading.current_thread() is not threading.main_thread():  # Python allows no other
-        if names := [signal.Signals(s).name for s in config.signals]:
-            message = "checkpoints: run() is not on the main thread, where Python delivers signals"
-            warnings.warn(f"{message}; {names} keep their handlers.", RuntimeWarning, stacklevel=5)
-        return
-    for signum in config.signals:
-        run_.handlers[signum] = signal.signal(signum, handler)
+    if threading.current_thread() is threading.main_thread():  # Python allows no other
+        run_.handlers = {signum: signal.signal(signum, handler) for signum in config.signals}
+    elif names := [signal.Signals(s).name for s in config.signals]:
+        message = "checkpoints: run() is not on the main thread, where Python delivers signals"
+        warnings.warn(f"{message}; {names} keep their handlers.", RuntimeWarning, stacklevel=5)
 
 
 def _lock(root: Path) -> int:
@@ -277,30 +258,36 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {k: v for key, value in pairs for k, v in _flat(value, f"{prefix}{key}.").items()}
 
 
-def _changed(config: _Config, run_: _Run, seen: int, data: Any, path: Path) -> int:
-    """The pass position ``seen`` in the current settings ``run_.settings``, every
-    difference from those saved in ``path`` reported; after a difference, ``run_.settings``
-    takes the saved optimizer and scheduler (what the resumed run goes on with, and what
-    its saves record). Rank 0's alone: only its settings reach a manifest."""
-    saved = read_manifest(path).settings
+def _report(config: _Config, run_: _Run, state: TrainState, loop: LoopInfo, path: Path) -> int:
+    """Say what the resume from ``path`` did, on rank 0 alone (only its settings reach a
+    manifest): every difference of the current settings ``run_.settings`` from the saved
+    ones in one warning (``run_.settings`` then takes the saved optimizer and scheduler: what
+    the resumed run goes on with, and what its saves record), then one line naming the
+    checkpoint and the position. Returns the pass position in the current batches."""
+    seen, saved = state.batches_seen, read_manifest(path).settings
     was, now = _flat(saved), _flat(run_.settings)
     pairs = {k: (was.get(k, "-"), now.get(k, "-")) for k in sorted(was.keys() | now.keys())}
-    changes = [f"{key} {old} -> {new}" for key, (old, new) in pairs.items() if old != new]
-    if not saved or not changes:
-        return seen
-    if seen:  # the pass position, in the current batches: no unseen sample skipped
-        seen = seen_after_change(data, seen, saved.get("data", {}), run_.settings["data"])
-    run_.settings.update(optimizer=saved.get("optimizer"), scheduler=saved.get("scheduler"))
-    message = (
-        f"checkpoints: the run in {str(config.folder)!r} started with other settings than now "
-        f"(saved -> now): {'; '.join(changes)}. The checkpoint's optimizer and scheduler "
-        f"values are used; data and micro_batches are the current ones (this pass goes on "
-        f"after {seen} batches). To start afresh with the new values, use another folder; "
-        "on_change='error' refuses a changed run."
-    )
-    if config.on_change == "error":
-        raise ValueError(message)
-    warnings.warn(message, RuntimeWarning, stacklevel=6)
+    if saved and (
+        changes := [f"{k} {old} -> {new}" for k, (old, new) in pairs.items() if old != new]
+    ):
+        if seen:  # the pass position, in the current batches: no unseen sample skipped
+            seen = seen_after_change(loop.data, seen, saved.get("data", {}), run_.settings["data"])
+        run_.settings.update(optimizer=saved.get("optimizer"), scheduler=saved.get("scheduler"))
+        message = (
+            f"checkpoints: the run in {str(config.folder)!r} started with other settings than "
+            f"now (saved -> now): {'; '.join(changes)}. The checkpoint's optimizer and scheduler "
+            f"values are used; data and micro_batches are the current ones (this pass goes on "
+            f"after {seen} batches). To start afresh with the new values, use another folder; "
+            "on_change='error' refuses a changed run."
+        )
+        if config.on_change == "error":
+            raise ValueError(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=7)
+    at = f"update {state.step}, epoch {state.epoch}, batch {seen}"
+    limits = ((loop.max_steps, state.step), (loop.epochs, state.epoch))
+    if any(limit is not None and done >= limit for limit, done in limits):
+        at += "; the run had already reached its end (raise max_steps or epochs to go on)"
+    print(f"checkpoints: resumed from {path} at {at}", file=sys.stderr, flush=True)
     return seen
 
 
@@ -309,10 +296,8 @@ def _resumed(config: _Config, run_: _Run, event: Event) -> TrainState:
     run_.settings = _settings(state, loop, run_.group)  # the user's, before any load
     path = None
     if config.resume == "latest":
-        loaded = load_latest(root, like=state, objects=config.objects)
-        if loaded is not None:
-            state, path = loaded
-            run_.saved_step = state.step
+        state, path = load_latest(root, like=state, objects=config.objects) or (state, None)
+        run_.saved_step = None if path is None else state.step
     elif config.resume is not None:
         path = Path(config.resume)
         state = load_checkpoint(path, like=state, objects=config.objects)
@@ -324,17 +309,10 @@ def _resumed(config: _Config, run_: _Run, event: Event) -> TrainState:
         )
     if path is None:
         return state
-    seen, saved = state.batches_seen, path  # rank 0 compares: the saved settings are its own
-    seen = _on_rank0(run_.group, lambda: _changed(config, run_, seen, loop.data, saved), 0)
-    state = state._evolve({"batches_seen": max_over_ranks(seen, run_.group)})  # rank 0's
+    seen = on_rank0(run_.group, "checkpoints", _report, config, run_, state, loop, path)
+    state = state._evolve({"batches_seen": max_over_ranks(seen or 0, run_.group)})  # rank 0's
     if not state.batches_seen:  # between passes: the next one draws from the saved generators
         restore_generators(loop.data, state.data_state)
-    limits = ((loop.max_steps, state.step), (loop.epochs, state.epoch))
-    ended = any(limit is not None and at >= limit for limit, at in limits)
-    end = "; the run had already reached its end (raise max_steps or epochs to go on)"
-    if rank_of(run_.group)[0] == 0:
-        at = f"update {state.step}, epoch {state.epoch}, batch {state.batches_seen}"
-        print(f"checkpoints: resumed from {path} at {at}{end * ended}", file=sys.stderr, flush=True)
     return state
 
 
@@ -352,7 +330,7 @@ def _start(config: _Config, event: Event) -> tuple[_Run, TrainState]:
         clean_temporaries(config.folder)
 
     try:
-        _on_rank0(run_.group, own)
+        on_rank0(run_.group, "checkpoints", own)
         state = _resumed(config, run_, event)
     except BaseException:
         _release(run_)
@@ -396,16 +374,14 @@ def _stop(config: _Config, run_: _Run, state: TrainState, loop: LoopInfo) -> Tra
     assert run_.signum is not None
     _save(config, run_, state, loop)
     name = signal.Signals(run_.signum).name
-    return state.replace(
-        stop=f"checkpoints: {name} received; saved step {state.step} in {str(config.folder)!r}"
-    )
+    said = f"checkpoints: {name} received; saved step {state.step} in {str(config.folder)!r}"
+    return state.replace(stop=said)
 
 
 def _on_step(config: _Config, run_: _Run, event: Event) -> TrainState | None:
     state, out, rules = event.state, event.out, config.rules
     due = run_.epoch_due or state.step in rules.keep_steps
-    for every in (config.every, rules.keep_every):
-        due = due or (every is not None and state.step % every == 0)
+    due = due or any(n and state.step % n == 0 for n in (config.every, rules.keep_every))
     if out is not None and out.updated and due:
         run_.epoch_due = False
         _save(config, run_, state, event.loop)
@@ -641,20 +617,19 @@ def checkpoints(
     live: dict[str, _Run] = {}  # one run at a time
 
     def plugin(event: Event) -> TrainState | None:
-        run_ = live.get("run")
         if event.kind == "restore":
             live["run"], state = _start(config, event)
             return state
-        if run_ is None:
+        if (run_ := live.get("run")) is None:
             return None
         if event.kind == "step":
             return _on_step(config, run_, event)
-        if event.kind == "epoch_end" and config.per_epoch:
-            if event.state.window.micro_step:  # its gradients fit in no checkpoint
-                run_.epoch_due = True
-            else:
-                _save(config, run_, event.state, event.loop)
-        if event.kind == "end":
+        epoch_end = event.kind == "epoch_end" and config.per_epoch
+        if epoch_end and event.state.window.micro_step:  # its gradients fit in no checkpoint
+            run_.epoch_due = True  # saved at the update that closes the window
+        elif epoch_end:
+            _save(config, run_, event.state, event.loop)
+        elif event.kind == "end":
             _end(config, live.pop("run"), event)
         return None
 
