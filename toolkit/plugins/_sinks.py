@@ -107,16 +107,17 @@ def _need(who: str, pip: str, *modules: str) -> Any:
         raise ImportError(f"{who}() needs {what}: pip install {pip} (or {_LOGGERS}).") from exc
 
 
-def _replaces(who: str, arg: str, where: pathlib.Path, old: str, policy: str) -> bool:
-    """Whether a fresh run replaces ``old`` (what another run left in ``where``; "": none);
-    FileExistsError when ``policy`` refuses."""
+def _replace(who: str, arg: str, where: pathlib.Path, old: str, files: Any, policy: str) -> None:
+    """What a fresh run does with ``old`` (what another run left in ``where``; "": none): raise
+    FileExistsError when ``policy`` refuses, delete ``files`` when it replaces."""
     if old and policy == "refuse":
         raise FileExistsError(
             f"{who}: {str(where)!r} already holds {old} of another run, and this run starts "
             f"fresh (step 0). Pass {who}({arg}, existing='replace') to start afresh, "
             f"existing='append' to add this run after them, or choose another {arg}."
         )
-    return bool(old) and policy == "replace"
+    for file in files if old and policy == "replace" else ():
+        file.unlink()
 
 
 def _check_folder(who: str, name: str, folder: pathlib.Path) -> None:
@@ -134,10 +135,10 @@ class _Lazy:
     """A sink's target (file, writer, run): prepared and opened at ``start`` (or at the first
     write), reopened by a write after a close."""
 
-    # prepare(step, first): checks, and aligns the logs with the step a run starts from;
-    # first: this sink's first start, when logs already there are another run's.
+    # prepare(step, fresh): checks, and aligns the logs with the step a run starts from;
+    # fresh: this sink's first start, at step 0: logs already there are another run's.
     prepare: Callable[[int, bool], None]
-    open: Callable[[], Any]
+    open: Callable[[int | None], Any]  # open(the step of a start, or None when reopened)
     shut: Callable[[Any], None]
     put: Callable[[Any, int, dict[str, float]], None] | None = None
     put_images: Callable[[Any, int, dict[str, Any]], None] | None = None
@@ -151,15 +152,15 @@ class _Lazy:
             self.users += 1  # a second plugin sharing this sink: nothing to do again
             return
         self.close(self.users)  # what an earlier start opened, for all its users
-        self.prepare(step, self.started is None)
+        self.prepare(step, self.started is None and step == 0)
         self.started, self.users = step, 1
-        self.target = self.open()
+        self.target = self.open(step)
 
     def opened(self) -> Any:
         if self.started is None:  # written without a start: a fresh run
             self.start(0)
         elif self.target is None:  # written after a close: reopened
-            self.target = self.open()
+            self.target = self.open(None)
         return self.target
 
     def close(self, users: int = 1) -> None:
@@ -272,19 +273,19 @@ def jsonl(path: str | os.PathLike[str], *, existing: str = "refuse") -> Sink:
     policy = check_one_of("jsonl", "existing", existing, _EXISTING)
     key = str(file_path.resolve())
 
-    def prepare(step: int, first: bool) -> None:
+    def prepare(step: int, fresh: bool) -> None:
         other = _HOLDERS.setdefault(key, lazy)
         fix = "Give each sink its own path, or pass the same sink wherever that file is wanted."
         check(other is lazy, "jsonl", "path", "written by one sink", key, fix)
         _check_folder("jsonl", "path", file_path.parent)
         data = file_path.read_bytes() if file_path.exists() else b""
-        old = f"{len(data.splitlines())} lines" if data and first and not step else ""
-        kept = b"" if _replaces("jsonl", "path", file_path, old, policy) else data
-        kept = _kept_lines(kept, step) if step else kept
+        old = f"{len(data.splitlines())} lines" if data and fresh else ""
+        _replace("jsonl", "path", file_path, old, [file_path], policy)
+        kept = _kept_lines(data, step) if step else data
         if kept != data:
             replace_file(file_path, functools.partial(write_bytes, data=kept))  # atomically
 
-    def open_file() -> Any:
+    def open_file(_: int | None) -> Any:
         _HOLDERS[key] = lazy
         # Unbuffered bytes: each line reaches the operating system in one write call.
         return open(file_path, "ab", buffering=0)
@@ -357,19 +358,15 @@ def tensorboard(log_dir: str | os.PathLike[str], *, existing: str = "refuse") ->
     directory = check_path("tensorboard", "log_dir", log_dir)
     policy = check_one_of("tensorboard", "existing", existing, _EXISTING)
     board = _need("tensorboard", "tensorboard", "torch.utils.tensorboard")
-    purge: list[int] = []  # the purge step of the next writer, after a resumed start
 
-    def prepare(step: int, first: bool) -> None:
+    def prepare(step: int, fresh: bool) -> None:
         _check_folder("tensorboard", "log_dir", directory)
-        purge[:] = [step + 1] if step > 0 else []  # events at steps > step are hidden
         events = list(directory.glob("events.out.tfevents.*"))
-        old = f"{len(events)} event files" if events and first and not step else ""
-        replaced = _replaces("tensorboard", "log_dir", directory, old, policy)
-        for event_file in events if replaced else ():
-            event_file.unlink()
+        old = f"{len(events)} event files" if events and fresh else ""
+        _replace("tensorboard", "log_dir", directory, old, events, policy)
 
-    def open_writer() -> Any:
-        return board.SummaryWriter(str(directory), purge_step=purge.pop() if purge else None)
+    def open_writer(step: int | None) -> Any:  # a resumed start hides the events past its step
+        return board.SummaryWriter(str(directory), purge_step=step + 1 if step else None)
 
     def put(writer: Any, step: int, metrics: dict[str, float]) -> None:
         for key, value in metrics.items():
@@ -462,7 +459,7 @@ def wandb(**init_kwargs: Any) -> Sink:
     # up to it were logged to that run before and are not sent again.
     memory: dict[str, Any] = {"id": None, "step": -1, "floor": -1}
 
-    def prepare(step: int, first: bool) -> None:
+    def prepare(step: int, fresh: bool) -> None:
         _check_folder("wandb", "dir", run_file.parent)
         memory.update(id=None, step=-1, floor=-1)
         if step > 0 and run_file.exists():
@@ -479,7 +476,7 @@ def wandb(**init_kwargs: Any) -> Sink:
             if init_kwargs.get("id") in (None, run_id):
                 memory.update(id=run_id, step=last, floor=last)
 
-    def open_run() -> Any:
+    def open_run(_: int | None) -> Any:
         kwargs = dict(init_kwargs)
         if memory["id"] is not None and "id" not in kwargs:
             kwargs.update(id=memory["id"], resume=kwargs.get("resume", "allow"))
@@ -560,13 +557,13 @@ def png_dir(path: str | os.PathLike[str], *, existing: str = "refuse") -> Sink:
     # Pillow reads the pixels through numpy.
     pil = _need("png_dir", "pillow numpy", "numpy", "PIL", "PIL.Image")
 
-    def prepare(step: int, first: bool) -> None:
+    def prepare(step: int, fresh: bool) -> None:
         _check_folder("png_dir", "path", directory)
         found = directory.rglob("step_*.png")
         pngs = {p: int(m[1]) for p in found if (m := re.fullmatch(r"step_(\d+)\.png", p.name))}
-        old = f"{len(pngs)} step_*.png files" if pngs and first and not step else ""
-        replaced = _replaces("png_dir", "path", directory, old, policy)
-        for png in [p for p, number in pngs.items() if number > step > 0 or replaced]:
+        old = f"{len(pngs)} step_*.png files" if pngs and fresh else ""
+        _replace("png_dir", "path", directory, old, pngs, policy)
+        for png in [p for p, number in pngs.items() if number > step > 0]:  # written again
             png.unlink()
 
     def put_images(folder: pathlib.Path, step: int, images: dict[str, Any]) -> None:
@@ -576,4 +573,4 @@ def png_dir(path: str | os.PathLike[str], *, existing: str = "refuse") -> Sink:
             target.parent.mkdir(parents=True, exist_ok=True)
             replace_file(target, functools.partial(picture.save, format="PNG"))
 
-    return _Lazy(prepare, lambda: directory, lambda _: None, None, put_images).sink()
+    return _Lazy(prepare, lambda _: directory, lambda _: None, None, put_images).sink()
