@@ -166,7 +166,7 @@ def test_a_template_on_another_base_is_refused_and_left_unchanged(
     thawed = build(kind)
     thawed.model.requires_grad_(True)
     before = snapshot(thawed)
-    with pytest.raises(ValueError, match="keys missing from the checkpoint") as error:
+    with pytest.raises(ValueError, match="model: in the template, not the checkpoint") as error:
         load_checkpoint(path, like=thawed)
     assert "its frozen parameters (0 tensors" in str(error.value)
     assert_same(snapshot(thawed), before)

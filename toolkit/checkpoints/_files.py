@@ -27,8 +27,7 @@ JSON_LIMIT = 64 << 20  # bytes: the largest JSON file read (a manifest of ~500k 
 def checksum(path: Path) -> str:
     """The file's xxh3-128 digest (hex), read through a memory map (no copy into Python)."""
     with open(path, "rb") as file:
-        size = os.fstat(file.fileno()).st_size
-        if size == 0:  # mmap refuses empty files
+        if os.fstat(file.fileno()).st_size == 0:  # mmap refuses empty files
             return xxhash.xxh3_128_hexdigest(b"")
         with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as view:
             return xxhash.xxh3_128_hexdigest(view)

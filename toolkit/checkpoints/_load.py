@@ -23,66 +23,50 @@ import optree
 import torch
 from safetensors.torch import load_file
 
-from toolkit._checks import check
+from toolkit._checks import check_type
 from toolkit.checkpoints._codec import TreeError, decode
 from toolkit.checkpoints._files import read_json
-from toolkit.checkpoints._manifest import (
-    DamagedCheckpointError,
-    Manifest,
-    file_problems,
-    read_manifest,
-)
+from toolkit.checkpoints._manifest import DamagedCheckpointError, Manifest, verified_manifest
 from toolkit.checkpoints._model_state import (
+    SHARDS,
     expand,
     few,
-    model_differences,
+    load_shards,
+    model_part,
     model_state,
     optimizer_state,
-    parameter_names,
     put_model,
     put_optimizer,
+    saved_shapes,
+    split_aliases,
 )
 from toolkit.checkpoints._rng import restore_rng
 from toolkit.checkpoints._save import rank_component
-from toolkit.checkpoints._sharded import SHARDS, load_shards, saved_shapes
 from toolkit.distributed._collectives import Group, agree, group_of, rank_of
 from toolkit.step._components import check_objects, fields_of, is_namedtuple
 from toolkit.step._state import TrainState, WindowState
-
-__all__ = [
-    "content_problems", "full_model", "full_tree", "load_checkpoint", "read_tree",
-    "verified_manifest",
-]  # fmt: skip
-
-
-def verified_manifest(path: str | os.PathLike[str]) -> Manifest:
-    """The manifest of ``path`` after checking every file it lists (sizes and checksums)."""
-    manifest = read_manifest(path)
-    if problems := file_problems(manifest, checksums=True):
-        raise DamagedCheckpointError(manifest.path, problems)
-    return manifest
 
 
 def _tensors(manifest: Manifest, name: str, owned: bool = False) -> dict[str, torch.Tensor]:
     """A listed safetensors file's tensors: memory-mapped, or (``owned``) in memory of their
     own; the model file holds every tensor the manifest's aliases name."""
-    path = manifest.path / name
     try:
         if name not in manifest.files:
             raise FileNotFoundError("the manifest does not list it")
         # pread: kept tensors (optimizer state) must not stay mapped onto a file that may change.
-        tensors = load_file(path, backend="pread") if owned else load_file(path)
+        tensors = load_file(manifest.path / name, backend="pread" if owned else "mmap")
         if name == "model.safetensors" and not set(manifest.aliases.values()) <= tensors.keys():
             raise KeyError("the manifest's aliases name tensors it lacks")
         return tensors
     except Exception as error:  # checksum-valid but not safetensors: written by something else
-        problem = f"{path}: not a safetensors file of this checkpoint ({error})"
+        problem = f"{manifest.path / name}: not a safetensors file of this checkpoint ({error})"
         raise DamagedCheckpointError(manifest.path, [problem]) from None
 
 
-def _saved_shapes(manifest: Manifest) -> dict[str, tuple[torch.Size, torch.dtype]]:
+def _shapes(manifest: Manifest) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Each key of ``sharded/`` with its whole shape and dtype ({} for a plain checkpoint)."""
     try:  # DCP's reader of the headers of sharded/'s files
-        return saved_shapes(manifest.path)
+        return saved_shapes(manifest.path) if manifest.sharded else {}
     except Exception as error:
         problem = f"{manifest.path / SHARDS}: unreadable ({error})"
         raise DamagedCheckpointError(manifest.path, [problem]) from None
@@ -96,16 +80,24 @@ def read_tree(
     sharded: Callable[[str, Any], torch.Tensor] | None = None,
 ) -> Any:
     """Component ``name`` of a verified checkpoint, decoded (see :func:`._codec.decode`)."""
-    json_path, stored = manifest.path / f"{name}.json", manifest.path / f"{name}.safetensors"
-    tensors = _tensors(manifest, stored.name, owned=True) if stored.name in manifest.files else {}
+    stored, document = f"{name}.safetensors", manifest.path / f"{name}.json"
+    tensors = _tensors(manifest, stored, owned=True) if stored in manifest.files else {}
     try:  # UnicodeDecodeError and json's errors are ValueErrors
-        tree = decode(read_json(json_path), tensors, name, like=like, sharded=sharded)
+        tree = decode(read_json(document), tensors, name, like=like, sharded=sharded)
     except (TreeError, KeyError, TypeError, AttributeError, ValueError, RecursionError) as error:
         tree = error
     if not isinstance(tree, dict):  # every component is a JSON object
-        problem = f"{json_path}: not JSON, or not a tree this format writes ({tree!r:.200})"
+        problem = f"{document}: not JSON, or not a tree this format writes ({tree!r:.200})"
         raise DamagedCheckpointError(manifest.path, [problem])
     return tree
+
+
+def _empty(manifest: Manifest, prefix: str = "") -> dict[str, torch.Tensor]:
+    """New tensors of the saved shapes for the sharded keys starting with ``prefix``."""
+    shapes = _shapes(manifest).items()
+    return {
+        k: torch.empty(size, dtype=dtype) for k, (size, dtype) in shapes if k.startswith(prefix)
+    }
 
 
 def full_model(manifest: Manifest, partial: bool = False) -> dict[str, torch.Tensor]:
@@ -120,22 +112,15 @@ def full_model(manifest: Manifest, partial: bool = False) -> dict[str, torch.Ten
             "not the frozen base; load it into the model (load_checkpoint) and export that: "
             "export_model(state), or export_pretrained(state) for a peft adapter."
         )
-    if manifest.sharded:
-        model = {k: v for k, v in _empty(manifest).items() if k.startswith("model/")}
-        load_shards(model, manifest.path, None)
-        return {key.removeprefix("model/"): value for key, value in model.items()}
-    return expand(_tensors(manifest, "model.safetensors"), manifest.aliases)
-
-
-def _empty(manifest: Manifest) -> dict[str, torch.Tensor]:
-    return {
-        k: torch.empty(size, dtype=dtype) for k, (size, dtype) in _saved_shapes(manifest).items()
-    }
+    if not manifest.sharded:
+        return expand(_tensors(manifest, "model.safetensors"), manifest.aliases)
+    load_shards(model := _empty(manifest, "model/"), manifest.path, None)
+    return {key.removeprefix("model/"): value for key, value in model.items()}
 
 
 def full_tree(manifest: Manifest, name: str) -> Any:
     """Component ``name`` of a verified checkpoint with its sharded tensors put together."""
-    shapes = _empty(manifest) if manifest.sharded else {}
+    shapes = _empty(manifest)
     used: dict[str, torch.Tensor] = {}  # a key not in the files: a KeyError, damage
     tree = read_tree(manifest, name, sharded=lambda key, _: used.setdefault(key, shapes[key]))
     if used:
@@ -156,6 +141,42 @@ def _compare(what: str, saved: Mapping[str, Any], live: Mapping[str, Any]) -> li
     diff = [key for key in sorted(saved.keys() & live.keys()) if saved[key] != live[key]]
     out += [f"{what}: {k!r}: {saved[k]} in the checkpoint, {live[k]} in the template" for k in diff]
     return out
+
+
+def _model_differences(
+    model: torch.nn.Module, shapes: Mapping[str, Any], aliases: Mapping[str, str], frozen: Any
+) -> list[str]:
+    """How a saved model (names -> shapes, aliases) differs from ``model``; empty if none.
+
+    With ``frozen`` (the fingerprint of a trainable-only save) the saved names are compared
+    with ``model``'s trainable part and ``frozen`` with the fingerprint of the rest.
+    """
+    live, fingerprint = model_part(model, frozen is not None, "load_checkpoint")
+    out = [] if fingerprint == frozen else [
+        f"model: its frozen parameters ({fingerprint}) are not those the trainable-only "
+        f"checkpoint was saved with ({frozen}); build the template on the same base model "
+        "(the same pretrained weights, the same parameters frozen)."
+    ]  # fmt: skip
+    live, live_aliases = split_aliases(live, "load_checkpoint")
+    saved = {n: f"shape {list(shapes[aliases.get(n, n)])}" for n in [*shapes, *aliases]}
+    full = {n: f"shape {list(t.shape)}" for n, t in expand(live, live_aliases).items()}
+    out += _compare("model", saved, full)
+    common = saved.keys() & full.keys()
+    saved_ties, live_ties = _ties(aliases, common), _ties(live_aliases, common)
+    differ = {(saved_ties[n], live_ties[n]) for n in common if saved_ties[n] != live_ties[n]}
+    return out + [
+        f"model: tied weights differ: the checkpoint shares one tensor among {sorted(theirs)}, "
+        f"the model among {sorted(ours)} (tie the weights as in the saved model)"
+        for theirs, ours in sorted(differ, key=str)
+    ]
+
+
+def _ties(aliases: Mapping[str, str], names: set[str]) -> dict[str, frozenset[str]]:
+    """For each name, the names (among ``names``) that share its tensor."""
+    groups: dict[str, set[str]] = {}
+    for name in names:
+        groups.setdefault(aliases.get(name, name), set()).add(name)
+    return {name: frozenset(groups[aliases.get(name, name)]) for name in names}
 
 
 def _kind(value: Any) -> str:
@@ -233,49 +254,46 @@ def _hyperparameters(folder: Path, optimizer: Any, groups: list[Any]) -> list[st
     return out
 
 
+def _groups(optimizer: Mapping[str, Any]) -> dict[str, str]:
+    """Each parameter name of an optimizer state dict (DCP's) -> "group N"."""
+    groups = enumerate(optimizer["param_groups"])
+    return {name: f"group {g}" for g, group in groups for name in group["params"]}
+
+
 def _differences(
-    manifest: Manifest,
-    like: TrainState,
-    objects: dict[str, Any],
-    trees: dict[str, Any],
+    manifest: Manifest, like: TrainState, objects: dict[str, Any], trees: dict[str, Any],
     optimizer_like: Any,
-) -> list[str]:
+) -> list[str]:  # fmt: skip
     """How the decoded components differ from the template (the model aside)."""
-    classes, scaler, folder = manifest.classes, like.scaler, manifest.path
-    handles = ("optimizer", "scheduler", "scaler")
-    saved: dict[str, Any] = {n: classes.get(n) for n in handles if trees[n] is not None}
+    folder, handles = manifest.path, ("optimizer", "scheduler", "scaler")
+    saved: dict[str, Any] = {n: manifest.classes.get(n) for n in handles if trees[n] is not None}
     live = {n: type(getattr(like, n)).__name__ for n in handles if getattr(like, n) is not None}
-    if scaler is None and "scaler" in saved:  # one is built for the saved state
+    if like.scaler is None and "scaler" in saved:  # one is built for the saved state
         live["scaler"] = saved["scaler"]
-    elif scaler is not None and not scaler.is_enabled():
+    elif like.scaler is not None and not like.scaler.is_enabled():
         del live["scaler"]
     out = _compare("components", saved, live)
-    if "optimizer" in saved and "optimizer" in live:
-        groups = [g["params"] for g in trees["optimizer"]["param_groups"]]
-        grouped = {n: f"group {g}" for g, names in enumerate(groups) for n in names}
-        live_groups = parameter_names(like.model, like.optimizer)
-        out += _compare(
-            "optimizer parameters",
-            {**dict.fromkeys(trees["optimizer"]["state"], "state without a group"), **grouped},
-            {n: f"group {g}" for g, names in enumerate(live_groups) for n in names},
-        )
-    templates = {"optimizer": optimizer_like, "scheduler": like.scheduler, "scaler": like.scaler}
-    for name, template in templates.items():
+    if "optimizer" in saved and "optimizer" in live:  # both named by DCP
+        stateless = dict.fromkeys(trees["optimizer"]["state"], "state without a group")
+        grouped = {**stateless, **_groups(trees["optimizer"])}
+        out += _compare("optimizer parameters", grouped, _groups(optimizer_like))
+    for name in handles:  # their values, once they are of the same kind
+        template = optimizer_like if name == "optimizer" else getattr(like, name)
         if name in saved and template is not None and not out:
-            found = template if name == "optimizer" else template.state_dict()
             settings = None if name == "optimizer" else _settings(template)
-            out += _mismatches(
-                f"{folder}/{name}.json", trees[name], found, settings, settings is None
-            )
+            found = template if settings is None else template.state_dict()
+            where = f"{folder}/{name}.json"
+            out += _mismatches(where, trees[name], found, settings, settings is None)
     if "optimizer" in saved and optimizer_like is not None and not out:
         out += _hyperparameters(folder, like.optimizer, trees["optimizer"]["param_groups"])
     # Of extras the entries holding tensors (an EMA's) are compared; the rest is the user's.
     extras = {**like.extras, **(trees["extras"] or {})}  # the load's: template keys kept
     live = {k: v for k, v in like.extras.items() if _holds_tensor(v)}
     out += _mismatches(f"{folder}/extras.json", extras, live, (), False)
-    saved_objects = {n: classes.get("objects", {}).get(n) for n in trees["objects"] or {}}
-    live_objects = {n: type(o).__name__ for n, o in objects.items()}
-    return out + _compare("objects", saved_objects, live_objects)
+    saved_objects = {n: manifest.classes.get("objects", {}).get(n) for n in trees["objects"] or {}}
+    return out + _compare(
+        "objects", saved_objects, {n: type(o).__name__ for n, o in objects.items()}
+    )
 
 
 def _field_values(
@@ -378,30 +396,16 @@ def load_checkpoint(
         7
     """
     who = "load_checkpoint"
-    ok = isinstance(like, TrainState)
-    check(ok, who, "like", "a TrainState (the template)", type(like).__name__, "", TypeError)
-    objects = check_objects(objects, who)
-    group = group_of(like.model)
-    plan, error = None, None  # type: _Plan | None, BaseException | None
+    check_type(isinstance(like, TrainState), who, "like", "a TrainState (the template)", like)
+    objects, group = check_objects(objects, who), group_of(like.model)
+    restore, error = None, None  # type: Callable[[], TrainState] | None, BaseException | None
     try:
-        plan = _plan(path, like, objects, rng, rank_of(group)[0])
+        restore = _plan(path, like, objects, rng, group)
     except Exception as caught:
         error = caught
     agree(error, group, who)  # all ranks restore, or none
-    assert plan is not None
-    return _restore(plan, objects, group)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-    """What a load restores, read and checked against the template (nothing touched yet)."""
-
-    manifest: Manifest
-    model: dict[str, Any]  # the saved state dict, or (sharded) the template's to fill
-    shards: dict[str, torch.Tensor]  # sharded layout: DCP key -> template tensor to fill
-    trees: dict[str, Any]  # component name -> decoded tree (None when absent)
-    state: TrainState  # the state to return, the template's handles
-    rng_state: Any
+    assert restore is not None
+    return restore()
 
 
 def _rank_state(manifest: Manifest, rank: int, rng: bool) -> tuple[Any, dict[str, Any]]:
@@ -414,7 +418,7 @@ def _rank_state(manifest: Manifest, rank: int, rng: bool) -> tuple[Any, dict[str
         return (read_tree(manifest, "rng") if rng and manifest.has("rng") else None), {}
     if manifest.has(name := rank_component(rank)):
         own = read_tree(manifest, name)
-        if not (isinstance(own, dict) and own.keys() == {"rng", "data_state"}):
+        if own.keys() != {"rng", "data_state"}:
             raise DamagedCheckpointError(manifest.path, [f"{manifest.path / name}.json: malformed"])
         return (own["rng"] if rng else None), {"data_state": own["data_state"]}
     warnings.warn(
@@ -427,37 +431,39 @@ def _rank_state(manifest: Manifest, rank: int, rng: bool) -> tuple[Any, dict[str
     return None, {}
 
 
-def _model_plan(
-    manifest: Manifest, like: TrainState, shards: dict[str, Any]
-) -> tuple[dict[str, Any], list[str]]:
-    if manifest.sharded:
-        state = model_state(like.model)
-        shards.update({f"model/{name}": value for name, value in state.items()})
-        shapes = {
-            key.removeprefix("model/"): tuple(size)
-            for key, (size, _) in _saved_shapes(manifest).items()
-            if key.startswith("model/")
-        }
-        return state, model_differences(like.model, shapes, {})
-    tensors = _tensors(manifest, "model.safetensors")
-    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
-    differences = model_differences(like.model, shapes, manifest.aliases, manifest.frozen)
-    return expand(tensors, manifest.aliases) if not differences else {}, differences
-
-
 def _trees(
-    manifest: Manifest, like: TrainState, shards: dict[str, Any], differences: list[str]
-) -> tuple[dict[str, Any], Any]:
-    """Every tree component, decoded against the template (``None`` when absent), and the
-    template's optimizer state (zero state when it has none)."""
-    referenced: list[str] = []  # keys of sharded tensors
+    manifest: Manifest, like: TrainState, shapes: Mapping[str, Any], differences: list[str]
+) -> tuple[dict[str, Any], Any, dict[str, Any], dict[str, torch.Tensor]]:
+    """``(trees, optimizer_like, model, shards)``: every tree component decoded against the
+    template (``None`` when absent); the template's optimizer state (zero state when it
+    has none); the saved model state dict, or (sharded) the template's; and what DCP fills
+    in place: each sharded tensor (the template's, once its saved shape matches)."""
+    shards: dict[str, torch.Tensor] = {}
 
     def take(key: str, template: Any) -> torch.Tensor:
-        referenced.append(key)
-        if isinstance(template, torch.Tensor):
+        saved = f"shape {list(shapes[key][0])}" if key in shapes else "not in the files"
+        live = f"shape {list(template.shape)}" if isinstance(template, torch.Tensor) else "none"
+        if saved == live:
             return shards.setdefault(key, template)
-        return torch.empty(0)  # a stand-in keeps decoding; the difference is reported below
+        differences.append(
+            f"sharded tensors: {key!r}: {saved} in the checkpoint, {live} in the template"
+        )
+        return torch.empty(0)  # a stand-in keeps decoding
 
+    if manifest.sharded:
+        model = model_state(like.model)
+        shards.update({f"model/{name}": value for name, value in model.items()})
+        saved = {
+            k.removeprefix("model/"): size
+            for k, (size, _) in shapes.items()
+            if k.startswith("model/")
+        }
+        differences += _model_differences(like.model, saved, {}, None)
+    else:
+        tensors = _tensors(manifest, "model.safetensors")
+        saved = {name: tensor.shape for name, tensor in tensors.items()}
+        differences += _model_differences(like.model, saved, manifest.aliases, manifest.frozen)
+        model = expand(tensors, manifest.aliases)
     has = like.optimizer is not None and manifest.has("optimizer")  # sharded: DCP fills its own
     optimizer_like = optimizer_state(like.model, like.optimizer, manifest.sharded) if has else None
     lives = {"optimizer": optimizer_like, "extras": dict(like.extras), "state": fields_of(like)}
@@ -466,12 +472,7 @@ def _trees(
         n: read_tree(manifest, n, like=lives.get(n), sharded=take) if manifest.has(n) else None
         for n in names
     }
-    if referenced:  # their whole shapes
-        saved = {k: f"shape {list(size)}" for k, (size, _) in _saved_shapes(manifest).items()}
-        live = {k: f"shape {list(shards[k].shape)}" for k in referenced if k in shards}
-        found = {k: saved.get(k, "not in the files") for k in referenced}
-        differences += _compare("sharded tensors", found, live)
-    return trees, optimizer_like
+    return trees, optimizer_like, model, shards
 
 
 def _content_problems(
@@ -515,7 +516,7 @@ def content_problems(manifest: Manifest) -> list[str]:
     """
     differences: list[str] = []
     try:
-        shapes = _saved_shapes(manifest) if manifest.sharded else {}
+        shapes = _shapes(manifest)
         if not manifest.sharded:  # its header, and the aliases' tensors in it
             _tensors(manifest, "model.safetensors")
         names = [n[:-5] for n in manifest.files if n.endswith(".json") and "/" not in n]
@@ -529,18 +530,20 @@ def content_problems(manifest: Manifest) -> list[str]:
 
 
 def _plan(
-    path: str | os.PathLike[str], like: TrainState, objects: dict[str, Any], rng: bool, rank: int
-) -> _Plan:
+    path: str | os.PathLike[str], like: TrainState, objects: dict[str, Any], rng: bool,
+    group: Group | None,
+) -> Callable[[], TrainState]:  # fmt: skip
+    """Read and check everything against the template; return the restore, to call once all
+    ranks of ``group`` agree (nothing is touched before)."""
     manifest = verified_manifest(path)
     if manifest.model_only and like.optimizer is not None:
         raise ValueError(
             f"load_checkpoint: {manifest.path} is model-only (keep_full removed its optimizer"
             " state); pass a template without optimizer, or resume from a full checkpoint."
         )
-    shards: dict[str, torch.Tensor] = {}
-    model, differences = _model_plan(manifest, like, shards)
-    trees, optimizer_like = _trees(manifest, like, shards, differences)
-    rng_state, own = _rank_state(manifest, rank, rng)
+    differences: list[str] = []
+    trees, optimizer_like, model, shards = _trees(manifest, like, _shapes(manifest), differences)
+    rng_state, own = _rank_state(manifest, rank_of(group)[0], rng)
     fields = {**_field_values(like, trees["state"] or {}, differences), **own}
     if damage := _content_problems(manifest.path, {**trees, "rng": rng_state}, fields):
         raise DamagedCheckpointError(manifest.path, damage)
@@ -558,24 +561,24 @@ def _plan(
     # A new state, not like.replace(): the template may carry a train step's "consumed" mark.
     values = {field.name: getattr(like, field.name) for field in dataclasses.fields(like)}
     values.update(fields, extras={**like.extras, **(trees["extras"] or {})}, scaler=scaler)
-    return _Plan(manifest, model, shards, trees, TrainState(**values), rng_state)
+    state = TrainState(**values)
 
+    def restore() -> TrainState:
+        """Restore, in the order that keeps each object's saved values (see load_checkpoint)."""
+        for name, obj in objects.items():  # first: only the object itself can check its state
+            obj.load_state_dict(trees["objects"][name])
+        if shards:
+            load_shards(shards, manifest.path, group)  # every sharded tensor, in place
+        put_model(state.model, model, not manifest.sharded, not manifest.frozen)
+        model.clear()  # drop the file mapping
+        if trees["scheduler"] is not None:
+            state.scheduler.load_state_dict(trees["scheduler"])
+        if trees["optimizer"] is not None:
+            put_optimizer(state.model, state.optimizer, trees["optimizer"], not manifest.sharded)
+        if trees["scaler"] is not None and state.scaler is not None:  # built when none
+            state.scaler.load_state_dict(trees["scaler"])
+        if rng_state is not None:
+            restore_rng(rng_state)
+        return state
 
-def _restore(plan: _Plan, objects: dict[str, Any], group: Group | None) -> TrainState:
-    """Restore, in the order that keeps each object's saved values (see load_checkpoint)."""
-    trees, state = plan.trees, plan.state
-    for name, obj in objects.items():  # first: only the object itself can check its state
-        obj.load_state_dict(trees["objects"][name])
-    if plan.shards:
-        load_shards(plan.shards, plan.manifest.path, group)  # every sharded tensor, in place
-    put_model(state.model, plan.model, not plan.manifest.sharded, not plan.manifest.frozen)
-    plan.model.clear()  # drop the file mapping
-    if trees["scheduler"] is not None:
-        state.scheduler.load_state_dict(trees["scheduler"])
-    if trees["optimizer"] is not None:
-        put_optimizer(state.model, state.optimizer, trees["optimizer"], not plan.manifest.sharded)
-    if trees["scaler"] is not None and state.scaler is not None:  # built when none
-        state.scaler.load_state_dict(trees["scaler"])
-    if plan.rng_state is not None:
-        restore_rng(plan.rng_state)
-    return state
+    return restore

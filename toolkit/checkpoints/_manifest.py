@@ -34,8 +34,8 @@ from toolkit.checkpoints._files import (
     replace_file,
     write_json,
 )
+from toolkit.checkpoints._model_state import SHARDS
 from toolkit.checkpoints._retention import retention_from_document
-from toolkit.checkpoints._sharded import SHARDS
 
 FORMAT = "toolkit-checkpoint"
 VERSION = 2  # 2: no "components"; optimizer state through torch.distributed.checkpoint
@@ -107,28 +107,31 @@ def check_metrics(metrics: Any) -> dict[str, float]:
     return {key: float(value) for key, value in metrics.items()}
 
 
-def _canonical(document: Mapping[str, Any]) -> bytes:
+def _digest(document: Mapping[str, Any]) -> str:
+    """The manifest's own checksum: of its canonical JSON without that checksum."""
     body = {k: v for k, v in document.items() if k != _SELF}
-    return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return xxhash.xxh3_128_hexdigest(text.encode())
 
 
 def manifest_document(*, metrics: Mapping[str, float], **fields: Any) -> dict[str, Any]:
     """The JSON document of a manifest (``step``, ``time``, ``files``, ...), self-checksummed."""
     document = {"format": FORMAT, "version": VERSION, "checksum": CHECKSUM, **fields}
     document["metrics"] = encode(dict(metrics), "metrics")[0]  # NaN/inf become tags
-    document[_SELF] = xxhash.xxh3_128_hexdigest(_canonical(document))
+    document[_SELF] = _digest(document)
     return document
 
 
-# Only plain, visible .json/.safetensors names in the folder or its sharded/: no paths out
-# of it, no other file kinds (the load path opens nothing but JSON and safetensors).
-_NAME = re.compile(rf"({SHARDS}/)?[^./\\][^/\\]*\.(json|safetensors)")
+def listing(folder: Path) -> dict[str, dict[str, Any]]:
+    """Every file under ``folder`` (``sharded/``'s too) with its size and checksum."""
+    files = [file for file in sorted(folder.rglob("*")) if file.is_file()]
+    found = {f.relative_to(folder).as_posix(): (f.stat().st_size, checksum(f)) for f in files}
+    return {name: {"size": size, CHECKSUM: digest} for name, (size, digest) in found.items()}
 
 
-def _bad_name(name: Any) -> bool:
-    return (
-        not (isinstance(name, str) and _NAME.fullmatch(name)) or name.rpartition("/")[2] == MANIFEST
-    )
+# Only plain, visible .json/.safetensors names in the folder or its sharded/ (no manifest):
+# no paths out of it, no other file kinds (the load path opens nothing but JSON and safetensors).
+_NAME = re.compile(rf"({SHARDS}/)?(?!{re.escape(MANIFEST)}$)[^./\\][^/\\]*\.(json|safetensors)")
 
 
 def _parsed(folder: Path) -> dict[str, Any]:
@@ -141,10 +144,9 @@ def _parsed(folder: Path) -> dict[str, Any]:
         raise DamagedCheckpointError(folder, [f"{path}: unreadable ({error})"]) from None
     if not isinstance(document, dict):
         raise DamagedCheckpointError(folder, [f"{path}: not a JSON object"])
-    if document.get(_SELF) != xxhash.xxh3_128_hexdigest(_canonical(document)):
-        raise DamagedCheckpointError(
-            folder, [f"{path}: content does not match its own checksum (edited or corrupted)"]
-        )
+    if document.get(_SELF) != _digest(document):
+        problem = f"{path}: content does not match its own checksum (edited or corrupted)"
+        raise DamagedCheckpointError(folder, [problem])
     kind = (document.get("format"), document.get("version"))
     if kind != (FORMAT, VERSION):
         raise ValueError(
@@ -165,15 +167,14 @@ def _fields(document: dict[str, Any]) -> dict[str, Any] | None:
         settings = decode(fields.get("settings", {}), {}, "settings")
         fields.update(time=float(fields["time"]), metrics=metrics, settings=settings)
         retention_from_document(fields.get("rules", {}))
+        entries = fields["files"].values()
         ok = all(type(fields.get(k, t())) is t for k, t in kinds.items()) and fields["step"] >= 0
         ok = ok and all(type(value) in (int, float) for value in metrics.values())
-        ok = ok and all(type(e["size"]) is int for e in fields["files"].values())
-        ok = ok and all(isinstance(e[CHECKSUM], str) for e in fields["files"].values())
+        ok = ok and all(type(e["size"]) is int and type(e[CHECKSUM]) is str for e in entries)
         ok = ok and all(type(v) is str for v in fields.get("aliases", {}).values())
-        ok = ok and isinstance(fields.get("classes", {}).get("objects", {}), dict)
+        return fields if ok and type(fields.get("classes", {}).get("objects", {})) is dict else None
     except (TreeError, KeyError, TypeError, AttributeError, ValueError, RecursionError):
         return None
-    return fields if ok else None
 
 
 def read_manifest(folder: str | os.PathLike[str]) -> Manifest:
@@ -184,21 +185,28 @@ def read_manifest(folder: str | os.PathLike[str]) -> Manifest:
         ValueError: it is another format, or another version than this toolkit reads.
     """
     folder = Path(folder)
-    path = folder / MANIFEST
-    document = _parsed(folder)
+    path, document = folder / MANIFEST, _parsed(folder)
     files = document.get("files")
     problems = [
         f"{path}: lists {name!r}, not a .json/.safetensors name in the folder (or in its "
         f"{SHARDS}/ sub-folder)"
         for name in (files if isinstance(files, dict) else {})
-        if _bad_name(name)
+        if not (isinstance(name, str) and _NAME.fullmatch(name))
     ]
-    fields = _fields(document) if isinstance(files, dict) else None
+    fields = _fields(document)
     if fields is None:
         problems.append(f"{path}: not a manifest (step, time, files or metrics malformed)")
     if problems:
         raise DamagedCheckpointError(folder, problems)
     return Manifest(path=folder, **fields)  # type: ignore[arg-type]
+
+
+def verified_manifest(path: str | os.PathLike[str]) -> Manifest:
+    """The manifest of ``path`` after checking every file it lists (sizes and checksums)."""
+    manifest = read_manifest(path)
+    if problems := file_problems(manifest, checksums=True):
+        raise DamagedCheckpointError(manifest.path, problems)
+    return manifest
 
 
 def file_problems(manifest: Manifest, *, checksums: bool = True) -> list[str]:
@@ -252,7 +260,7 @@ def reduce_to_model(folder: Path) -> bool:
     files, kept = document["files"], ("model", "state", "extras")  # extras: the EMA
     document["files"] = {n: e for n, e in files.items() if n.split(".")[0] in kept}
     document["model_only"] = True
-    document[_SELF] = xxhash.xxh3_128_hexdigest(_canonical(document))
+    document[_SELF] = _digest(document)
     replace_file(folder / MANIFEST, lambda temp: write_json(temp, document))
     for name in files.keys() - document["files"].keys():
         (folder / name).unlink(missing_ok=True)

@@ -1,19 +1,39 @@
-"""Model and optimizer state through ``torch.distributed.checkpoint.state_dict``.
+"""Model and optimizer state, and sharded files, through PyTorch's distributed checkpointing.
 
-``get_model_state_dict`` and ``get_optimizer_state_dict`` give plain names (no
-``_orig_mod.``/``module.``), optimizer state keyed by parameter name, and DTensors for a
-sharded (FSDP2) model; their ``set_`` twins load them back, whatever the sharding. A tied
-tensor is listed under each of its names; safetensors refuses to write shared memory
-twice, so a file stores it under its first name and records the others as *aliases*.
+``torch.distributed.checkpoint.state_dict``: ``get_model_state_dict`` and
+``get_optimizer_state_dict`` give plain names (no ``_orig_mod.``/``module.``), optimizer
+state keyed by parameter name, and DTensors for a sharded (FSDP2) model; their ``set_``
+twins load them back, whatever the sharding. A tied tensor is listed under each of its
+names; safetensors refuses to write shared memory twice, so a file stores it under its
+first name and records the others as *aliases*.
+
+Sharded files: a checkpoint of a sharded model keeps its model, its optimizer's tensors
+and any DTensor in ``extras`` in the ``sharded/`` sub-folder of the checkpoint: one
+safetensors file per rank (``shard-0000N-model-00001-of-00001.safetensors``), written by
+``torch.distributed.checkpoint`` (DCP) with its Hugging Face storage writer, each file's
+header naming the offsets of the pieces it holds. Keys are ``model/<name>`` and
+``<tree>/<path>`` (the JSON document of the tree refers to them with
+``{"$tensor": key, "dcp": true}``). DCP's own file format pickles its metadata
+(``.metadata``) and reads tensors with ``torch.load``; this layout has neither: the reader
+(``HuggingFaceStorageReader``) builds DCP's metadata from the safetensors headers and reads
+slices with ``safetensors`` alone. It lists the folder, so a load first checks that
+``sharded/`` holds exactly the files the manifest lists, each of the right size and
+checksum (see :func:`._manifest.file_problems`). Loading goes through DCP too, into the
+template's own tensors, so a checkpoint written by any number of ranks loads into any
+other sharding, a DDP model or a plain one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 import xxhash
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -21,12 +41,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from toolkit._checks import check
 from toolkit._unwrap import unwrap
 from toolkit.checkpoints._codec import TreeError, describe
-from toolkit.checkpoints._files import CHECKSUM
-from toolkit.checkpoints._sharded import is_sharded
+from toolkit.checkpoints._files import CHECKSUM, fsync_dir
+
+SHARDS = "sharded"  # the sub-folder of a checkpoint that holds DCP's files
 
 
 def model_state(model: torch.nn.Module) -> dict[str, Any]:
@@ -58,9 +80,8 @@ def put_model(
     if full and not is_sharded(model):  # set_model_state_dict would copy every tensor
         unwrap(model).load_state_dict(dict(state), strict=strict)
     else:
-        set_model_state_dict(
-            unwrap(model), dict(state), options=StateDictOptions(full_state_dict=full)
-        )
+        options = StateDictOptions(full_state_dict=full)
+        set_model_state_dict(unwrap(model), dict(state), options=options)
 
 
 def parameter_names(model: torch.nn.Module, optimizer: Any) -> list[list[str]]:
@@ -121,7 +142,7 @@ def split_aliases(
                 f"{who}: state_dict entry {name!r} is {describe(value)}, not a tensor; a "
                 "model file holds tensors only (return a tensor from get_extra_state)."
             )
-        local = value.to_local() if hasattr(value, "to_local") else value  # a DTensor's shard
+        local = value.to_local() if isinstance(value, DTensor) else value  # this rank's shard
         key = (local.device, local.data_ptr(), local.dtype, tuple(value.shape), local.stride())
         if local.numel() and key in first:
             aliases[name] = first[key]
@@ -136,59 +157,51 @@ def expand(tensors: Mapping[str, torch.Tensor], aliases: Mapping[str, str]) -> d
     return {**tensors, **{alias: tensors[name] for alias, name in aliases.items()}}
 
 
-def model_differences(
-    model: torch.nn.Module,
-    shapes: Mapping[str, tuple[int, ...]],
-    aliases: Mapping[str, str],
-    frozen: str | None = None,
-) -> list[str]:
-    """How a saved model (names -> shapes, aliases) differs from ``model``; empty if none.
-
-    With ``frozen`` (the fingerprint of a trainable-only save) the saved names are compared
-    with ``model``'s trainable part and ``frozen`` with the fingerprint of the rest.
-    """
-    live, fingerprint = model_part(model, frozen is not None, "load_checkpoint")
-    out = [] if fingerprint == frozen else [
-        f"model: its frozen parameters ({fingerprint}) are not those the trainable-only "
-        f"checkpoint was saved with ({frozen}); build the template on the same base model "
-        "(the same pretrained weights, the same parameters frozen)."
-    ]  # fmt: skip
-    live, live_aliases = split_aliases(live, "load_checkpoint")
-    saved_names, live_names = set(shapes) | set(aliases), set(live) | set(live_aliases)
-    if live_names - saved_names:
-        out.append(f"model: keys missing from the checkpoint: {few(live_names - saved_names)}")
-    if saved_names - live_names:
-        out.append(f"model: unexpected keys in the checkpoint: {few(saved_names - live_names)}")
-    full_live = expand(live, live_aliases)
-    common = saved_names & live_names
-    for name in sorted(common):
-        saved_shape, live_shape = shapes[aliases.get(name, name)], tuple(full_live[name].shape)
-        if tuple(saved_shape) != live_shape:
-            out.append(
-                f"model: {name!r} has shape {list(saved_shape)} in the checkpoint, "
-                f"{list(live_shape)} in the model"
-            )
-    saved_ties, live_ties = _ties(aliases, common), _ties(live_aliases, common)
-    differ = {(saved_ties[n], live_ties[n]) for n in common if saved_ties[n] != live_ties[n]}
-    for saved, tied in sorted(differ, key=str):
-        out.append(
-            f"model: tied weights differ: the checkpoint shares one tensor among "
-            f"{sorted(saved)}, the model among {sorted(tied)} (tie the weights as in the "
-            "saved model)"
-        )
-    return out
-
-
-def _ties(aliases: Mapping[str, str], names: set[str]) -> dict[str, frozenset[str]]:
-    """For each name, the names (among ``names``) that share its tensor."""
-    groups: dict[str, set[str]] = {}
-    for name in names:
-        groups.setdefault(aliases.get(name, name), set()).add(name)
-    return {name: frozenset(groups[aliases.get(name, name)]) for name in names}
-
-
 def few(names: Any) -> str:
     """At most 10 of ``names``, sorted and repr'ed, for an error message."""
     names = sorted(names)
     more = f" ... (+{len(names) - 10} more)" if len(names) > 10 else ""
     return ", ".join(map(repr, names[:10])) + more
+
+
+def is_dtensor(value: Any) -> bool:
+    """True for a ``torch.distributed.tensor.DTensor`` (an FSDP2 shard)."""
+    return isinstance(value, DTensor)
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """True when any of ``model``'s parameters is a DTensor (FSDP2, tensor parallelism)."""
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def save_shards(tensors: Mapping[str, torch.Tensor], folder: Path, group: Any) -> None:
+    """Write ``tensors`` (DTensors and replicated plain tensors) into ``folder/sharded``.
+
+    Collective over ``group`` (every rank calls it, ``folder`` already exists); each rank
+    writes the pieces it owns, replicated tensors once.
+    """
+    (folder / SHARDS).mkdir(exist_ok=True)
+    writer = HuggingFaceStorageWriter(str(folder / SHARDS), save_distributed=True)
+    _dcp(dcp.save, tensors, group, storage_writer=writer)
+    fsync_dir(folder / SHARDS)  # this rank's file's name, before rank 0 publishes the folder
+
+
+def saved_shapes(folder: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Every key of the shards with its whole (unsharded) shape and dtype, from the headers."""
+    metadata: Any = HuggingFaceStorageReader(str(folder / SHARDS)).read_metadata()
+    return {k: (v.size, v.properties.dtype) for k, v in metadata.state_dict_metadata.items()}
+
+
+def load_shards(targets: Mapping[str, torch.Tensor], folder: Path, group: Any) -> None:
+    """Fill ``targets`` (any sharding, or plain tensors) in place from ``folder/sharded``.
+
+    Collective over ``group`` when one is given; every rank passes the same keys.
+    """
+    _dcp(dcp.load, targets, group, storage_reader=HuggingFaceStorageReader(str(folder / SHARDS)))
+
+
+def _dcp(call: Callable[..., Any], tensors: Mapping[str, Any], group: Any, **storage: Any) -> None:
+    with warnings.catch_warnings():
+        if group is None:  # DCP works in this process alone, as meant: silence its warning
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        call(dict(tensors), process_group=group, no_dist=group is None, **storage)

@@ -14,30 +14,22 @@ from typing import Any
 
 import torch
 
-__all__ = ["capture_rng", "restore_rng"]
+try:
+    import numpy
+except ImportError:  # an optional dependency
+    numpy = None  # type: ignore[assignment]
 
-
-def _numpy() -> Any:
-    try:
-        import numpy
-    except ImportError:  # an optional dependency
-        return None
-    return numpy
+_NUMPY = ("bit_generator", "key", "pos", "has_gauss", "gauss")  # np.random.get_state()'s
 
 
 def capture_rng() -> dict[str, Any]:
     """Every global generator's state (see the module docstring)."""
     states: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    numpy = _numpy()
     if numpy is not None:
         name, key, pos, has_gauss, gauss = numpy.random.get_state(legacy=True)
-        states["numpy"] = {
-            "bit_generator": str(name),
-            "key": key.tolist(),  # python ints, five times faster than int() per item
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "gauss": float(gauss),
-        }
+        # key.tolist(): python ints, five times faster than int() per item
+        values = (str(name), key.tolist(), int(pos), int(has_gauss), float(gauss))  # type: ignore[union-attr]
+        states["numpy"] = dict(zip(_NUMPY, values))
     if torch.cuda.is_available():
         states["cuda"] = list(torch.cuda.get_rng_state_all())
     return states
@@ -52,15 +44,14 @@ def restore_rng(states: dict[str, Any], *, trial: bool = False) -> None:
     """
     (random.Random().setstate if trial else random.setstate)(states["python"])
     (torch.Generator().set_state if trial else torch.set_rng_state)(states["torch"].cpu())
-    numpy = _numpy()
     saved = states.get("numpy")
     if numpy is not None and saved is not None:
-        key = numpy.asarray(saved["key"], dtype=numpy.uint32)
-        if not (type(saved["pos"]) is int and 0 <= saved["pos"] <= len(key) == 624):
-            raise ValueError(f"numpy: position {saved['pos']!r} of a key of {len(key)} words")
-        (numpy.random.RandomState() if trial else numpy.random).set_state(
-            (saved["bit_generator"], key, saved["pos"], saved["has_gauss"], saved["gauss"])
-        )
+        name, key, pos, has_gauss, gauss = (saved[field] for field in _NUMPY)
+        key = numpy.asarray(key, dtype=numpy.uint32)
+        if not (type(pos) is int and 0 <= pos <= len(key) == 624):
+            raise ValueError(f"numpy: position {pos!r} of a key of {len(key)} words")
+        generator = numpy.random.RandomState() if trial else numpy.random
+        generator.set_state((name, key, pos, has_gauss, gauss))
     cuda = states.get("cuda")
     if cuda and torch.cuda.is_available():
         count = torch.cuda.device_count()

@@ -37,20 +37,18 @@ import torch
 
 from toolkit._checks import check
 from toolkit.checkpoints._codec import encode, host_tensor, separate_shared
-from toolkit.checkpoints._files import (
-    CHECKSUM,
-    checksum,
-    fsync_dir,
-    new_token,
-    temp_name,
-    write_json,
-    write_tensors,
+from toolkit.checkpoints._files import fsync_dir, new_token, temp_name, write_json, write_tensors
+from toolkit.checkpoints._manifest import MANIFEST, check_metrics, listing, manifest_document
+from toolkit.checkpoints._model_state import (
+    is_dtensor,
+    is_sharded,
+    model_part,
+    optimizer_state,
+    save_shards,
+    split_aliases,
 )
-from toolkit.checkpoints._manifest import MANIFEST, check_metrics, manifest_document
-from toolkit.checkpoints._model_state import few, model_part, optimizer_state, split_aliases
 from toolkit.checkpoints._retention import Retention
 from toolkit.checkpoints._rng import capture_rng
-from toolkit.checkpoints._sharded import SHARDS, is_dtensor, is_sharded, save_shards
 from toolkit.distributed._collectives import Group, agree, broadcast_int, group_of, rank_of
 from toolkit.step._components import check_objects, fields_of
 from toolkit.step._state import TrainState
@@ -108,9 +106,7 @@ def _snapshot(state: TrainState, objects: dict[str, Any], copy: bool, trainable:
         classes["objects"] = {name: type(obj).__name__ for name, obj in objects.items()}
     own = encode({"rng": rng, "data_state": dict(state.data_state)}, "rank", copy=copy)
     fields = {"step": state.step, "classes": classes, "aliases": aliases, "sharded": sharded}
-    if trainable:
-        fields["frozen"] = frozen
-    return _Snapshot(fields, trees, shards, own)
+    return _Snapshot({**fields, "frozen": frozen}, trees, shards, own)  # frozen: trainable_only
 
 
 def _write_parts(snapshot: _Snapshot, folder: Path, rank: int) -> None:
@@ -126,13 +122,7 @@ def _write_parts(snapshot: _Snapshot, folder: Path, rank: int) -> None:
 
 
 def _write_manifest(snapshot: _Snapshot, folder: Path, extra: Mapping[str, Any]) -> None:
-    files = {}
-    for entry in sorted(folder.rglob("*")):  # sharded/'s files too
-        if entry.is_file():
-            name = entry.relative_to(folder).as_posix()
-            files[name] = {"size": entry.stat().st_size, CHECKSUM: checksum(entry)}
-    if snapshot.manifest["sharded"]:
-        fsync_dir(folder / SHARDS)
+    files = listing(folder)
     document = manifest_document(**snapshot.manifest, **extra, time=time.time(), files=files)
     write_json(folder / MANIFEST, document)
     fsync_dir(folder)
@@ -248,7 +238,9 @@ def save_checkpoint(
     group = group_of(state.model) if isinstance(state, TrainState) else None
     snapshot, error = None, None
     try:
-        snapshot = _prepare(state, Path(path), objects, metrics, rules, settings, trainable_only)
+        snapshot = _prepare(
+            state, Path(path), False, objects, metrics, rules, settings, trainable_only
+        )
     except Exception as caught:
         error = caught
     agree(error, group, "save_checkpoint")
@@ -257,14 +249,7 @@ def save_checkpoint(
 
 
 def save_in_background(
-    state: TrainState,
-    path: str | os.PathLike[str],
-    *,
-    objects: Mapping[str, Any] | None = None,
-    metrics: Mapping[str, float] | None = None,
-    rules: Retention | None = None,
-    settings: Mapping[str, Any] | None = None,
-    trainable_only: bool = False,
+    state: TrainState, path: str | os.PathLike[str], **options: Any
 ) -> Future[Path]:
     """Like :func:`toolkit.save_checkpoint`, but write the files in a background thread.
 
@@ -279,12 +264,10 @@ def save_in_background(
     Args:
         state: the state to save, at an update boundary.
         path: the checkpoint folder to create.
-        objects: extra stateful objects by name (their ``state_dict()`` is taken now).
-        metrics: flat ``{name: number}`` recorded in the manifest.
-        rules: the retention rules in force, recorded in the manifest.
-        settings: the run's configuration, recorded in the manifest.
-        trainable_only: save the trainable parameters and buffers of the model only (the
-            fingerprint of the frozen ones is taken at the call), as ``save_checkpoint``.
+        **options: the keyword arguments of ``save_checkpoint``, taken at the call:
+            ``objects`` (their ``state_dict()`` is taken now), ``metrics``, ``rules``,
+            ``settings``, ``trainable_only`` (the fingerprint of the frozen parameters is
+            taken now too).
 
     Returns:
         A ``concurrent.futures.Future`` whose ``result()`` is the checkpoint's path, or
@@ -311,7 +294,7 @@ def save_in_background(
             "save_in_background: expected a model of this process alone, got a data-parallel "
             "one (DDP or FSDP2), whose ranks save together; use save_checkpoint on every rank."
         )
-    snapshot = _prepare(state, path, objects, metrics, rules, settings, trainable_only, copy=True)
+    snapshot = _prepare(state, path, copy=True, **options)
     # Its worker is joined at interpreter exit (as a non-daemon thread would be).
     pool = ThreadPoolExecutor(1, thread_name_prefix=f"save_checkpoint {path}")
     future = pool.submit(_write, snapshot, path, None)
@@ -322,12 +305,12 @@ def save_in_background(
 def _prepare(
     state: TrainState,
     path: Path,
-    objects: Mapping[str, Any] | None,
-    metrics: Mapping[str, float] | None,
-    rules: Retention | None,
-    settings: Mapping[str, Any] | None,
-    trainable: bool,
-    copy: bool = False,
+    copy: bool,
+    objects: Mapping[str, Any] | None = None,
+    metrics: Mapping[str, float] | None = None,
+    rules: Retention | None = None,
+    settings: Mapping[str, Any] | None = None,
+    trainable_only: bool = False,
 ) -> _Snapshot:
     """Check the arguments and gather everything in memory; nothing is written yet."""
     who = "save_checkpoint"
@@ -352,11 +335,11 @@ def _prepare(
             "to replace it. Pick another path or remove it."
         )
     document, tensors = encode(dict(settings or {}), "settings")
-    check(not tensors, who, "settings", "a tree of JSON values (no tensors)", few(tensors))
-    snapshot = _snapshot(state, check_objects(objects, who), copy, trainable)
+    check(not tensors, who, "settings", "a tree of JSON values (no tensors)", list(tensors))
+    snapshot = _snapshot(state, check_objects(objects, who), copy, trainable_only)
     rules_document = rules and rules.to_document()
-    snapshot.manifest.update(metrics=check_metrics(metrics or {}), rules=rules_document)
-    snapshot.manifest["settings"] = document
+    metrics = check_metrics(metrics or {})
+    snapshot.manifest.update(metrics=metrics, rules=rules_document, settings=document)
     return snapshot
 
 
