@@ -115,10 +115,9 @@ def early_stop(
                 f"{sorted(metrics)}). Use early_stop('{name}/<one of them>')."
             )
         value = float(metrics[sub])
+        counters = {**counters, "seen_step": step, "bad": counters["bad"] + 1}
         if better(value, counters["best"], mode, min_delta):
-            counters = {**counters, "best": value, "best_step": step, "bad": 0, "seen_step": step}
-        else:
-            counters = {**counters, "bad": counters["bad"] + 1, "seen_step": step}
+            counters.update({"best": value, "best_step": step, "bad": 0})
         state = state.replace(extras={**state.extras, key: counters})
         if counters["bad"] < patience:
             return state
