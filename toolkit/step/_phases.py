@@ -29,7 +29,6 @@ __all__ = [
     "NonFiniteError",
     "Verdict",
     "decide",
-    "reported",
     "skip_range",
 ]
 
@@ -272,14 +271,6 @@ def decide(
     bits = torch.stack([flag.to(device, torch.float32) for flag in flags.values()])
     code = int((bits * _flag_weights(device)[: len(bits)]).sum().item())  # the sync
     return Verdict(**{name: bool(code >> i & 1) for i, name in enumerate(flags)})
-
-
-def reported(verdict: Verdict, empty: bool) -> Verdict:
-    """The verdict as a step reports it: each window has one reason not to be applied."""
-    empty = empty or verdict.empty
-    nonfinite = verdict.nonfinite and not empty  # no targets: 0/0 gradients are no failure
-    overflow = verdict.overflow and not nonfinite  # a non-finite loss is the guard's to report
-    return verdict._replace(nonfinite=nonfinite, overflow=overflow, empty=empty)
 
 
 def _overflows(scaler: torch.amp.GradScaler, optimizer: Any) -> tuple[torch.Tensor, torch.Tensor]:

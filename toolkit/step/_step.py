@@ -16,7 +16,6 @@ import torch
 
 from toolkit._checks import check
 from toolkit.distributed._collectives import (
-    SYNC_KIND,
     all_reduce_,
     carrier_of,
     data_parallel_group,
@@ -34,7 +33,6 @@ from toolkit.step._phases import (
     GuardConfig,
     Verdict,
     decide,
-    reported,
     skip_range,
 )
 from toolkit.step._state import GuardState, TrainState, WindowState
@@ -172,13 +170,10 @@ def _parse(result: Any) -> tuple[torch.Tensor, torch.Tensor | float | None, Mapp
             "loss_fn returned a loss that does not require grad; compute it from the model's "
             "output inside loss_fn, outside torch.no_grad()."
         )
-    # No records (a LossSum's default {}): no tree walk, per micro-batch.
-    detached = optree.tree_map(_detached, records, none_is_leaf=True) if records else _NO_RECORDS  # type: ignore[arg-type]
-    return loss, count, detached  # type: ignore[return-value]  # the same kind of mapping
-
-
-def _detached(leaf: Any) -> Any:
-    return leaf.detach() if isinstance(leaf, torch.Tensor) else leaf
+    if not records:  # a LossSum's default {}: no tree walk, per micro-batch
+        return loss, count, _NO_RECORDS
+    detach = lambda leaf: leaf.detach() if isinstance(leaf, torch.Tensor) else leaf  # noqa: E731
+    return loss, count, optree.tree_map(detach, records, none_is_leaf=True)  # type: ignore[arg-type]
 
 
 def _checked_count(count: Any) -> torch.Tensor | float:
@@ -258,16 +253,23 @@ class Step:
         if optimizer is None:
             raise _no_optimizer(state)
         if state._consumed:
-            raise _reused(state)
+            raise ValueError(
+                f"this TrainState (step {state.step}) was already passed to a train step, so "
+                "its counters would fork; keep the one it returns: state, out = step(state, batch)."
+            )
         k, opened = self._k, state.window
         if opened.micro_step and opened.length != k:
-            raise _other_window(opened, k)
+            raise ValueError(
+                f"the state's accumulation window was opened by a step of micro_batches="
+                f"{opened.length} and holds {opened.micro_step} micro-batch(es); this step has "
+                f"micro_batches={k}, so the window would never close as it should."
+            )
         scaler = None  # a scaler left in the state by someone else is not ours to use
         if self.amp is not None and self.amp.fp16:
             if state.scaler is None:
                 state = state.replace(scaler=self.amp.make_scaler(optimizer))
             scaler = state.scaler
-        sync = SYNC_KIND.get(type(state.model)) or sync_kind(state.model)  # "none", "ddp"...
+        sync = sync_kind(state.model)  # "none", "ddp" or "fsdp2"
         closes = close or opened.micro_step + 1 == k
         if closes or sync == "none":
             window, out, loss = self._micro_batch(state, batch, k, closes, scaler, sync)
@@ -292,7 +294,7 @@ class Step:
         """Phases 1-3: the advanced window (None when skipped), the output and the loss.
 
         Run per micro-batch: on a small model every call and object made here shows (each
-        costs more than a line), hence one function with the common cases up front.
+        costs more than a line), hence one function with the common case up front.
         """
         model, optimizer, window = state.model, state.optimizer, state.window
         # 1. forward, under autocast
@@ -312,7 +314,11 @@ class Step:
         # 2. loss normalisation: 1/k, or a sum whose gradients phase 5 divides
         window_count, window_loss = window.count, window.loss
         if window.micro_step and (count is None) != (window_count is None):
-            raise _mixed_counts(count is None)
+            detail = "this one reported none" if count is None else "earlier ones reported none"
+            raise ValueError(
+                "loss_fn reported a target count for some micro-batches of the window but not "
+                f"for others ({detail}). Return LossSum(total, count) from every call, or none."
+            )
         objective = loss / k if count is None and k > 1 else loss
         detached = shown = loss.detach()
         if self.guard is not None:
@@ -332,9 +338,7 @@ class Step:
             if carrier is not None:
                 carrier.send(window_loss, window.skipped, optimizer.param_groups[0]["params"][0])
         (scaler.scale(objective) if scaler is not None else objective).backward()
-        first = batch[0] if type(batch) is tuple and batch else batch  # (inputs, targets)
-        samples = first.shape[0] if type(first) is torch.Tensor and first.ndim else None
-        samples = _leading_dim(batch) if samples is None else samples
+        samples = _leading_dim(batch)
         return window, _tuple_new(StepOutput, (shown, records, count, samples, *_OPEN)), loss
 
     def _close(
@@ -366,10 +370,9 @@ class Step:
         grad_norm = clip_norm = None
         if clipping is not None or guard is not None:
             norm_type = clipping.norm_type if clipping is not None else 2.0
-            norm: Any = torch.nn.utils.get_total_norm(grads, norm_type)
-            grad_norm = clip_norm = norm
-            if type(norm) is not torch.Tensor:  # FSDP2: a DTensor; clipping takes it so
-                grad_norm = norm.full_tensor()
+            clip_norm = torch.nn.utils.get_total_norm(grads, norm_type)
+            # FSDP2: a DTensor, which clipping takes as it is; the verdict needs its value.
+            grad_norm = clip_norm if type(clip_norm) is torch.Tensor else clip_norm.full_tensor()
         verdict = APPLY
         if guard is not None or scaler is not None or group is not None:
             # DDP: the ranks' flags that rode on the gradient all-reduce, if they did.
@@ -381,8 +384,9 @@ class Step:
         if verdict is APPLY and not empty and not state.guard.notfinite_count:
             apply, counters, failure = True, state.guard, None  # the common case, in short
         else:
-            verdict = reported(verdict, empty)
-            apply, counters, failure = self._judge(state, window, verdict, grad_norm, group)
+            verdict, apply, counters, failure = self._judge(
+                state, window, verdict, empty, grad_norm, group
+            )
         lr = optimizer.param_groups[0]["lr"]
         if apply:
             # 7. clip, by norm (with the norm of phase 6) and/or by value
@@ -405,10 +409,9 @@ class Step:
         optimizer.zero_grad(set_to_none=True)
         if failure is not None:
             raise failure  # the window is thrown away (scaler updated, grads cleared) first
-        # 11. counters, in a copy of the state's fields (TrainState._evolve inlined)
-        fields = state.__dict__.copy()
-        fields["step"] = state.step + 1 if apply else state.step
-        fields["window"], fields["guard"], fields["_graph"] = _NO_WINDOW, counters, loss
+        # 11. counters
+        changes = {"step": state.step + apply, "window": _NO_WINDOW, "guard": counters}
+        changes["_graph"] = loss
         # 10. scheduler step, only after an applied update
         scheduler = state.scheduler
         if apply and scheduler is not None and not isinstance(scheduler, _NOT_PER_UPDATE):
@@ -416,13 +419,10 @@ class Step:
             if done[0] is scheduler and getattr(scheduler, "last_epoch", 0) > done[1]:
                 warnings.warn(_TWICE, stacklevel=3)
             scheduler.step()
-            fields["_scheduled"] = (scheduler, getattr(scheduler, "last_epoch", 0))
-        new = object.__new__(TrainState)
-        object.__setattr__(new, "__dict__", fields)
-        state.__dict__["_consumed"] = True  # past the frozen __setattr__
+            changes["_scheduled"] = (scheduler, getattr(scheduler, "last_epoch", 0))
         v = verdict
         flags = (apply, True, False, v.nonfinite, v.overflow, v.empty, grad_norm, lr)
-        return new, _tuple_new(StepOutput, (*out[:4], *flags))
+        return state._evolve(changes, consume=True), _tuple_new(StepOutput, (*out[:4], *flags))
 
     def _close_skipped(
         self, state: TrainState, window: WindowState, scaler: Scaler
@@ -439,20 +439,26 @@ class Step:
         return self._close(state, window, _SKIPPED, None, scaler, "ddp")
 
     def _judge(
-        self, state: TrainState, window: WindowState, verdict: Verdict, norm: Any, group: Any
-    ) -> tuple[bool, GuardState, Exception | None]:
-        """Phase 6's outcome: whether to apply the window, the counters, an error to raise."""
+        self, state: TrainState, window: WindowState, verdict: Verdict, empty: bool, norm: Any,
+        group: Any,
+    ) -> tuple[Verdict, bool, GuardState, Exception | None]:  # fmt: skip
+        """Phase 6's outcome: the verdict as reported (one reason per window), whether to
+        apply the window, the counters, an error to raise."""
         guard, counters = self.guard, state.guard
-        apply = not (verdict.nonfinite or verdict.overflow or verdict.empty or verdict.negative)
+        empty = empty or verdict.empty
+        nonfinite = verdict.nonfinite and not empty  # no targets: 0/0 gradients are no failure
+        overflow = verdict.overflow and not nonfinite  # a non-finite loss is the guard's
+        verdict = verdict._replace(nonfinite=nonfinite, overflow=overflow, empty=empty)
+        apply = not (nonfinite or overflow or empty or verdict.negative)
         failure: Exception | None = None
         if verdict.negative:  # tensor counts only (python ones are checked when returned)
             failure = ValueError(
                 "loss_fn reported a negative total target count for the window, which would "
                 "turn the update into gradient ascent; the window was thrown away."
             )
-        if verdict.overflow:  # the scaler's business: neither a failure nor a success
+        if overflow:  # the scaler's business: neither a failure nor a success
             counters = counters._replace(total_overflow=counters.total_overflow + 1)
-        elif verdict.nonfinite:  # rejected: retried, skipped, accepted or raised
+        elif nonfinite:  # rejected: retried, skipped, accepted or raised
             assert guard is not None
             n, total = counters.notfinite_count + 1, counters.total_notfinite + 1
             counters = counters._replace(notfinite_count=n, total_notfinite=total)
@@ -460,13 +466,22 @@ class Step:
                 apply = guard.on_exhaust == "accept"
                 if not apply:
                     failure = guard.exhausted(counters, window.loss, norm, state.step)
-        elif guard is not None and not verdict.empty and counters.notfinite_count:
+        elif guard is not None and not empty and counters.notfinite_count:
             counters = counters._replace(notfinite_count=0)  # a finite window ends a series
         if verdict.uneven:  # a bug in the loss function or the data, not a numerical accident
             # On the error path only: one more small all-reduce, for the message.
             fewest, most = skip_range(window.skipped, group, state.optimizer)
-            apply, failure = False, _uneven_skips(window.skipped, fewest, most)
-        return apply, counters, failure
+            apply, failure = (
+                False,
+                ValueError(
+                    "loss_fn returned None on some ranks of the data-parallel group but not on "
+                    f"others within one accumulation window (from {fewest} to {most} skipped "
+                    f"micro-batches; this rank skipped {window.skipped}); the window was thrown "
+                    "away. Skip a batch on every rank alike, or return a zero loss instead of None "
+                    "(loss * 0, or LossSum(total * 0, 0))."
+                ),
+            )
+        return verdict, apply, counters, failure
 
 
 def _with_grads(optimizer: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -512,38 +527,6 @@ def _no_optimizer(state: Any) -> TypeError:
     return TypeError(
         f"a train step needs TrainState.optimizer; got {given}. Build the state with one: "
         "TrainState(model=model, optimizer=torch.optim.AdamW(model.parameters()))."
-    )
-
-
-def _reused(state: TrainState) -> ValueError:
-    return ValueError(
-        f"this TrainState (step {state.step}) was already passed to a train step, so its "
-        "counters would fork; keep the state the step returns: state, out = step(state, batch)."
-    )
-
-
-def _other_window(window: WindowState, k: int) -> ValueError:
-    return ValueError(
-        f"the state's accumulation window was opened by a step of micro_batches="
-        f"{window.length} and holds {window.micro_step} micro-batch(es); this step has "
-        f"micro_batches={k}, so the window would never close as it should."
-    )
-
-
-def _uneven_skips(skipped: int, fewest: int, most: int) -> ValueError:
-    return ValueError(
-        "loss_fn returned None on some ranks of the data-parallel group but not on others "
-        f"within one accumulation window (from {fewest} to {most} skipped micro-batches; this "
-        f"rank skipped {skipped}); the window was thrown away. Skip a batch on every rank "
-        "alike, or return a zero loss instead of None (loss * 0, or LossSum(total * 0, 0))."
-    )
-
-
-def _mixed_counts(this_one: bool) -> ValueError:
-    detail = "this one reported none" if this_one else "earlier ones reported none"
-    return ValueError(
-        "loss_fn reported a target count for some micro-batches of the window but not for "
-        f"others ({detail}). Return LossSum(total, count) from every call, or from none."
     )
 
 
