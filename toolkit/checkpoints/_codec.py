@@ -17,14 +17,13 @@ a key starting with ``$``).
 
 from __future__ import annotations
 
+import collections
 import math
 import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-
-__all__ = ["TreeError", "decode", "describe", "encode", "host_tensor", "separate_shared"]
 
 _SCALARS = (bool, int, float, str, type(None))
 # The base types' own conversions: a subclass may override __str__ (class Mode(str, Enum)).
@@ -110,9 +109,9 @@ def encode(
 
     def tensor(value: torch.Tensor, path: tuple[Any, ...]) -> dict[str, Any]:
         outside = external is not None and external(value)
-        if not outside and _unstorable(value):
+        if not outside and (why := _unstorable(value)):
             fix = "keep dense, materialised tensors in checkpointed state."
-            raise _cannot_store(root, path, _unstorable(value), fix)
+            raise _cannot_store(root, path, why, fix)
         if id(value) not in names:
             name = "/".join(str(p) for p in (root, *path))
             while name in tensors:  # dict keys may hold "/": two paths can join alike
@@ -187,13 +186,9 @@ def host_tensor(value: torch.Tensor, copy: bool = False) -> torch.Tensor:
 
 def separate_shared(tensors: dict[str, torch.Tensor]) -> None:
     """Give tensors that share memory copies of their own (safetensors refuses shared memory)."""
-    owners: dict[int, list[str]] = {}
-    for name, value in tensors.items():
-        if value.numel():
-            owners.setdefault(value.untyped_storage().data_ptr(), []).append(name)
-    for group in owners.values():
-        for name in group if len(group) > 1 else ():
-            tensors[name] = tensors[name].clone()
+    storage = {name: t.untyped_storage().data_ptr() for name, t in tensors.items() if t.numel()}
+    shared = collections.Counter(storage.values())
+    tensors.update({name: tensors[name].clone() for name, at in storage.items() if shared[at] > 1})
 
 
 def _hashable(value: Any) -> Any:
@@ -201,11 +196,10 @@ def _hashable(value: Any) -> Any:
 
 
 def _child(template: Any, key: Any) -> Any:
-    if isinstance(template, Mapping):
-        return template.get(key)
-    if isinstance(template, (list, tuple)) and isinstance(key, int) and key < len(template):
-        return template[key]
-    return None
+    try:  # the template's entry at key, if any
+        return template[key] if isinstance(template, (Mapping, list, tuple)) else None
+    except (KeyError, IndexError, TypeError):
+        return None
 
 
 def decode(

@@ -73,12 +73,9 @@ def _shapes(manifest: Manifest) -> dict[str, tuple[torch.Size, torch.dtype]]:
 
 
 def read_tree(
-    manifest: Manifest,
-    name: str,
-    *,
-    like: Any = None,
+    manifest: Manifest, name: str, *, like: Any = None,
     sharded: Callable[[str, Any], torch.Tensor] | None = None,
-) -> Any:
+) -> Any:  # fmt: skip
     """Component ``name`` of a verified checkpoint, decoded (see :func:`._codec.decode`)."""
     stored, document = f"{name}.safetensors", manifest.path / f"{name}.json"
     tensors = _tensors(manifest, stored, owned=True) if stored in manifest.files else {}
@@ -308,10 +305,8 @@ def _field_values(
     # A NamedTuple's fields count as keys of their own ("guard.x").
     known = [*live, *(f"{n}.{f}" for n, v in live.items() if is_namedtuple(v) for f in v._fields)]
     found = [n for n in saved if n not in tuples] + [f"{n}.{k}" for n in tuples for k in tuples[n]]
-    known = [k for k in known if k in found]  # a field the checkpoint lacks keeps its value
-    problems = _compare("state fields", dict.fromkeys(found), dict.fromkeys(known))
-    differences += problems
-    if problems:
+    if unknown := set(found) - set(known):  # a field the checkpoint lacks keeps its value
+        differences.append(f"state fields: in the checkpoint, not the template: {few(unknown)}")
         return {}
     return {**saved, **{n: type(live[n])(**{**live[n]._asdict(), **v}) for n, v in tuples.items()}}
 
@@ -484,13 +479,12 @@ def _content_problems(
     with a non-finite hyperparameter; RNG states that a generator refuses (tried on new
     ones); TrainState fields that TrainState refuses, a negative counter or an open window.
     """
-    out: list[str] = []
     optimizer: Any = trees.get("optimizer") or {"state": {}, "param_groups": []}
     groups = optimizer.get("param_groups")
     ok = isinstance(optimizer.get("state"), dict) and isinstance(groups, list)
     ok = ok and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)
-    if not (ok and all(math.isfinite(v) for v in optree.tree_leaves(groups) if type(v) is float)):
-        out.append(f"{folder}/optimizer.json: not parameter groups of finite numbers")
+    ok = ok and all(math.isfinite(v) for v in optree.tree_leaves(groups) if type(v) is float)
+    out = [] if ok else [f"{folder}/optimizer.json: not parameter groups of finite numbers"]
     for name, tree in trees.items():
         try:
             if tree is not None and (name == "rng" or name.startswith("rank_")):

@@ -216,34 +216,31 @@ def file_problems(manifest: Manifest, *, checksums: bool = True) -> list[str]:
     reading it. With a sharded model, files in ``sharded/`` the manifest does not list
     are problems too (DCP's reader lists that folder).
     """
-    problems, inside = [], manifest.path.resolve()
-    for name, entry in manifest.files.items():
-        path = manifest.path / name
-        if not path.resolve().is_relative_to(inside):  # a sharded/ that is a link
-            problems.append(f"{path}: leads outside the checkpoint folder (a symbolic link)")
-            continue
-        try:
-            info = os.lstat(path)
-        except FileNotFoundError:
-            problems.append(f"{path}: missing")
-            continue
-        if not stat.S_ISREG(info.st_mode):
-            problems.append(f"{path}: not a regular file")
-        elif info.st_size != entry["size"]:
-            problems.append(
-                f"{path}: {info.st_size} bytes, the manifest says {entry['size']} "
-                f"({'truncated' if info.st_size < entry['size'] else 'grown'})"
-            )
-        elif checksums and (found := checksum(path)) != entry[CHECKSUM]:  # read once
-            problems.append(
-                f"{path}: {CHECKSUM} checksum {found}, the manifest says "
-                f"{entry[CHECKSUM]} (corrupted)"
-            )
-    listed = {manifest.path / name for name in manifest.files}
-    for path in sorted((manifest.path / SHARDS).glob("*")) if manifest.sharded else ():
-        if path not in listed:
-            problems.append(f"{path}: not listed in the manifest (planted or left over); remove it")
-    return problems
+    folder, inside = manifest.path, manifest.path.resolve()
+    listed = {folder / name: entry for name, entry in manifest.files.items()}
+    found = ((path, _file_problem(path, e, inside, checksums)) for path, e in listed.items())
+    problems = [f"{path}: {problem}" for path, problem in found if problem]
+    unlisted = sorted(set((folder / SHARDS).glob("*")) - listed.keys()) if manifest.sharded else []
+    planted = "not listed in the manifest (planted or left over); remove it"
+    return problems + [f"{path}: {planted}" for path in unlisted]
+
+
+def _file_problem(path: Path, entry: Mapping[str, Any], inside: Path, checksums: bool) -> str:
+    """What is wrong with one listed file; "" when nothing."""
+    if not path.resolve().is_relative_to(inside):  # a sharded/ that is a link
+        return "leads outside the checkpoint folder (a symbolic link)"
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return "missing"
+    if not stat.S_ISREG(info.st_mode):
+        return "not a regular file"
+    if info.st_size != entry["size"]:
+        grown = "truncated" if info.st_size < entry["size"] else "grown"
+        return f"{info.st_size} bytes, the manifest says {entry['size']} ({grown})"
+    if checksums and (digest := checksum(path)) != entry[CHECKSUM]:  # read once
+        return f"{CHECKSUM} checksum {digest}, the manifest says {entry[CHECKSUM]} (corrupted)"
+    return ""
 
 
 def reduce_to_model(folder: Path) -> bool:

@@ -69,7 +69,10 @@ def rank_component(rank: int) -> str:
     return f"rank_{rank:05d}"
 
 
-def _snapshot(state: TrainState, objects: dict[str, Any], copy: bool, trainable: bool) -> _Snapshot:
+def _snapshot(
+    state: TrainState, objects: dict[str, Any], copy: bool, trainable: bool, recorded: dict
+) -> _Snapshot:
+    """Everything to write; ``recorded``: manifest fields (metrics, rules, settings)."""
     sharded = is_sharded(state.model)
     shards: dict[str, torch.Tensor] = {}
     external = is_dtensor if sharded else None
@@ -106,7 +109,7 @@ def _snapshot(state: TrainState, objects: dict[str, Any], copy: bool, trainable:
         classes["objects"] = {name: type(obj).__name__ for name, obj in objects.items()}
     own = encode({"rng": rng, "data_state": dict(state.data_state)}, "rank", copy=copy)
     fields = {"step": state.step, "classes": classes, "aliases": aliases, "sharded": sharded}
-    return _Snapshot({**fields, "frozen": frozen}, trees, shards, own)  # frozen: trainable_only
+    return _Snapshot({**fields, "frozen": frozen, **recorded}, trees, shards, own)
 
 
 def _write_parts(snapshot: _Snapshot, folder: Path, rank: int) -> None:
@@ -119,13 +122,6 @@ def _write_parts(snapshot: _Snapshot, folder: Path, rank: int) -> None:
         write_json(folder / f"{name}.json", document)
         if tensors:
             write_tensors(folder / f"{name}.safetensors", tensors)
-
-
-def _write_manifest(snapshot: _Snapshot, folder: Path, extra: Mapping[str, Any]) -> None:
-    files = listing(folder)
-    document = manifest_document(**snapshot.manifest, **extra, time=time.time(), files=files)
-    write_json(folder / MANIFEST, document)
-    fsync_dir(folder)
 
 
 def _publish(temp: Path, path: Path) -> None:
@@ -145,15 +141,10 @@ def _publish(temp: Path, path: Path) -> None:
 
 
 def save_checkpoint(
-    state: TrainState,
-    path: str | os.PathLike[str],
-    *,
-    objects: Mapping[str, Any] | None = None,
-    metrics: Mapping[str, float] | None = None,
-    rules: Retention | None = None,
-    settings: Mapping[str, Any] | None = None,
-    trainable_only: bool = False,
-) -> Path:
+    state: TrainState, path: str | os.PathLike[str], *, objects: Mapping[str, Any] | None = None,
+    metrics: Mapping[str, float] | None = None, rules: Retention | None = None,
+    settings: Mapping[str, Any] | None = None, trainable_only: bool = False,
+) -> Path:  # fmt: skip
     """Write ``state`` (and ``objects``) as a checkpoint folder, atomically.
 
     The folder holds the unwrapped model's tensors (no ``_orig_mod.``/``module.`` prefixes;
@@ -303,15 +294,10 @@ def save_in_background(
 
 
 def _prepare(
-    state: TrainState,
-    path: Path,
-    copy: bool,
-    objects: Mapping[str, Any] | None = None,
-    metrics: Mapping[str, float] | None = None,
-    rules: Retention | None = None,
-    settings: Mapping[str, Any] | None = None,
-    trainable_only: bool = False,
-) -> _Snapshot:
+    state: TrainState, path: Path, copy: bool, objects: Mapping[str, Any] | None = None,
+    metrics: Mapping[str, float] | None = None, rules: Retention | None = None,
+    settings: Mapping[str, Any] | None = None, trainable_only: bool = False,
+) -> _Snapshot:  # fmt: skip
     """Check the arguments and gather everything in memory; nothing is written yet."""
     who = "save_checkpoint"
     check(isinstance(state, TrainState), who, "state", "a TrainState", state, "", TypeError)
@@ -336,11 +322,9 @@ def _prepare(
         )
     document, tensors = encode(dict(settings or {}), "settings")
     check(not tensors, who, "settings", "a tree of JSON values (no tensors)", list(tensors))
-    snapshot = _snapshot(state, check_objects(objects, who), copy, trainable_only)
-    rules_document = rules and rules.to_document()
-    metrics = check_metrics(metrics or {})
-    snapshot.manifest.update(metrics=metrics, rules=rules_document, settings=document)
-    return snapshot
+    recorded = {"metrics": check_metrics(metrics or {}), "rules": rules and rules.to_document()}
+    recorded["settings"] = document
+    return _snapshot(state, check_objects(objects, who), copy, trainable_only, recorded)
 
 
 def _write(snapshot: _Snapshot, path: Path, group: Group | None) -> Path:
@@ -365,7 +349,9 @@ def _write(snapshot: _Snapshot, path: Path, group: Group | None) -> Path:
                     save_shards(snapshot.shards, temp, group)
                 _write_parts(snapshot, temp, rank)
             elif phase == "publish" and rank == 0:
-                _write_manifest(snapshot, temp, {"world_size": size} if size > 1 else {})
+                fields = {**snapshot.manifest, "world_size": size, "files": listing(temp)}
+                write_json(temp / MANIFEST, manifest_document(**fields, time=time.time()))
+                fsync_dir(temp)
                 _publish(temp, path)
         except BaseException as caught:
             error = _wrapped(caught, path)
