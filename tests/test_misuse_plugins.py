@@ -298,21 +298,20 @@ def test_a_validate_listed_before_the_one_that_steps_the_scheduler_is_fine() -> 
         (
             None,
             lambda: [validate(_eval, VAL, every=1, plateau_metric="loss")],
-            "validate: plateau_metric='loss' steps a ReduceLROnPlateau in state.scheduler with "
-            "that metric; state.scheduler is NoneType. Put a ReduceLROnPlateau in the state",
+            "validate: state.scheduler must be a ReduceLROnPlateau for plateau_metric='loss'; got "
+            "'NoneType'. Put one in the state, or drop plateau_metric",
         ),
         (
             lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1),
             lambda: [validate(_eval, VAL, every=1, plateau_metric="loss")],
-            "state.scheduler is StepLR. Put a ReduceLROnPlateau in the state (TrainState(..., "
-            "scheduler=ReduceLROnPlateau(optimizer))), or drop plateau_metric",
+            "must be a ReduceLROnPlateau for plateau_metric='loss'; got 'StepLR'. Put one in the "
+            "state, or drop plateau_metric (the train step steps other schedulers).",
         ),
         (
             lambda o: _plateau(o, mode="max"),
             lambda: [validate(_eval, VAL, every=1, plateau_metric="loss")],
-            "validate: plateau_metric='loss' is also the monitored metric, which validate "
-            "treats as mode='min' but state.scheduler (a ReduceLROnPlateau) as mode='max'; "
-            "give both the same mode.",
+            "validate: state.scheduler.mode must be 'min' like validate's; got 'max'. "
+            "plateau_metric='loss' is also the monitored metric: give both one mode.",
         ),
         (
             _plateau,
@@ -340,7 +339,10 @@ def test_a_plateau_metric_that_eval_fn_does_not_return_is_named() -> None:
     state = _state()
     state = state.replace(scheduler=_plateau(state.optimizer))
     plugin = validate(_eval, VAL, every=1, plateau_metric="nll")
-    message = "validate: eval_fn returned no 'nll' metric for plateau_metric, only ['loss']"
+    message = (
+        "validate: plateau_metric must be a metric eval_fn returns, one of ['loss']; got 'nll'. "
+        "Pass plateau_metric=<one of them>, or return 'nll'."
+    )
     with pytest.raises(KeyError, match=re.escape(message)):
         run(_STEP, state, _train(2), max_steps=2, plugins=[plugin])
 

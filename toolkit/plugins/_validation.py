@@ -30,20 +30,13 @@ def _check_plateau(event: Event, plateau_metric: str | None, monitor: str, mode:
                 f"e.g. validate(..., plateau_metric={monitor!r})."
             )
         return
-    if not isinstance(scheduler, ReduceLROnPlateau):
-        raise ValueError(
-            f"validate: plateau_metric={plateau_metric!r} steps a ReduceLROnPlateau in "
-            f"state.scheduler with that metric; state.scheduler is "
-            f"{type(scheduler).__name__}. Put a ReduceLROnPlateau in the state "
-            "(TrainState(..., scheduler=ReduceLROnPlateau(optimizer))), or drop plateau_metric "
-            "(other schedulers are stepped by the train step)."
-        )
-    if plateau_metric == monitor and scheduler.mode != mode:
-        raise ValueError(
-            f"validate: plateau_metric={plateau_metric!r} is also the monitored metric, "
-            f"which validate treats as mode={mode!r} but state.scheduler (a "
-            f"ReduceLROnPlateau) as mode={scheduler.mode!r}; give both the same mode."
-        )
+    kind, name = type(scheduler).__name__, "state.scheduler"
+    fix = "Put one in the state, or drop plateau_metric (the train step steps other schedulers)."
+    steps = f"a ReduceLROnPlateau for plateau_metric={plateau_metric!r}"
+    check(isinstance(scheduler, ReduceLROnPlateau), "validate", name, steps, kind, fix)
+    same = plateau_metric != monitor or scheduler.mode == mode
+    fix = f"plateau_metric={plateau_metric!r} is also the monitored metric: give both one mode."
+    check(same, "validate", f"{name}.mode", f"{mode!r} like validate's", scheduler.mode, fix)
     holder = event.loop.claimed.setdefault(_PLATEAU, me)
     if holder != me:
         raise ValueError(
@@ -200,11 +193,10 @@ def validate(
         module = model(state) if model is not None else state.model
         metrics = _evaluate(eval_fn, module, data, f" at step {state.step}")
         for wanted, option in ((monitor, "monitor"), (plateau_metric, "plateau_metric")):
-            if wanted is not None and wanted not in metrics:
-                raise KeyError(
-                    f"validate: eval_fn returned no {wanted!r} metric for {option}, only "
-                    f"{sorted(metrics)}; pass {option}=<one of them>, or return {wanted!r}."
-                )
+            returned = f"a metric eval_fn returns, one of {sorted(metrics)}"
+            fix = f"Pass {option}=<one of them>, or return {wanted!r}."
+            ok = wanted is None or wanted in metrics
+            check(ok, "validate", option, returned, wanted, fix, KeyError)
         if plateau_metric is not None:
             state.scheduler.step(metrics[plateau_metric])  # a ReduceLROnPlateau: see start
         best, best_step = (previous["best"], previous["best_step"]) if previous else (None, None)
