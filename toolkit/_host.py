@@ -37,9 +37,8 @@ def to_host(tensors: Sequence[torch.Tensor]) -> list[float]:
     for by_dtype in groups.values():
         parts = [torch.stack([tensors[i] for i in ix]) for ix in by_dtype.values()]
         flat = (torch.cat([p.double() for p in parts]) if len(parts) > 1 else parts[0]).tolist()
-        kinds = [_python_type(dtype) for dtype, ix in by_dtype.items() for _ in ix]
-        for i, kind, value in zip((i for ix in by_dtype.values() for i in ix), kinds, flat):
-            values[i] = kind(value)
+        for i, value in zip((i for ix in by_dtype.values() for i in ix), flat):
+            values[i] = _python_type(tensors[i].dtype)(value)
     return values
 
 

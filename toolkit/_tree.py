@@ -154,6 +154,7 @@ def _refuse_cycle(who: str, tree: Any, name: str) -> None:
 
 
 _Path = tuple[Hashable, ...]
+_Kinds = dict[_Path, tuple[bool, int]]  # by path: whether a mapping, and the first record's index
 
 
 def key_average(
@@ -219,8 +220,8 @@ def key_average(
     weight_list = [1] * len(records) if weights is None else _check_weights(weights, len(records))
     # Every path, in pre-order (a parent before its children): whether it holds a mapping,
     # and the record that first gave it that kind.
-    kinds: dict[_Path, tuple[bool, int]] = {}
-    flat: list[dict[Hashable, Any]] = []  # each record's leaves by path
+    kinds: _Kinds = {}
+    flat: list[dict[_Path, Any]] = []  # each record's leaves by path
     for index, record in enumerate(records):
         expected = "a mapping of numbers, 0-d tensors or nested mappings"
         check_type(
@@ -244,14 +245,11 @@ def key_average(
 
 
 def _collect(
-    mapping: Mapping[Hashable, Any],
-    prefix: _Path,
-    index: int,
-    kinds: dict[_Path, tuple[bool, int]],
-    leaves: dict[Hashable, Any],
+    record: Mapping[Hashable, Any], at: _Path, index: int, kinds: _Kinds, leaves: dict[_Path, Any]
 ) -> None:
-    for key, value in mapping.items():
-        path = (*prefix, key)
+    """Note in ``kinds`` each path of ``record`` (under path ``at``), its leaves in ``leaves``."""
+    for key, value in record.items():
+        path = (*at, key)
         nested = isinstance(value, Mapping)
         first_nested, first = kinds.setdefault(path, (nested, index))
         if first_nested != nested:

@@ -39,10 +39,8 @@ GROUPS = {
 }  # fmt: skip
 
 _THROUGHPUT = {
-    "train/samples_per_s": "samples/s",
-    "train/tokens_per_s": "tokens/s",
-    "train/mfu": "MFU",
-}
+    "train/samples_per_s": "samples/s", "train/tokens_per_s": "tokens/s", "train/mfu": "MFU"
+}  # fmt: skip
 _COUNTERS = {"train/nonfinite", "train/overflow", "train/epoch"}
 _MEMORY = {"peak_gib": "CUDA peak allocated (GiB)", "rss_peak_gib": "process peak RSS, CPU (GiB)"}
 
@@ -153,15 +151,12 @@ def read_series(path: str | os.PathLike[str]) -> tuple[Series, list[str]]:
                 )
                 records = kept
             records.append((step, record))
-    series: Series = {}
+    by_step: dict[str, dict[int, float]] = {}  # a key published again at a step: the later
     for step, record in records:
-        for key, value in record.items():
-            if key != "step" and type(value) in (int, float):
-                steps, values = series.setdefault(key, ([], []))
-                if steps and steps[-1] == step:  # published again at that step: a resume
-                    del steps[-1], values[-1]
-                steps.append(step)
-                values.append(float(value) if math.isfinite(value) else math.nan)
+        for key, v in record.items():
+            if key != "step" and type(v) in (int, float):  # not a str, list, null or bool
+                by_step.setdefault(key, {})[step] = float(v) if math.isfinite(v) else math.nan
+    series: Series = {key: (list(got), list(got.values())) for key, got in by_step.items()}
     check(bool(records), who, name, "a file of published lines", "an empty file")
     keys = sorted({key for _, record in records for key in record} - {"step"})
     check(bool(series), who, name, "a file of numbers besides the steps", keys)

@@ -51,13 +51,18 @@ import torch.distributed as dist
 
 _AVAILABLE = dist.is_available()  # fixed for the build of torch, so asked once
 
+ProcessGroup = Any  # torch.distributed.ProcessGroup (absent from builds without distributed)
+Group = ProcessGroup  # in the checkpoint coordination, None stands for "this process alone"
+
+
+def _initialized() -> bool:
+    return _AVAILABLE and dist.is_initialized()
+
 
 def is_distributed() -> bool:
     """True when a default process group with more than one rank is initialised."""
-    return _AVAILABLE and dist.is_initialized() and dist.get_world_size() > 1
+    return _initialized() and dist.get_world_size() > 1
 
-
-ProcessGroup = Any  # torch.distributed.ProcessGroup (absent from builds without distributed)
 
 # Per model: the group given by set_data_parallel_group, and the group derived (or None),
 # so that a train step asks once per model, not once per update.
@@ -101,22 +106,15 @@ def data_parallel_group(model: torch.nn.Module) -> ProcessGroup | None:
         >>> data_parallel_group(torch.nn.Linear(2, 1)) is None  # not data parallel
         True
     """
-    if not (_AVAILABLE and dist.is_initialized()):
+    if not _initialized():
         return None
-    try:
+    if model in _FOUND:
         return _FOUND[model]
-    except KeyError:
-        pass
-    group = _GIVEN.get(model)
-    if group is None:
-        kind = sync_kind(model)
-        if kind == "ddp":
-            group = getattr(model, "process_group", None)
-        elif kind == "fsdp2":
-            group = _fsdp2_group(model)
-    found = group if group is not None and dist.get_world_size(group) > 1 else None
-    _FOUND[model] = found
-    return found
+    group, kind = _GIVEN.get(model), sync_kind(model)
+    if group is None and kind != "none":
+        group = model.process_group if kind == "ddp" else _fsdp2_group(model)
+    _FOUND[model] = group if group is not None and dist.get_world_size(group) > 1 else None
+    return _FOUND[model]
 
 
 def set_data_parallel_group(model: torch.nn.Module, group: ProcessGroup) -> None:
@@ -167,8 +165,7 @@ def _fsdp2_group(model: torch.nn.Module) -> ProcessGroup | None:
         param_group = get_state(module)._fsdp_param_group if get_state is not None else None
         if param_group is None:
             continue
-        info = param_group.mesh_info
-        mesh = info.mesh
+        info, mesh = param_group.mesh_info, param_group.mesh_info.mesh
         if getattr(info, "dp_mesh_dims", None) is None:
             if mesh.ndim == 1:
                 return mesh.get_group()
@@ -211,7 +208,7 @@ def all_reduce_(
 
 def is_rank_zero() -> bool:
     """True on global rank 0, and always when torch.distributed is not initialised."""
-    return not (_AVAILABLE and dist.is_initialized()) or dist.get_rank() == 0
+    return not _initialized() or dist.get_rank() == 0
 
 
 @contextlib.contextmanager
@@ -233,9 +230,7 @@ def suppress_grad_sync(
     """
     if kind == "ddp":
         return model.no_sync()  # type: ignore[operator]
-    if kind == "fsdp2":
-        return _fsdp2_no_sync(model)
-    return None
+    return _fsdp2_no_sync(model) if kind == "fsdp2" else None
 
 
 def sync_kind(model: torch.nn.Module) -> str:
@@ -259,8 +254,6 @@ SYNC_KIND: dict[type, str] = {}
 # --- checkpoint coordination ---
 
 
-Group = Any  # a torch.distributed ProcessGroup; None stands for "this process alone"
-
 # The kinds of error another rank re-raises, by index (0: any other); OSError keeps its errno.
 _TYPES: tuple[type[BaseException], ...] = (RuntimeError, OSError, ValueError, TypeError)
 _LIMIT = 8192  # bytes of an error message sent to the other ranks
@@ -270,27 +263,20 @@ def group_of(model: torch.nn.Module) -> Group | None:
     """The process group that checkpoints ``model`` together, or None (this process alone).
 
     A DDP- or FSDP2-wrapped model is shared by the ranks of its data-parallel group
-    (:func:`data_parallel_group`); any other module is this process's own.
+    (:func:`data_parallel_group`); any other module is this process's own (it has no
+    data-parallel group: :func:`set_data_parallel_group` refuses one).
     """
-    if not (_AVAILABLE and dist.is_initialized()) or sync_kind(model) == "none":
-        return None
     return data_parallel_group(model)
 
 
 def rank_of(group: Group | None) -> tuple[int, int]:
     """``(rank, size)`` of this process in ``group`` (``(0, 1)`` for None)."""
-    if group is None:
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
+    return (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
 
 
 def broadcast_int(value: int, group: Group | None, src: int = 0) -> int:
     """``value`` of rank ``src`` (a group rank), on every rank."""
-    if group is None:
-        return value
-    tensor = torch.tensor([value], dtype=torch.int64, device=_device(group))
-    dist.broadcast(tensor, group=group, group_src=src)
-    return int(tensor.item())
+    return value if group is None else _exchange([value], torch.int64, group, src=src)[0]
 
 
 def broadcast_text(text: str, group: Group | None, src: int = 0) -> str:
@@ -299,13 +285,8 @@ def broadcast_text(text: str, group: Group | None, src: int = 0) -> str:
         return text
     data = text.encode()[:_LIMIT] if rank_of(group)[0] == src else b""
     size = broadcast_int(len(data), group, src)
-    if not size:
-        return ""
-    buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else None
-    buffer = torch.empty(size, dtype=torch.uint8) if buffer is None else buffer
-    buffer = buffer.to(_device(group))
-    dist.broadcast(buffer, group=group, group_src=src)
-    return bytes(buffer.tolist()).decode(errors="replace")
+    got = _exchange(list(data) or [0] * size, torch.uint8, group, src=src) if size else []
+    return bytes(got).decode(errors="replace")
 
 
 def agree(error: BaseException | None, group: Group | None, who: str) -> None:
@@ -324,10 +305,8 @@ def agree(error: BaseException | None, group: Group | None, who: str) -> None:
             raise error
         return
     rank, size = rank_of(group)
-    flags = torch.zeros(size, dtype=torch.int64, device=_device(group))
-    flags[rank] = error is not None
-    dist.all_reduce(flags, group=group)
-    failed = flags.nonzero().flatten().tolist()  # the one host sync
+    flags = _exchange([r == rank and error is not None for r in range(size)], torch.int64, group)
+    failed = [r for r, flag in enumerate(flags) if flag]
     if not failed:
         return
     src, said = failed[0], ""
@@ -337,10 +316,8 @@ def agree(error: BaseException | None, group: Group | None, who: str) -> None:
     kind, code, message = broadcast_text(said, group, src).split(" ", 2)
     if error is not None:
         raise error
-    text = f"{who}: rank {src} of the group failed: {message}"
-    if _TYPES[int(kind)] is OSError:
-        raise OSError(int(code) or errno_codes.EIO, text)
-    raise _TYPES[int(kind)](text)
+    error_type, text = _TYPES[int(kind)], f"{who}: rank {src} of the group failed: {message}"
+    raise OSError(int(code) or errno_codes.EIO, text) if error_type is OSError else error_type(text)
 
 
 # --- the DDP carrier ---
@@ -406,10 +383,8 @@ def carrier_of(model: torch.nn.Module) -> Carrier | None:
     communication hook of its own (DDP takes one): the step then all-reduces its flags
     itself, as it does under FSDP2.
     """
-    try:
+    if model in _CARRIERS:
         return _CARRIERS[model]
-    except KeyError:
-        pass
     found: Carrier | None = None
     group = data_parallel_group(model)
     if group is not None and group is getattr(model, "process_group", None):
@@ -431,17 +406,13 @@ def join_gradient_sync(model: torch.nn.Module) -> None:
 
 def _hook(carrier, bucket):  # type: ignore[no-untyped-def]  # DDP checks real annotations
     """DDP's allreduce_hook (divide, sum), with the flags appended to the first bucket."""
-    group = carrier.group
-    world = group.size()
-    buffer = bucket.buffer()
-    flags = carrier.outgoing
-    if flags is None or bucket.index() != 0 or buffer.dtype not in _EXACT:
-        buffer.div_(world)  # as torch's default allreduce_hook: the same result as no hook
+    group, buffer = carrier.group, bucket.buffer()
+    buffer.div_(group.size())  # as torch's default allreduce_hook: the same result as no hook
+    flags = carrier.outgoing if bucket.index() == 0 and buffer.dtype in _EXACT else None
+    if flags is None:
         work = dist.all_reduce(buffer, group=group, async_op=True)
         return work.get_future().then(lambda fut: fut.value()[0])
-    carrier.outgoing = None
-    size = buffer.numel()
-    buffer.div_(world)
+    carrier.outgoing, size = None, buffer.numel()
     packed = torch.cat([buffer, flags.to(buffer.dtype)])
 
     def unpack(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
@@ -452,12 +423,12 @@ def _hook(carrier, bucket):  # type: ignore[no-untyped-def]  # DDP checks real a
     return dist.all_reduce(packed, group=group, async_op=True).get_future().then(unpack)
 
 
+Pair = tuple[float, float]  # a weighted sum and its weight
+
+
 def sum_over_ranks(
-    who: str,
-    sums: Mapping[str, tuple[float, float]],
-    extra: Sequence[float] = (),
-    group: Any = None,
-) -> tuple[dict[str, tuple[float, float]], list[float]]:
+    who: str, sums: Mapping[str, Pair], extra: Sequence[float] = (), group: Any = None
+) -> tuple[dict[str, Pair], list[float]]:
     """``sums`` and ``extra`` added over the ranks of ``group``: one collective, if any.
 
     ``group`` is the data-parallel process group (``None``: the default group, as in
@@ -471,9 +442,7 @@ def sum_over_ranks(
     keys = sorted(sums)
     layout = float(zlib.crc32("\0".join(keys).encode()))
     flat = [v for key in keys for v in sums[key]] + [*extra, layout]
-    reduced = torch.tensor(flat, dtype=torch.float64, device=_device(group))
-    dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=group)
-    values = reduced.tolist()
+    values = _exchange(flat, torch.float64, group)
     if values[-1] != layout * dist.get_world_size(group):
         raise ValueError(
             f"{who}: the data-parallel ranks reported different keys (this rank: {keys}); "
@@ -504,19 +473,15 @@ def check_even(batches: int | None, group: Any) -> None:
     if group is None:
         return
     value = -1 if batches is None else batches  # no length
-    extremes = torch.tensor([value, -value], dtype=torch.int64, device=_device(group))
-    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
-    most, fewest = int(extremes[0]), -int(extremes[1])
+    most, minus_fewest = _exchange([value, -value], torch.int64, group, op=dist.ReduceOp.MAX)
+    fewest = -minus_fewest
     if most == fewest:
         return
-
-    def said(n: int) -> str:
-        return "no length" if n < 0 else f"{n} batches"
-
+    said = {n: "no length" if n < 0 else f"{n} batches" for n in (value, fewest, most)}
     raise ValueError(
         f"run: the data-parallel ranks' data have different lengths (this rank "
-        f"{dist.get_rank()}: {said(value)}; the ranks range from {said(fewest)} to "
-        f"{said(most)} per pass), so at the end of the shortest pass the other ranks would "
+        f"{dist.get_rank()}: {said[value]}; the ranks range from {said[fewest]} to "
+        f"{said[most]} per pass), so at the end of the shortest pass the other ranks would "
         "wait forever in the step's all-reduce. Give every rank the same number of "
         "batches: a DataLoader with sampler=DistributedSampler(dataset) and drop_last=True."
     )
@@ -524,8 +489,17 @@ def check_even(batches: int | None, group: Any) -> None:
 
 def max_over_ranks(value: int, group: Group | None) -> int:
     """The largest ``value`` of the ranks of ``group`` (one all-reduce); ``value`` alone."""
-    if group is None:
-        return value
-    flag = torch.tensor([value], dtype=torch.int64, device=_device(group))
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return int(flag.item())
+    return value if group is None else _exchange([value], torch.int64, group, dist.ReduceOp.MAX)[0]
+
+
+def _exchange(
+    values: list[Any], dtype: torch.dtype, group: Group | None, op: Any = None, src: int = -1
+) -> list[Any]:
+    """``values`` summed (or reduced by ``op``) over ``group``, or rank ``src``'s broadcast,
+    in one tensor on the group's device (:func:`_device`), read back with one host sync."""
+    tensor = torch.tensor(values, dtype=dtype, device=_device(group))
+    if src < 0:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op, group=group)
+    else:
+        dist.broadcast(tensor, group=group, group_src=src)
+    return tensor.tolist()
