@@ -33,20 +33,8 @@ from toolkit.checkpoints._retention import Retention, retain
 from toolkit.checkpoints._save import save_in_background
 
 __all__ = [
-    "POINTER",
-    "CheckpointInfo",
-    "DamagedCheckpointError",
-    "Retention",
-    "TreeError",
-    "clean_temporaries",
-    "latest_checkpoint",
-    "list_checkpoints",
-    "load_latest",
-    "main",
-    "prune_checkpoints",
-    "read_pointer",
-    "retain",
-    "save_in_background",
-    "verify_checkpoint",
+    "POINTER", "CheckpointInfo", "DamagedCheckpointError", "Retention", "TreeError",
+    "clean_temporaries", "latest_checkpoint", "list_checkpoints", "load_latest", "main",
+    "prune_checkpoints", "read_pointer", "retain", "save_in_background", "verify_checkpoint",
     "write_pointer",
-]
+]  # fmt: skip

@@ -27,11 +27,8 @@ def _kept_by(infos: Sequence[CheckpointInfo], rules: Retention | None) -> dict[s
     readable = [(c.name, c.step, c.metrics) for c in infos if c.step is not None]
     # Without recorded rules only the newest is known to be kept.
     reasons = retain(readable, rules or Retention(keep_last=0))
-    if rules is None:
-        return {name: "newest" if why else "-" for name, why in reasons.items()}
-    return {
-        name: ", ".join(why) or "none (pruned at the next save)" for name, why in reasons.items()
-    }
+    other = "-" if rules is None else "none (pruned at the next save)"
+    return {name: ", ".join(why) or other for name, why in reasons.items()}
 
 
 def _row(c: CheckpointInfo, kept: dict[str, str]) -> list[str]:
@@ -93,8 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     one = (root / MANIFEST).is_file()  # one checkpoint folder
     infos = [_info(root, args.verify)] if one else list_checkpoints(root, checksums=args.verify)
-    pointer = None if one else read_pointer(root)
-    names = [] if one else [p.name for p in root.iterdir()]
+    pointer, names = (None, []) if one else (read_pointer(root), [p.name for p in root.iterdir()])
     leftovers = sorted(n for n in names if n.startswith((".tmp-", ".old-", ".del-")))
     plural = "" if len(infos) == 1 else "s"
     head = f"{root}: {len(infos)} checkpoint{plural}, {_size(sum(c.size for c in infos))}"

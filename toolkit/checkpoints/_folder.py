@@ -132,14 +132,9 @@ def list_checkpoints(
         >>> [(c.name, c.step, c.intact) for c in list_checkpoints("ckpt")]
         [('step_000001', 1, True), ('step_000002', 2, True)]
     """
-    root = Path(root)
-    if not root.exists():
-        return []
-    infos = [  # iterdir raises NotADirectoryError for a file
-        _info(entry, checksums)
-        for entry in root.iterdir()
-        if not entry.name.startswith(".") and entry.is_dir() and not entry.is_symlink()
-    ]
+    root = Path(root)  # iterdir raises NotADirectoryError for a file
+    visible = [e for e in root.iterdir() if not e.name.startswith(".")] if root.exists() else []
+    infos = [_info(e, checksums) for e in visible if e.is_dir() and not e.is_symlink()]
     return sorted(infos, key=lambda c: (-1 if c.step is None else c.step, c.name))
 
 
@@ -383,9 +378,8 @@ def clean_temporaries(root: str | os.PathLike[str]) -> list[Path]:
         leftover = re.fullmatch(r"\.(tmp|old|del)-(.*)-[^-]*-[^-]*", entry.name)  # see temp_name
         if leftover is None:
             continue
-        kind, name = leftover.groups()
-        if kind == "old" and not (root / name).exists():
-            os.rename(entry, root / name)
+        if leftover[1] == "old" and not (root / leftover[2]).exists():
+            os.rename(entry, root / leftover[2])  # the new one never got its name: put back
             continue
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry)

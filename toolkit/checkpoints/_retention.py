@@ -79,13 +79,10 @@ class Retention:
 
     def describe(self) -> str:
         """The active rules in one line, e.g. ``keep_last=2, keep_every=1000``."""
-        steps = list(self.keep_steps) or None
-        values = {"keep_every": self.keep_every, "keep_steps": steps, "keep_full": self.keep_full}
-        parts = [f"keep_last={self.keep_last}"]
-        parts += [f"{name}={value}" for name, value in values.items() if value is not None]
-        if self.keep_best:
-            parts.append(f"keep_best={self.keep_best} by {self.metric} ({self.mode})")
-        return ", ".join(parts)
+        values = {**dataclasses.asdict(self), "keep_steps": list(self.keep_steps)}
+        values["keep_best"] = self.keep_best and f"{self.keep_best} by {self.metric} ({self.mode})"
+        names = ("keep_last", "keep_every", "keep_steps", "keep_full", "keep_best")
+        return ", ".join(f"{n}={values[n]}" for n in names if values[n] or n == "keep_last")
 
 
 def retention_from_document(document: Mapping[str, Any]) -> Retention:

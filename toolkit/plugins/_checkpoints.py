@@ -42,7 +42,6 @@ from toolkit.step._state import TrainState
 __all__ = ["SIGNAL_EVERY", "checkpoints"]
 
 _SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-_FLAGS = ("per_epoch", "at_end", "restore_best", "background", "trainable_only")
 _PLAIN = (int, float, str, type(None))  # a setting's value, or the items of a tuple of them
 # In state dicts, not settings: parameters, their lr (compared as the optimizer's), what moves.
 _NOT_SETTINGS = {"params", "initial_lr", "base_lrs", "verbose", "last_epoch", "_step_count",
@@ -92,7 +91,7 @@ class _Config:
         check(ok, who, "signals", example, self.signals, "", TypeError)
         ok = code is None or type(code) is int
         check(ok, who, "exit_code", "an int or None", code, "", TypeError)
-        for name in _FLAGS:
+        for name in ("per_epoch", "at_end", "restore_best", "background", "trainable_only"):
             check_bool(who, name, getattr(self, name))
         best, triple = self.keep_best, isinstance(self.keep_best, (tuple, list))
         if best is not None or self.restore_best:
@@ -197,8 +196,10 @@ def _install(config: _Config, run_: _Run) -> None:
         warnings.warn(f"{message}; {names} keep their handlers.", RuntimeWarning, stacklevel=5)
 
 
-def _lock(root: Path) -> int:
-    """Hold ``root``'s lock file open and locked: the kernel frees it when the process ends."""
+def _own(root: Path, run_: _Run) -> None:
+    """Rank 0's, at the start: make ``root``, hold its lock file open and locked in
+    ``run_.lock`` (the kernel frees it when the process ends), remove what killed saves left."""
+    root.mkdir(parents=True, exist_ok=True)
     path = root / ".lock"  # never followed elsewhere (O_NOFOLLOW), nor waited on (a FIFO)
     if path.is_symlink() or (path.exists() and not path.is_file()):
         raise RuntimeError(
@@ -216,8 +217,9 @@ def _lock(root: Path) -> int:
             f"checkpoints: {str(root)!r} is in use by {holder}; two runs in one folder would "
             "delete each other's checkpoints. Wait for that run to end, or use another folder."
         ) from None
+    run_.lock = fd  # from now on, _release frees it
     os.pwrite(fd, f"the run of pid {os.getpid()} on {socket.gethostname()}".ljust(200).encode(), 0)
-    return fd
+    clean_temporaries(root)
 
 
 def _settings(state: TrainState, loop: LoopInfo, group: Group | None) -> dict[str, Any]:
@@ -274,11 +276,10 @@ def _report(config: _Config, run_: _Run, state: TrainState, loop: LoopInfo, path
             seen = seen_after_change(loop.data, seen, saved.get("data", {}), run_.settings["data"])
         run_.settings.update(optimizer=saved.get("optimizer"), scheduler=saved.get("scheduler"))
         message = (
-            f"checkpoints: the run in {str(config.folder)!r} started with other settings than "
-            f"now (saved -> now): {'; '.join(changes)}. The checkpoint's optimizer and scheduler "
-            f"values are used; data and micro_batches are the current ones (this pass goes on "
-            f"after {seen} batches). To start afresh with the new values, use another folder; "
-            "on_change='error' refuses a changed run."
+            f"checkpoints: the run in {str(config.folder)!r} started with other settings (saved "
+            f"-> now): {'; '.join(changes)}. The checkpoint's optimizer and scheduler values are "
+            f"used, with the current data and micro_batches (this pass goes on after {seen} "
+            "batches). To start afresh with the new values, use another folder."
         )
         if config.on_change == "error":
             raise ValueError(message)
@@ -323,14 +324,8 @@ def _start(config: _Config, event: Event) -> tuple[_Run, TrainState]:
     expected = "False with a data-parallel model (DDP or FSDP2), whose ranks save together"
     check(run_.group is None or not config.background, "checkpoints", "background", expected, True)
     _install(config, run_)
-
-    def own() -> None:  # one rank locks and cleans; the others wait
-        config.folder.mkdir(parents=True, exist_ok=True)
-        run_.lock = _lock(config.folder)
-        clean_temporaries(config.folder)
-
     try:
-        on_rank0(run_.group, "checkpoints", own)
+        on_rank0(run_.group, "checkpoints", _own, config.folder, run_)  # the others wait
         state = _resumed(config, run_, event)
     except BaseException:
         _release(run_)
@@ -639,16 +634,15 @@ def checkpoints(
 def _best(config: _Config, model: torch.nn.Module) -> None:
     """``restore_best``: load the best checkpoint's weights into ``model``; and warn when no
     checkpoint holds the ``keep_best`` metric (a typo that no save could tell)."""
-    root, rules = config.folder, config.rules
-    infos = {i.name: i for i in list_checkpoints(root) if i.intact and i.step is not None}
-    best_only = dataclasses.replace(rules, keep_best=1)
+    infos = {i.name: i for i in list_checkpoints(config.folder) if i.intact and i.step is not None}
+    best_only = dataclasses.replace(config.rules, keep_best=1)
     kept = retain(((i.name, i.step, i.metrics) for i in infos.values()), best_only)  # type: ignore[misc]
-    best = [name for name, why in kept.items() if "keep_best" in why]
+    best = [infos[name].path for name, why in kept.items() if "keep_best" in why]
     if best and config.restore_best:
-        manifest = verified_manifest(infos[best[0]].path)
+        manifest = verified_manifest(best[0])
         put_model(model, full_model(manifest, partial=True), strict=manifest.frozen is None)
     elif not best:
         then = "; the model keeps its final weights." if config.restore_best else "."
-        message = f"checkpoints: no checkpoint in {str(root)!r} holds keep_best's "
-        message += f"{rules.metric!r}: no plugin published it at a save (a typo?){then}"
+        message = f"checkpoints: no checkpoint in {str(config.folder)!r} holds keep_best's "
+        message += f"{config.rules.metric!r}: no plugin published it at a save (a typo?){then}"
         warnings.warn(message, RuntimeWarning, stacklevel=4)
