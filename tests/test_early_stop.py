@@ -173,7 +173,8 @@ def test_early_stop_missing_sub_metric():
         validate(lambda m, b: {"loss": 1.0}, [torch.ones(1, 2)], every=1),
         early_stop("val/acc"),
     ]
-    with pytest.raises(KeyError, match=r"has no 'acc' \(it has \['loss'\]\)"):
+    message = r"'val/acc' must be a metric of state.extras\['val'\], one of \['loss'\]; got 'acc'"
+    with pytest.raises(KeyError, match=message):
         run(_STEP, _state(), _train(2), max_steps=2, plugins=plugins)
 
 

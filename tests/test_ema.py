@@ -294,7 +294,8 @@ def test_names_are_those_of_the_unwrapped_model():
 
 
 def test_ema_model_without_entry_is_a_clear_error():
-    with pytest.raises(KeyError, match=r"no 'ema' entry.*ema\(key='ema'\)"):
+    message = r"key must be a key of state.extras, one of \[\]; got 'ema'. Add ema\(key='ema'\)"
+    with pytest.raises(KeyError, match=message):
         ema_model(_state(_model()))
 
 

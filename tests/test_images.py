@@ -63,12 +63,13 @@ def test_float_intensities_are_clamped_and_rounded_to_pixels() -> None:
         (
             [[0, 1]],
             TypeError,
-            r"t: image 'a' must be a tensor or a matplotlib figure; got <class 'list'>",
+            r"t: image 'a' must be a matplotlib figure, or a tensor of uint8 pixels or float "
+            r"intensities in \[0, 1\]; got <class 'list'>",
         ),
         (
             torch.zeros(2, 2, dtype=torch.int64),
             TypeError,
-            r"must be uint8 pixels or float intensities .*int64",
+            r"must be a matplotlib figure, or a tensor of uint8 pixels .*; got torch.int64",
         ),
         (torch.zeros(5, 6, 2), ValueError, r"\(H, W\), \(C, H, W\) or \(H, W, C\) .*\(5, 6, 2\)"),
         (torch.zeros(1, 3, 4, 4), ValueError, r"shape must be .*; got \(1, 3, 4, 4\)"),

@@ -109,14 +109,11 @@ def early_stop(
         counters = counters if counters["metric"] == metric else fresh
         if step == counters["seen_step"]:
             return None
-        if sub not in metrics:
-            raise KeyError(
-                f"early_stop: state.extras[{name!r}]['metrics'] has no {sub!r} (it has "
-                f"{sorted(metrics)}). Use early_stop('{name}/<one of them>')."
-            )
-        value = float(metrics[sub])
+        known = f"a metric of state.extras[{name!r}], one of {sorted(metrics)}"
+        fix = f"Use early_stop('{name}/<one of them>')."
+        check(sub in metrics, "early_stop", repr(metric), known, sub, fix, KeyError)
         counters = {**counters, "seen_step": step, "bad": counters["bad"] + 1}
-        if better(value, counters["best"], mode, min_delta):
+        if better(value := float(metrics[sub]), counters["best"], mode, min_delta):
             counters.update({"best": value, "best_step": step, "bad": 0})
         state = state.replace(extras={**state.extras, key: counters})
         if counters["bad"] < patience:

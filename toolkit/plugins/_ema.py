@@ -201,12 +201,10 @@ def ema_model(state: TrainState, key: str = "ema") -> torch.nn.Module:
         >>> ema_model(state).weight.item(), ema_model(state) is model
         (2.0, False)
     """
-    entry = state.extras.get(key)
-    if entry is None:
-        raise KeyError(
-            f"ema_model: state.extras has no {key!r} entry (keys: {sorted(state.extras)}); "
-            f"add ema(key={key!r}) to run()'s plugins, or pass the key that ema() used."
-        )
+    keys = f"a key of state.extras, one of {sorted(state.extras)}"
+    fix = f"Add ema(key={key!r}) to run()'s plugins, or pass the key that ema() used."
+    check(key in state.extras, "ema_model", "key", keys, key, fix, KeyError)
+    entry = state.extras[key]
     averaged = copy.deepcopy(unwrap(state.model))
     params = dict(averaged.named_parameters())
     frozen = any(not params[n].requires_grad for n in entry["params"] if n in params)

@@ -34,10 +34,9 @@ def pixels(who: str, name: str, image: Any) -> torch.Tensor:
         return _figure(image)
     what = f"image {name!r}"
     tensor = isinstance(image, torch.Tensor)
-    check(tensor, who, what, "a tensor or a matplotlib figure", type(image), "", TypeError)
-    dtype = image.dtype == torch.uint8 or image.is_floating_point()
-    expected = "uint8 pixels or float intensities in [0, 1]"
-    check(dtype, who, what, expected, image.dtype, "", TypeError)
+    ok = tensor and (image.dtype == torch.uint8 or image.is_floating_point())
+    expected = "a matplotlib figure, or a tensor of uint8 pixels or float intensities in [0, 1]"
+    check(ok, who, what, expected, image.dtype if tensor else type(image), "", TypeError)
     image = image.detach().cpu()
     if image.dim() == 3 and image.shape[0] in _CHANNELS:
         image = image.permute(1, 2, 0)
