@@ -1,7 +1,5 @@
 """early_stop: ask the loop to stop when a validation metric has stopped improving."""
 
-from __future__ import annotations
-
 import warnings
 
 from toolkit._checks import check, check_count, check_key, check_one_of

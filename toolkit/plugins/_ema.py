@@ -1,7 +1,5 @@
 """ema: an exponential moving average of the weights, kept in ``state.extras``."""
 
-from __future__ import annotations
-
 import copy
 from collections.abc import Mapping
 from typing import Any

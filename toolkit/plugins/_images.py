@@ -1,7 +1,5 @@
 """log_images: images made from the state, every N updates, to image sinks."""
 
-from __future__ import annotations
-
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 

@@ -1,7 +1,5 @@
 """peak_memory: the peak memory of each interval of updates, as a metric entry."""
 
-from __future__ import annotations
-
 import resource
 import sys
 

@@ -1,7 +1,5 @@
 """One image (tensor or matplotlib figure) as the uint8 pixels every image sink writes."""
 
-from __future__ import annotations
-
 import sys
 from typing import Any
 

@@ -1,7 +1,5 @@
 """profile: torch.profiler over a window of updates, Chrome traces written to a folder."""
 
-from __future__ import annotations
-
 import os
 import warnings
 from typing import Any

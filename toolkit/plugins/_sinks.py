@@ -1,8 +1,6 @@
 """Sinks for :func:`toolkit.plugins.log_metrics` and :func:`toolkit.plugins.log_images`:
 JSON lines, TensorBoard, W&B, PNG files; each follows a resumed run's step."""
 
-from __future__ import annotations
-
 import contextlib
 import dataclasses
 import functools

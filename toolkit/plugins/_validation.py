@@ -1,7 +1,5 @@
 """validate: periodic evaluation with count-weighted means and best-score tracking."""
 
-from __future__ import annotations
-
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
