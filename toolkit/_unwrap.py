@@ -62,14 +62,8 @@ def unwrap(model: nn.Module, *, keep_compile: bool = False) -> nn.Module:
     check_bool("unwrap", "keep_compile", keep_compile)
     # torch._dynamo is imported by torch.compile; when it is not loaded no OptimizedModule
     # can exist, so look it up instead of importing it (a slow import) for every call.
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    compiled = getattr(eval_frame, "OptimizedModule", None)
-    while True:
-        if compiled is not None and isinstance(model, compiled):
-            if keep_compile:
-                return model
-            model = model._orig_mod
-        elif isinstance(model, _MODULE_WRAPPERS):
-            model = model.module
-        else:
-            return model
+    compiled = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", ())
+    peeled = _MODULE_WRAPPERS if keep_compile else (*_MODULE_WRAPPERS, compiled)
+    while isinstance(model, peeled):
+        model = model.module if isinstance(model, _MODULE_WRAPPERS) else model._orig_mod
+    return model

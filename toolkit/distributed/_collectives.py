@@ -182,9 +182,8 @@ def _fsdp2_group(model: torch.nn.Module) -> ProcessGroup | None:
 
 def _device(group: ProcessGroup | None) -> torch.device:
     """The device whose tensors ``group``'s backend reduces (see the module docstring)."""
-    if "nccl" in dist.get_backend(group):
-        return torch.device("cuda", torch.cuda.current_device())
-    return _CPU
+    nccl = "nccl" in dist.get_backend(group)
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else _CPU
 
 
 _CPU = torch.device("cpu")
@@ -276,7 +275,7 @@ def rank_of(group: Group | None) -> tuple[int, int]:
 
 def broadcast_int(value: int, group: Group | None, src: int = 0) -> int:
     """``value`` of rank ``src`` (a group rank), on every rank."""
-    return value if group is None else _exchange([value], torch.int64, group, src=src)[0]
+    return _exchange([value], torch.int64, group, src=src)[0]
 
 
 def broadcast_text(text: str, group: Group | None, src: int = 0) -> str:
@@ -295,15 +294,12 @@ def agree(error: BaseException | None, group: Group | None, who: str) -> None:
     One all-reduce of one flag per rank; when a rank failed, the lowest failing rank also
     broadcasts its error's kind, errno and message as one text. The failing ranks re-raise
     their own error, the others raise the same kind (``OSError`` keeps its errno) naming
-    the rank.
+    the rank. With ``group`` None (this process alone) nothing crosses: its own error, if
+    any, is raised.
 
     Raises:
         BaseException: the error of this rank, or of the lowest failing one.
     """
-    if group is None:
-        if error is not None:
-            raise error
-        return
     rank, size = rank_of(group)
     flags = _exchange([r == rank and error is not None for r in range(size)], torch.int64, group)
     failed = [r for r, flag in enumerate(flags) if flag]
@@ -352,10 +348,10 @@ class Carrier:
 
     def send(self, loss: torch.Tensor | None, skipped: int, like: torch.Tensor) -> None:
         """Flags for the next closing backward (``like``: a parameter, for the device)."""
-        device = like.device  # the common case, nothing skipped: no tensor built per update
-        skips = torch.tensor([skipped, skipped**2.0], device=device) if skipped else None
-        skips = _zeros(device, 2) if skips is None else skips
-        loss = _zeros(device, 1) if loss is None else loss
+        # The common case, nothing skipped: no tensor built per update.
+        skips = torch.tensor([skipped, skipped**2.0], device=like.device) if skipped else None
+        skips = _zeros(like.device, 2) if skips is None else skips
+        loss = _zeros(like.device, 1) if loss is None else loss
         self.outgoing = torch.cat([loss.reshape(1), skips])
         self.incoming = None
 
@@ -442,7 +438,7 @@ def sum_over_ranks(
     keys = sorted(sums)
     layout = float(zlib.crc32("\0".join(keys).encode()))
     flat = [v for key in keys for v in sums[key]] + [*extra, layout]
-    values = _exchange(flat, torch.float64, group)
+    values = _exchange(flat, torch.float64, dist.group.WORLD if group is None else group)
     if values[-1] != layout * dist.get_world_size(group):
         raise ValueError(
             f"{who}: the data-parallel ranks reported different keys (this rank: {keys}); "
@@ -470,8 +466,6 @@ def check_even(batches: int | None, group: Any) -> None:
         ValueError: the ranks' lengths differ (or some have none), naming this rank's
             length, the others' range and the fix.
     """
-    if group is None:
-        return
     value = -1 if batches is None else batches  # no length
     most, minus_fewest = _exchange([value, -value], torch.int64, group, op=dist.ReduceOp.MAX)
     fewest = -minus_fewest
@@ -489,14 +483,19 @@ def check_even(batches: int | None, group: Any) -> None:
 
 def max_over_ranks(value: int, group: Group | None) -> int:
     """The largest ``value`` of the ranks of ``group`` (one all-reduce); ``value`` alone."""
-    return value if group is None else _exchange([value], torch.int64, group, dist.ReduceOp.MAX)[0]
+    return _exchange([value], torch.int64, group, dist.ReduceOp.MAX)[0]
 
 
 def _exchange(
     values: list[Any], dtype: torch.dtype, group: Group | None, op: Any = None, src: int = -1
 ) -> list[Any]:
     """``values`` summed (or reduced by ``op``) over ``group``, or rank ``src``'s broadcast,
-    in one tensor on the group's device (:func:`_device`), read back with one host sync."""
+    in one tensor on the group's device (:func:`_device`), read back with one host sync.
+
+    ``group`` None is this process alone: ``values`` come back as they are.
+    """
+    if group is None:
+        return values
     tensor = torch.tensor(values, dtype=dtype, device=_device(group))
     if src < 0:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op, group=group)
