@@ -14,27 +14,13 @@ from typing import Any, overload
 
 import torch
 
+import toolkit.step._phases as phases
 from toolkit._checks import check, check_one_of, check_positive
-from toolkit.step._phases import (
-    AccumulateConfig,
-    AmpConfig,
-    ClipConfig,
-    GradFn,
-    GradTransformConfig,
-    GuardConfig,
-    OnExhaust,
-)
 from toolkit.step._step import Scaler, Step
 
 __all__ = [
-    "Decorator",
-    "accumulate",
-    "amp_wrap",
-    "clip",
-    "compose",
-    "guard_nonfinite",
-    "transform_grads",
-]
+    "Decorator", "accumulate", "amp_wrap", "clip", "compose", "guard_nonfinite", "transform_grads",
+]  # fmt: skip
 
 _Bound = float | None
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
@@ -43,15 +29,11 @@ _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.flo
 Decorator = Callable[[Step], Step]
 
 
-def _decorate(step: Step | None, name: str, field: str, config: Any) -> Step | Decorator:
-    """The two calling forms of every decorator: ``name(step, ...)`` or ``name(...)``."""
+def _decorate(step: Any, name: str, field: str, config: Any) -> Any:  # Step | Decorator
+    """``step`` with ``config`` in ``field``, or without a step (``name(...)``) a decorator
+    doing so; raises on a step decorated twice or an impossible combination."""
     if step is None:
-        return lambda step: _attach(step, name, field, config)
-    return _attach(step, name, field, config)
-
-
-def _attach(step: Any, name: str, field: str, config: Any) -> Step:
-    """``step`` with ``config`` in ``field``; raises on reuse or an impossible combination."""
+        return lambda step: _decorate(step, name, field, config)
     _check_step(name, step)
     if getattr(step, field) is not None:
         raise ValueError(f"{name} was applied twice to the same step; apply each decorator once.")
@@ -169,7 +151,7 @@ def amp_wrap(
     min_scale = check_positive("amp_wrap", "min_scale", min_scale, "1e-4")
     if device_type is not None:
         _check_device_type(device_type)
-    config = AmpConfig(resolved, scaler, min_scale, device_type)  # type: ignore[arg-type]
+    config = phases.AmpConfig(resolved, scaler, min_scale, device_type)  # type: ignore[arg-type]
     return _decorate(step, "amp_wrap", "amp", config)  # type: ignore[arg-type]  # checked
 
 
@@ -215,14 +197,14 @@ def accumulate(
     """
     _check_step("accumulate", step)
     k = _number("accumulate", "micro_batches", micro_batches, least=1)
-    return _decorate(step, "accumulate", "accumulation", AccumulateConfig(k))
+    return _decorate(step, "accumulate", "accumulation", phases.AccumulateConfig(k))
 
 
 @overload
-def transform_grads(step: Step, /, *fns: GradFn) -> Step: ...
+def transform_grads(step: Step, /, *fns: phases.GradFn) -> Step: ...
 @overload
-def transform_grads(*fns: GradFn) -> Decorator: ...
-def transform_grads(*args: Step | GradFn) -> Step | Decorator:
+def transform_grads(*fns: phases.GradFn) -> Decorator: ...
+def transform_grads(*args: Step | phases.GradFn) -> Step | Decorator:
     """Run your functions over the gradients once per update, between phases 5 and 6.
 
     Each ``fn(grads)`` gets the gradients of the optimizer's parameters that have one, in
@@ -264,7 +246,7 @@ def transform_grads(*args: Step | GradFn) -> Step | Decorator:
     ok = bool(fns) and all(callable(fn) and not isinstance(fn, Step) for fn in fns)
     expected, got = "one or more functions fn(grads)", [type(fn).__name__ for fn in fns]
     check(ok, "transform_grads", "the arguments after the step", expected, got, error=TypeError)
-    config = GradTransformConfig(fns)  # type: ignore[arg-type]
+    config = phases.GradTransformConfig(fns)  # type: ignore[arg-type]
     return _decorate(step, "transform_grads", "grad_transforms", config)
 
 
@@ -314,18 +296,18 @@ def clip(
         raise ValueError("clip: expected max_norm and/or max_value; got neither.")
     norm = None if max_norm is None else _number("clip", "max_norm", max_norm)
     value = None if max_value is None else _number("clip", "max_value", max_value)
-    config = ClipConfig(norm, value, _number("clip", "norm_type", norm_type))
+    config = phases.ClipConfig(norm, value, _number("clip", "norm_type", norm_type))
     return _decorate(step, "clip", "clipping", config)
 
 
 @overload
 def guard_nonfinite(
-    step: Step, /, *, max_retries: int = ..., on_exhaust: OnExhaust = ...
+    step: Step, /, *, max_retries: int = ..., on_exhaust: phases.OnExhaust = ...
 ) -> Step: ...
 @overload
-def guard_nonfinite(*, max_retries: int = ..., on_exhaust: OnExhaust = ...) -> Decorator: ...
+def guard_nonfinite(*, max_retries: int = ..., on_exhaust: phases.OnExhaust = ...) -> Decorator: ...
 def guard_nonfinite(
-    step: Step | None = None, /, *, max_retries: int = 3, on_exhaust: OnExhaust = "raise"
+    step: Step | None = None, /, *, max_retries: int = 3, on_exhaust: phases.OnExhaust = "raise"
 ) -> Step | Decorator:
     """Reject an update whose window had a non-finite loss or gradient (phase 6).
 
@@ -368,7 +350,7 @@ def guard_nonfinite(
     _check_step("guard_nonfinite", step)
     _number("guard_nonfinite", "max_retries", max_retries, least=0)
     check_one_of("guard_nonfinite", "on_exhaust", on_exhaust, ("raise", "skip", "accept"))
-    return _decorate(step, "guard_nonfinite", "guard", GuardConfig(max_retries, on_exhaust))
+    return _decorate(step, "guard_nonfinite", "guard", phases.GuardConfig(max_retries, on_exhaust))
 
 
 def compose(*decorators: Callable[[Step], Step]) -> Callable[[Step], Step]:
@@ -406,10 +388,9 @@ def compose(*decorators: Callable[[Step], Step]) -> Callable[[Step], Step]:
 
     def composed(step: Step) -> Step:
         for d in decorators:
-            new = d(step)
+            step = d(step)
             name = f"what {getattr(d, '__qualname__', d)!r} returned"
-            check(isinstance(new, Step), "compose", name, "a Step", type(new), error=TypeError)
-            step = new
+            check(isinstance(step, Step), "compose", name, "a Step", type(step), error=TypeError)
         return step
 
     return composed

@@ -288,11 +288,8 @@ def _check_scheduler(scheduler: Any, who: str) -> None:
             f"{who}: got a {type(scheduler).__name__}; expected one LR scheduler by count "
             "(validate(plateau_metric=...) steps a ReduceLROnPlateau alone)."
         )
-    if not (
-        callable(getattr(scheduler, "step", None))
-        and callable(getattr(scheduler, "state_dict", None))
-        and hasattr(scheduler, "optimizer")
-    ):
+    methods = [getattr(scheduler, name, None) for name in ("step", "state_dict")]
+    if not (all(map(callable, methods)) and hasattr(scheduler, "optimizer")):
         raise TypeError(
             f"{who}: expected an LR scheduler from torch.optim.lr_scheduler; got "
             f"{type(scheduler).__name__} {scheduler!r:.40}. Build one over an optimizer, "

@@ -19,18 +19,9 @@ from toolkit.distributed._collectives import all_reduce_
 from toolkit.step._state import GuardState, WindowState
 
 __all__ = [
-    "APPLY",
-    "AccumulateConfig",
-    "AmpConfig",
-    "ClipConfig",
-    "GradTransformConfig",
-    "GuardConfig",
-    "LossScaleError",
-    "NonFiniteError",
-    "Verdict",
-    "decide",
-    "skip_range",
-]
+    "APPLY", "AccumulateConfig", "AmpConfig", "ClipConfig", "GradTransformConfig", "GuardConfig",
+    "LossScaleError", "NonFiniteError", "Verdict", "decide", "skip_range",
+]  # fmt: skip
 
 OnExhaust = Literal["raise", "skip", "accept"]
 GradFn = Callable[[list[torch.Tensor]], "Sequence[torch.Tensor] | None"]
@@ -139,10 +130,10 @@ class GradTransformConfig:
             if result is None:
                 continue
             if not isinstance(result, Sequence) or len(result) != len(grads):
-                got = type(result).__name__
-                got = f"a list of {len(result)}" if isinstance(result, Sequence) else f"a {got}"
+                got = f"list of {len(result)}" if isinstance(result, Sequence) else type(result)
                 raise TypeError(
-                    f"transform_grads: {getattr(fn, '__qualname__', fn)} returned {got}; "
+                    f"transform_grads: {getattr(fn, '__qualname__', fn)} returned a "
+                    f"{getattr(got, '__name__', got)}; "
                     f"expected None (changed in place) or a list of {len(grads)} tensors."
                 )
             grads = list(result)
@@ -251,7 +242,12 @@ def decide(
     elif scaler is not None:
         if guard is not None and loss is not None:  # under fp16 only the loss counts
             flags["nonfinite"] = ~torch.isfinite(loss)
-        found, scale = _overflows(scaler, optimizer)
+        # The GradScaler keeps found_inf per optimizer and device: combined on the scale's
+        # device (no .item()), the whole decision stays to this single sync.
+        found_per_device = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        scale = scaler._get_scale_async()
+        assert scale is not None  # unscale_ has run, so the scale exists
+        found: Any = sum(f.to(scale.device) for f in found_per_device.values())
         flags["overflow"] = found > 0
         floor = amp.min_scale if amp is not None else 0.0
         flags["collapsed"] = (found > 0) & (scale * scaler.get_backoff_factor() < floor)
@@ -264,27 +260,10 @@ def decide(
         packed = all_reduce_(packed, torch.distributed.ReduceOp.MAX, group)
         flags = dict(zip(flags, packed[:-2] > 0))
         flags["uneven"] = packed[-2] + packed[-1] > 0
-    if len(flags) == 1:  # the guard alone: as few kernels as a hand-written loop
-        ((name, flag),) = flags.items()
-        return Verdict(**{name: bool(flag.item())})  # the sync
     device = next(iter(flags.values())).device
     bits = torch.stack([flag.to(device, torch.float32) for flag in flags.values()])
     code = int((bits * _flag_weights(device)[: len(bits)]).sum().item())  # the sync
     return Verdict(**{name: bool(code >> i & 1) for i, name in enumerate(flags)})
-
-
-def _overflows(scaler: torch.amp.GradScaler, optimizer: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """The GradScaler's count of devices with inf/NaN gradients after unscale_, and its scale.
-
-    It keeps found_inf per optimizer and device; combining the tensors on device (no
-    .item()) keeps the whole decision to phase 6's single sync. On the scale's device.
-    """
-    found_per_device = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-    scale = scaler._get_scale_async()
-    assert scale is not None  # unscale_ has run, so the scale exists
-    found = sum(f.to(scale.device) for f in found_per_device.values())
-    assert isinstance(found, torch.Tensor)
-    return found, scale
 
 
 def _pair(skipped: int, optimizer: Any) -> torch.Tensor:

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
+import toolkit.step._phases as phases
 from toolkit._checks import check
 from toolkit.distributed._collectives import (
     all_reduce_,
@@ -24,17 +25,6 @@ from toolkit.distributed._collectives import (
     sync_kind,
 )
 from toolkit.step._multi import PerEpoch
-from toolkit.step._phases import (
-    APPLY,
-    AccumulateConfig,
-    AmpConfig,
-    ClipConfig,
-    GradTransformConfig,
-    GuardConfig,
-    Verdict,
-    decide,
-    skip_range,
-)
 from toolkit.step._state import GuardState, TrainState, WindowState
 
 __all__ = ["LossSum", "Step", "StepOutput", "make_step"]
@@ -157,7 +147,13 @@ def _parse(result: Any) -> tuple[torch.Tensor, torch.Tensor | float | None, Mapp
     else:
         loss, count, records = result, None, _NO_RECORDS
     if not isinstance(loss, torch.Tensor):
-        raise _bad_return(result)
+        got = type(result).__name__
+        if isinstance(result, tuple):  # its elements' kinds: (loss, records) gone wrong
+            got += f"({', '.join(type(element).__name__ for element in result)})"
+        raise TypeError(
+            f"loss_fn returned {got}; expected a scalar tensor, (loss, records), "
+            "LossSum(total, count[, records]), or None to skip the batch."
+        )
     fix = "The step reports the loss itself: return out.loss alone, or rename the record."
     check("loss" not in records, "loss_fn", "records", "without a 'loss' key", type(records), fix)
     if loss.ndim != 0:
@@ -173,7 +169,7 @@ def _parse(result: Any) -> tuple[torch.Tensor, torch.Tensor | float | None, Mapp
     if not records:  # a LossSum's default {}: no tree walk, per micro-batch
         return loss, count, _NO_RECORDS
     detach = lambda leaf: leaf.detach() if isinstance(leaf, torch.Tensor) else leaf  # noqa: E731
-    return loss, count, optree.tree_map(detach, records, none_is_leaf=True)  # type: ignore[arg-type]
+    return loss, count, optree.tree_map(detach, records, none_is_leaf=True)  # type: ignore[arg-type,return-value]
 
 
 def _checked_count(count: Any) -> torch.Tensor | float:
@@ -221,11 +217,11 @@ class Step:
     """
 
     loss_fn: Callable[..., Any]  # (model, batch) or (model, batch, step=)
-    amp: AmpConfig | None = None
-    accumulation: AccumulateConfig | None = None
-    grad_transforms: GradTransformConfig | None = None
-    clipping: ClipConfig | None = None
-    guard: GuardConfig | None = None
+    amp: phases.AmpConfig | None = None
+    accumulation: phases.AccumulateConfig | None = None
+    grad_transforms: phases.GradTransformConfig | None = None
+    clipping: phases.ClipConfig | None = None
+    guard: phases.GuardConfig | None = None
     # Read once: whether loss_fn takes the update number (its signature); the window length.
     _with_step: bool = dataclasses.field(init=False, repr=False, compare=False)
     _k: int = dataclasses.field(init=False, repr=False, compare=False)
@@ -251,7 +247,12 @@ class Step:
         """
         optimizer = getattr(state, "optimizer", None)
         if optimizer is None:
-            raise _no_optimizer(state)
+            given = f"a {type(state).__name__}, not a TrainState"
+            given = "None" if isinstance(state, TrainState) else given
+            raise TypeError(
+                f"a train step needs TrainState.optimizer; got {given}. Build the state with one: "
+                "TrainState(model=model, optimizer=torch.optim.AdamW(model.parameters()))."
+            )
         if state._consumed:
             raise ValueError(
                 f"this TrainState (step {state.step}) was already passed to a train step, so "
@@ -367,21 +368,21 @@ class Step:
         if transforms is not None and grads:
             grads = transforms.apply(params, grads)
         # 6. finite check: one host sync (shared with the scaler's), the same on every rank
-        grad_norm = clip_norm = None
+        grad_norm = clip_norm = None  # type: Any
         if clipping is not None or guard is not None:
             norm_type = clipping.norm_type if clipping is not None else 2.0
             clip_norm = torch.nn.utils.get_total_norm(grads, norm_type)
             # FSDP2: a DTensor, which clipping takes as it is; the verdict needs its value.
             grad_norm = clip_norm if type(clip_norm) is torch.Tensor else clip_norm.full_tensor()
-        verdict = APPLY
+        verdict = phases.APPLY
         if guard is not None or scaler is not None or group is not None:
             # DDP: the ranks' flags that rode on the gradient all-reduce, if they did.
             carrier = carrier_of(state.model) if sync == "ddp" and transforms is None else None
             carried = carrier.receive() if carrier is not None else None
-            verdict = decide(
+            verdict = phases.decide(
                 guard, scaler, self.amp, optimizer, window, grad_norm, total, group, carried
             )
-        if verdict is APPLY and not empty and not state.guard.notfinite_count:
+        if verdict is phases.APPLY and not empty and not state.guard.notfinite_count:
             apply, counters, failure = True, state.guard, None  # the common case, in short
         else:
             verdict, apply, counters, failure = self._judge(
@@ -439,9 +440,9 @@ class Step:
         return self._close(state, window, _SKIPPED, None, scaler, "ddp")
 
     def _judge(
-        self, state: TrainState, window: WindowState, verdict: Verdict, empty: bool, norm: Any,
-        group: Any,
-    ) -> tuple[Verdict, bool, GuardState, Exception | None]:  # fmt: skip
+        self, state: TrainState, window: WindowState, verdict: phases.Verdict, empty: bool,
+        norm: Any, group: Any,
+    ) -> tuple[phases.Verdict, bool, GuardState, Exception | None]:  # fmt: skip
         """Phase 6's outcome: the verdict as reported (one reason per window), whether to
         apply the window, the counters, an error to raise."""
         guard, counters = self.guard, state.guard
@@ -470,7 +471,7 @@ class Step:
             counters = counters._replace(notfinite_count=0)  # a finite window ends a series
         if verdict.uneven:  # a bug in the loss function or the data, not a numerical accident
             # On the error path only: one more small all-reduce, for the message.
-            fewest, most = skip_range(window.skipped, group, state.optimizer)
+            fewest, most = phases.skip_range(window.skipped, group, state.optimizer)
             apply, failure = (
                 False,
                 ValueError(
@@ -495,39 +496,18 @@ def _divide_by_count(
 ) -> tuple[torch.Tensor | None, bool]:
     """Phase 5: gradients divided by the total count over the ranks; (total tensor, empty)."""
     if group is None and not isinstance(count, torch.Tensor):
-        if count == 0:  # nothing to learn from: the window is skipped
-            return None, True
-        torch._foreach_mul_(grads, 1.0 / count)
-        return None, False
+        if count:  # else nothing to learn from: the window is skipped (empty)
+            torch._foreach_mul_(grads, 1.0 / count)
+        return None, count == 0
     # A tensor, for phase 6 to check within its host sync.
     total = torch.as_tensor(count, dtype=torch.float64, device=grads[0].device)
-    world = 1
+    world = 1 if group is None else group.size()
     if group is not None:
         total = all_reduce_(total.clone(), torch.distributed.ReduceOp.SUM, group)
-        world = group.size()
     # DDP and FSDP average gradients over ranks; the world factor turns that mean back into
     # the sum that the global count divides.
     torch._foreach_mul_(grads, (world / total).to(grads[0].dtype))
     return total, False
-
-
-def _bad_return(result: Any) -> TypeError:
-    got = type(result).__name__
-    if isinstance(result, tuple):  # its elements' kinds: (loss, records) gone wrong
-        got += f"({', '.join(type(element).__name__ for element in result)})"
-    return TypeError(
-        f"loss_fn returned {got}; expected a scalar tensor, (loss, records), "
-        "LossSum(total, count[, records]), or None to skip the batch."
-    )
-
-
-def _no_optimizer(state: Any) -> TypeError:
-    given = f"a {type(state).__name__}, not a TrainState"
-    given = "None" if isinstance(state, TrainState) else given
-    return TypeError(
-        f"a train step needs TrainState.optimizer; got {given}. Build the state with one: "
-        "TrainState(model=model, optimizer=torch.optim.AdamW(model.parameters()))."
-    )
 
 
 def make_step(loss_fn: Callable[..., Any]) -> Step:

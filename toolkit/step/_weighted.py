@@ -136,13 +136,8 @@ def _tensors(column: Column) -> Sequence[torch.Tensor]:
     """The tensors among a column's values: all of them, none, or a filtered list."""
     if column.tensors is not None:
         return column.values if column.tensors else ()
-    kinds = {*map(type, column.values)}
-    tensor_kinds = [kind for kind in kinds if issubclass(kind, torch.Tensor)]
-    if not tensor_kinds:
-        return ()
-    if len(tensor_kinds) == len(kinds):
-        return column.values
-    return [v for v in column.values if isinstance(v, torch.Tensor)]
+    tensors = [v for v in column.values if isinstance(v, torch.Tensor)]
+    return column.values if len(tensors) == len(column.values) else tensors
 
 
 def _substitute(values: Sequence[Any], tensors: Sequence[Any], read: list[Any]) -> Sequence[Any]:
