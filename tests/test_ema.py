@@ -389,3 +389,16 @@ def test_frozen_true_averages_every_parameter():
     torch.testing.assert_close(ema_model(state)[0].weight, model[0].weight, rtol=0, atol=0)
     with pytest.raises(ValueError, match=r"unexpected \['0.bias', '0.weight'\]"):
         run(make_step(_loss), state, _data(2), max_steps=3, plugins=[ema()])
+
+
+def test_frozen_true_copies_an_integer_parameter():
+    # An integer parameter (a frozen lookup table, say) cannot be averaged: like an integer
+    # buffer, it is copied (a lerp on it raised before the float/int grouping of the lists).
+    model = _model()
+    model.register_parameter("table", torch.nn.Parameter(torch.arange(3), requires_grad=False))
+    plugin = ema(0.5, frozen=True)
+    state = run(make_step(_loss), _state(model), _data(2), max_steps=1, plugins=[plugin])
+    with torch.no_grad():
+        model.table.add_(10)
+    state = run(make_step(_loss), state, _data(2), max_steps=2, plugins=[plugin])
+    assert state.extras["ema"]["params"]["table"].tolist() == [10, 11, 12]

@@ -92,7 +92,8 @@ def ema(
             other buffers (e.g. ``num_batches_tracked``) are copied. With ``False`` only
             parameters are averaged and :func:`ema_model` keeps the live model's buffers.
         frozen: also average parameters with ``requires_grad=False``, for a run that
-            unfreezes them later (a frozen base fine-tuned in a second phase).
+            unfreezes them later (a frozen base fine-tuned in a second phase); integer ones
+            are copied, as integer buffers are.
         key: the ``state.extras`` key.
 
     Returns:
