@@ -27,13 +27,9 @@ def is_namedtuple(value: Any) -> bool:
 
 def fields_of(state: TrainState) -> dict[str, Any]:
     """TrainState's non-handle fields except those with their own file; NamedTuples as dicts."""
-    out = {}
-    for field in dataclasses.fields(state):
-        if field.name in HANDLES or field.name in OWN_FILE:
-            continue
-        value = getattr(state, field.name)
-        out[field.name] = dict(value._asdict()) if is_namedtuple(value) else value
-    return out
+    names = [f.name for f in dataclasses.fields(state) if f.name not in HANDLES + OWN_FILE]
+    values = {name: getattr(state, name) for name in names}
+    return {name: dict(v._asdict()) if is_namedtuple(v) else v for name, v in values.items()}
 
 
 def check_objects(objects: Any, who: str) -> dict[str, Any]:

@@ -113,6 +113,7 @@ class MultiOptimizer:
                 f"group(s); these optimizers have {sum(counts)} ({counts})."
             )
         pieces, offset = [], 0  # every optimizer's part is checked before any is loaded
+        saved = state_dict["state"]
         for i, (optimizer, count) in enumerate(zip(self.optimizers, counts, strict=True)):
             own, groups = groups[:count], groups[count:]
             # The numbering says nothing of the kind: SGD's state loaded into an AdamW would
@@ -126,9 +127,7 @@ class MultiOptimizer:
                     "was saved from another kind of optimizer."
                 )
             indices = [j for group in own for j in group["params"]]
-            state = {
-                j - offset: state_dict["state"][j] for j in indices if j in state_dict["state"]
-            }
+            state = {j - offset: saved[j] for j in indices if j in saved}
             own = [{**group, "params": [j - offset for j in group["params"]]} for group in own]
             pieces.append({"state": state, "param_groups": own})
             offset += len(indices)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 import operator
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import torch
@@ -114,22 +114,18 @@ def weighted_sums(
     knows whether they are tensors). With ``exclude_nan`` a NaN value is left out with its
     weight.
     """
-    # Whole columns at a time (slices, no isinstance per value unless needed): a publish
-    # every few updates reads a few dozen values, and each python step per value shows.
+    # Whole columns at a time (no isinstance per value unless needed): a publish every few
+    # updates reads a few dozen values, and each python step per value shows.
     every = [*cols.values(), weights if isinstance(weights, Column) else Column(weights, None)]
     found = [_tensors(column) for column in every]
-    read = to_host(list(itertools.chain(*found, also)))
-    numbers, start = [], 0
-    for column, tensors in zip(every, found):
-        numbers.append(_substitute(column.values, tensors, read[start : start + len(tensors)]))
-        start += len(tensors)
-    *values, weight_numbers = numbers
+    read = iter(to_host(list(itertools.chain(*found, also))))  # in that order
+    *values, weight_numbers = [_substitute(c.values, t, read) for c, t in zip(every, found)]
     sums: dict[Any, tuple[float, float]] = {}
     for (key, column), column_values in zip(cols.items(), values):
         rows = column.rows
         picked = weight_numbers if rows is None else list(map(weight_numbers.__getitem__, rows))
         sums[key] = _sum(column_values, picked, exclude_nan)
-    return Sums(sums, weight_numbers, read[start:])
+    return Sums(sums, weight_numbers, list(read))
 
 
 def _tensors(column: Column) -> Sequence[torch.Tensor]:
@@ -140,14 +136,13 @@ def _tensors(column: Column) -> Sequence[torch.Tensor]:
     return column.values if len(tensors) == len(column.values) else tensors
 
 
-def _substitute(values: Sequence[Any], tensors: Sequence[Any], read: list[Any]) -> Sequence[Any]:
-    """``values`` with each of its ``tensors`` replaced by its host value from ``read``."""
+def _substitute(values: Sequence[Any], tensors: Sequence[Any], read: Iterator) -> Sequence[Any]:
+    """``values`` with each of its ``tensors`` replaced by its host value, taken from ``read``."""
     if not tensors:
         return values
     if len(tensors) == len(values):
-        return read
-    taken = iter(read)
-    return [next(taken) if isinstance(v, torch.Tensor) else v for v in values]
+        return list(itertools.islice(read, len(values)))
+    return [next(read) if isinstance(v, torch.Tensor) else v for v in values]
 
 
 def _sum(values: Sequence[Any], weights: Sequence[Any], exclude_nan: bool) -> tuple[float, float]:
