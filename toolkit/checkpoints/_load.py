@@ -448,11 +448,8 @@ def _trees(
     if manifest.sharded:
         model = model_state(like.model)
         shards.update({f"model/{name}": value for name, value in model.items()})
-        saved = {
-            k.removeprefix("model/"): size
-            for k, (size, _) in shapes.items()
-            if k.startswith("model/")
-        }
+        found = {k: size for k, (size, _) in shapes.items() if k.startswith("model/")}
+        saved = {key.removeprefix("model/"): size for key, size in found.items()}
         differences += _model_differences(like.model, saved, {}, None)
     else:
         tensors = _tensors(manifest, "model.safetensors")
