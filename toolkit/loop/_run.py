@@ -216,14 +216,14 @@ def plugin_factory(order: int) -> Callable[[F], F]:
 
 
 def _call(plugins: Sequence[Plugin], event: Event) -> TrainState:
-    state = event.state
     for plugin in plugins:
-        new = plugin(event if state is event.state else event._replace(state=state))
-        if new is not None and not isinstance(new, TrainState):
-            got = f"{getattr(plugin, '__name__', plugin)!r} returned {type(new).__name__}"
-            raise TypeError(f"plugin {got}; expected a TrainState or None.")
-        state = state if new is None else new
-    return state
+        new = plugin(event)
+        if new is not None:
+            if not isinstance(new, TrainState):
+                got = f"{getattr(plugin, '__name__', plugin)!r} returned {type(new).__name__}"
+                raise TypeError(f"plugin {got}; expected a TrainState or None.")
+            event = event._replace(state=new)
+    return event.state
 
 
 def run(
@@ -359,8 +359,6 @@ def run(
             state, ran_out = _pass(step, state, plugins, loop, window, partial_window)
             if not ran_out:
                 break
-            # A window may span the epoch boundary: its outputs stay in `window`.
-            window.pending = 0
             state = state._evolve({"epoch": state.epoch + 1, "batches_seen": 0})
             # Before the plugins: a checkpoint taken at "epoch_end" holds the stepped one.
             for scheduler in epoch_schedulers(state.scheduler):
@@ -372,44 +370,23 @@ def run(
         error = exc
         raise
     finally:
-        state = window.failed or state
-        if window.pending:
-            state = state._evolve({"batches_seen": state.batches_seen + window.pending})
         outs, batches_ = tuple(window.outs), tuple(window.batches)
-        state = _end(
-            plugins, Event("end", state, loop, None, 0.0, 0.0, error, outs, batches_), error
-        )
+        end = Event("end", window.failed or state, loop, None, 0.0, 0.0, error, outs, batches_)
+        state = _end(plugins, end)
     return state
 
 
 @dataclasses.dataclass(slots=True)
 class _Window:
-    """What run() carries from batch to batch: the open accumulation window, and the
-    warnings given once per run."""
+    """What run() carries from pass to pass: the open accumulation window (a window may span
+    the epoch boundary), how far a pass that raised got, and the warnings given once."""
 
     outs: list[StepOutput] = dataclasses.field(default_factory=list)
     batches: list[Any] = dataclasses.field(default_factory=list)  # references, not copies
-    pending: int = 0  # batches drawn since state.batches_seen was last written
-    data_time: float = 0.0
-    step_time: float = 0.0
+    times: tuple[float, float] = (0.0, 0.0)  # the open window's data and step time so far
+    failed: TrainState | None = None  # the state when a pass raised, its batches counted
     warned: bool = False  # an inexact resume was reported
     stalled: bool = False  # a pass without progress was reported
-    failed: TrainState | None = None  # the state when a pass raised
-
-    def add(self, batch: Any, out: StepOutput, data_time: float, step_time: float) -> None:
-        self.outs.append(out)
-        self.batches.append(batch)
-        self.pending += 1
-        self.data_time += data_time
-        self.step_time += step_time
-
-    def close(self, state: TrainState, loop: LoopInfo) -> Event:
-        """The "step" event of the window just closed by ``state``'s update; a new window."""
-        state = state._evolve({"batches_seen": state.batches_seen + self.pending})
-        out, outs, batches = self.outs[-1], tuple(self.outs), tuple(self.batches)
-        event = Event("step", state, loop, out, self.data_time, self.step_time, None, outs, batches)
-        self.outs, self.batches, self.pending, self.data_time, self.step_time = [], [], 0, 0.0, 0.0
-        return event
 
 
 def _pass(
@@ -429,35 +406,48 @@ def _pass(
     )
     resumed = state.batches_seen > 0  # a partial pass may hold nothing new
     state, iterator = _open(state, loop.data, window)
-    accepted = 0  # micro-batches of this pass that the loss function did not skip
+    pairs = _with_last(iterator, flush, loop.batches_per_epoch, state.batches_seen)
+    # The open window lives in locals during the pass: per micro-batch, attributes cost more.
+    outs, batches, (data_time, step_time) = window.outs, window.batches, window.times
     clock = time.perf_counter
+    pending = accepted = 0  # batches since state.batches_seen was written; not skipped ones
     try:
         t0 = clock()
-        for batch, last in _with_last(iterator, flush, loop.batches_per_epoch, state):
+        for batch, last in pairs:
             t1 = clock()
             state, out = step(state, batch, close=last) if flush else step(state, batch)
             t2 = clock()
             if type(out) is not StepOutput:
                 got = f"({type(state).__name__}, {type(out).__name__})"
                 raise TypeError(f"run: the step returned {got}; expected (TrainState, StepOutput).")
-            accepted += not out.skipped
-            window.add(batch, out, t1 - t0, t2 - t1)
+            outs.append(out)
+            batches.append(batch)
+            pending, accepted = pending + 1, accepted + (not out.skipped)
+            data_time, step_time = data_time + t1 - t0, step_time + t2 - t1
             # Plugins see updates, not micro-batches: nothing they read (state.step, the LR,
             # a stop request) changes in between, and calling them per micro-batch would
             # cost more than the loop itself.
             if out.closed:
-                state = _call(plugins, window.close(state, loop))
+                state = state._evolve({"batches_seen": state.batches_seen + pending})
+                times = data_time, step_time
+                event = Event("step", state, loop, out, *times, None, tuple(outs), tuple(batches))
+                outs.clear()
+                batches.clear()
+                pending, data_time, step_time = 0, 0.0, 0.0
+                state = _call(plugins, event)
                 if _done(state, loop):
                     return state, False
                 t2 = clock()  # time in plugins is neither data time nor step time
             t0 = t2
     except BaseException:
-        window.failed = state  # for the "end" event: how far training got
+        # For the "end" event: how far training got.
+        window.failed = state._evolve({"batches_seen": state.batches_seen + pending})
         raise
     finally:
+        window.times = (data_time, step_time)
         _close(iterator)
     if not accepted and not one_shot and not resumed and not window.stalled:
-        window.stalled = _no_progress(state, window.pending, loop.epochs)
+        window.stalled = _no_progress(state, pending, loop.epochs)
     return state, True
 
 
@@ -478,21 +468,16 @@ def _open(state: TrainState, data: Any, window: _Window) -> tuple[TrainState, It
 
 
 def _with_last(
-    iterator: Iterator[Any], flush: bool, batches: int | None, state: TrainState
+    iterator: Iterator[Any], flush: bool, batches: int | None, seen: int
 ) -> Iterator[tuple[Any, bool]]:
     """``(batch, is_last)``: by ``len(data)``, else one batch read ahead (only to flush)."""
     if not flush:
-        yield from zip(iterator, itertools.repeat(False))
-    elif batches is not None:
-        for seen, batch in enumerate(iterator, state.batches_seen + 1):
-            yield batch, seen >= batches
-    else:
-        end = object()
-        current = next(iterator, end)
-        while current is not end:
-            following = next(iterator, end)
-            yield current, following is end
-            current = following
+        return zip(iterator, itertools.repeat(False))
+    if batches is not None:
+        return ((batch, i >= batches) for i, batch in enumerate(iterator, seen + 1))
+    end = object()
+    pairs = itertools.pairwise(itertools.chain(iterator, [end]))
+    return ((batch, following is end) for batch, following in pairs)
 
 
 def _check_partial(step: Any, partial_window: Any) -> None:
@@ -528,7 +513,7 @@ def _done(state: TrainState, loop: LoopInfo) -> bool:
     )
 
 
-def _end(plugins: Sequence[Plugin], event: Event, error: BaseException | None) -> TrainState:
+def _end(plugins: Sequence[Plugin], event: Event) -> TrainState:
     """Call every plugin's end, even if some raise.
 
     When training raised, that error propagates and a plugin's failure at the end is attached
@@ -538,15 +523,14 @@ def _end(plugins: Sequence[Plugin], event: Event, error: BaseException | None) -
     SystemExit or KeyboardInterrupt (the checkpoints plugin after a signal) is obeyed once
     every other plugin's end has run.
     """
-    state = event.state
     leave: BaseException | None = None  # SystemExit, KeyboardInterrupt: raised at the end
     for plugin in plugins:
         try:
-            state = _call((plugin,), event._replace(state=state))
+            event = event._replace(state=_call((plugin,), event))
         except Exception as exc:
             name = getattr(plugin, "__qualname__", repr(plugin))
-            if error is not None:
-                error.add_note(f"and then plugin {name} failed at 'end': {exc!r}")
+            if event.error is not None:
+                event.error.add_note(f"and then plugin {name} failed at 'end': {exc!r}")
             else:
                 message = f"run: plugin {name} failed at 'end' after training ended well: {exc!r}"
                 message += "; run() returns the trained state anyway."
@@ -555,4 +539,4 @@ def _end(plugins: Sequence[Plugin], event: Event, error: BaseException | None) -
             leave = leave or exc
     if leave is not None:
         raise leave
-    return state
+    return event.state

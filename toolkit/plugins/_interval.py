@@ -92,7 +92,7 @@ def read(
         samples = tuple(1 if s is None else s for s in samples)
     weights: Sequence[Any] | Column = Column(samples, None, tensors=False)
     if counted:
-        weights = [c.reshape(()) if isinstance(c, torch.Tensor) else s if c is None else c
+        weights = [_scalar(c) if isinstance(c, torch.Tensor) else s if c is None else c
                    for c, s in zip(counts, samples)]  # fmt: skip
     cols = columns([flatten(r) for r in fields.records]) if flatten and any(fields.records) else {}
     cols["loss"] = Column(fields.loss, None, tensors=True)  # skipped ones are out
@@ -103,7 +103,7 @@ def read(
         other["grad_norm"] = norms
     # Every tensor rides in the one host read: norms, the last LR, ``also``, other kinds.
     parts = [norms, applied[-1:], also, *other.values()]
-    tensors = [t.reshape(()) for p in parts for t in p if isinstance(t, torch.Tensor)]
+    tensors = [_scalar(t) for p in parts for t in p if isinstance(t, torch.Tensor)]
     got = weighted_sums(cols, weights, tensors)
     host = iter(got.also)
     norms, lr, returned, *others = (
@@ -145,32 +145,35 @@ def _reduce_into(into: dict[str, Any], key: str, kind: str, values: Sequence[Any
 
 
 def flat_scalars(
-    records: Mapping[str, Any], chosen: frozenset[str] | None = None, who: str = "log_metrics"
-) -> dict[str, Any]:
+    records: Mapping[str, Any], chosen: frozenset[str] | None = None, who: str = "log_metrics",
+    left_out: set[str] | None = None, prefix: str = "",
+) -> dict[str, Any]:  # fmt: skip
     """A micro-batch's records flattened with "/": the numbers and one-element tensors.
 
-    Other values (a tensor of logits kept for a plugin, a string) are left out, unless
-    their name is ``chosen``: then they raise. With ``chosen``, only those names are kept.
+    Other values (a tensor of logits kept for a plugin, a string) are left out (their names
+    added to ``left_out`` when given), unless their name is ``chosen``: then they raise. With
+    ``chosen``, only those names are kept.
     """
     flat: dict[str, Any] = {}
-    _flatten(records, "", flat, chosen, who)
-    return flat if chosen is None else {k: v for k, v in flat.items() if k in chosen}
-
-
-def _flatten(
-    tree: Mapping[str, Any], prefix: str, into: dict[str, Any], chosen: Any, who: str
-) -> None:
-    for key, value in tree.items():
+    for key, value in records.items():
         name, tensor = f"{prefix}{key}", isinstance(value, torch.Tensor)
         if isinstance(value, Mapping):
-            _flatten(value, f"{name}/", into, chosen, who)
+            flat.update(flat_scalars(value, chosen, who, left_out, f"{name}/"))
         elif isinstance(value, (int, float)) or (tensor and value.numel() == 1):
-            into[name] = value.detach().reshape(()) if tensor else value
+            flat[name] = _scalar(value) if tensor else value
         elif chosen is not None and name in chosen:  # a chosen record that is no scalar
             got, error = (tuple(value.shape), ValueError) if tensor else (type(value), TypeError)
             fix = "Reduce it first (.mean(), .sum()) or leave it out of records=."
             what = "a number or a one-element tensor"
             check(False, who, f"record {name!r}", what, got, fix, error)
+        elif left_out is not None:
+            left_out.add(name)
+    return flat if chosen is None else {k: v for k, v in flat.items() if k in chosen}
+
+
+def _scalar(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` detached and 0-d: most are already, and checking costs ~1% of reshaping."""
+    return tensor.detach().reshape(()) if tensor.ndim or tensor.requires_grad else tensor
 
 
 def _fields(outs: Iterable[Sequence[Any]]) -> Any:

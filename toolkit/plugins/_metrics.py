@@ -6,13 +6,13 @@ import dataclasses
 import functools
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from toolkit._checks import check, check_count, check_names, check_positive
+from toolkit._checks import check, check_bool, check_count, check_names, check_positive
 from toolkit.distributed._collectives import (
     data_parallel_group,
     is_distributed,
@@ -55,45 +55,6 @@ class _Options:
     flops: tuple[str, float, float] | None  # ("sample" | "token", FLOPs per one, peak)
     reserved: frozenset[str]  # names a record may not have
     clock: Callable[[], float]
-
-
-def _options(
-    every: Any, sinks: Any, reduce: Any, totals: Any, records: Any, per_epoch: Any,
-    flops_per_sample: Any, flops_per_token: Any, peak_flops: Any, clock: Any,
-) -> _Options:  # fmt: skip
-    who = "log_metrics"
-    check_count(who, "every", every, 1, "updates per published interval")
-    sinks = check_sinks(who, sinks)
-    example = "a mapping of record names to a kind, e.g. {'ntokens': 'sum'}"
-    check(isinstance(reduce, Mapping), who, "reduce", example, reduce, error=TypeError)
-    for name, kind in reduce.items():
-        check(kind in KINDS, who, f"reduce[{name!r}]", f"one of {list(KINDS)}", kind)
-        builtin = name in _RESERVED - {"grad_norm"}
-        check(not builtin, who, f"reduce[{name!r}]", "a record or 'grad_norm'", name)
-    totals = check_names(who, "totals", totals)
-    for name in totals:
-        summed = reduce.get(name) == "sum"
-        fix = f"Pass reduce={{{name!r}: 'sum'}} as well."
-        check(summed, who, f"totals[{name!r}]", "a record reduced by 'sum'", name, fix)
-    chosen = None if records is None else frozenset(check_names(who, "records", records))
-    check(isinstance(per_epoch, bool), who, "per_epoch", "True or False", per_epoch, "", TypeError)
-    both = flops_per_sample is not None and flops_per_token is not None
-    check(not both, who, "flops_per_sample or flops_per_token", "given alone", "both")
-    per, unit = (
-        (flops_per_sample, "sample") if flops_per_token is None else (flops_per_token, "token")
-    )
-    got = "only peak_flops" if per is None else "no peak_flops"
-    paired = (per is None) == (peak_flops is None)
-    check(paired, who, "train/mfu", "given flops_per_sample or flops_per_token and peak_flops", got)
-    flops = None
-    if per is not None:
-        per = check_positive(who, f"flops_per_{unit}", per, "6 * n_params * tokens_per_sample")
-        peak = check_positive(who, "peak_flops", peak_flops, "989e12 (an H100's bf16 peak)")
-        flops = (unit, per, peak)
-    kinds = {name: kind for name, kind in reduce.items() if kind != "mean"}
-    reserved = _RESERVED | ({"mfu"} if flops else set())
-    reserved |= {"epoch_loss", "epoch"} if per_epoch else set()
-    return _Options(every, sinks, kinds, totals, chosen, per_epoch, flops, reserved, clock)
 
 
 @dataclasses.dataclass(slots=True)
@@ -274,21 +235,37 @@ def log_metrics(
         >>> state.extras["log_metrics"]
         {'totals': {'tokens': 7}, 'through': 3}
     """
-    options = _options(
-        every, sinks, {} if reduce is None else reduce, totals, records, per_epoch,
-        flops_per_sample, flops_per_token, peak_flops, clock,
-    )  # fmt: skip
+    who, reduce = "log_metrics", {} if reduce is None else reduce
+    check_count(who, "every", every, 1, "updates per published interval")
+    example = "a mapping of record names to a kind, e.g. {'ntokens': 'sum'}"
+    check(isinstance(reduce, Mapping), who, "reduce", example, reduce, error=TypeError)
+    for name, kind in reduce.items():
+        check(kind in KINDS, who, f"reduce[{name!r}]", f"one of {list(KINDS)}", kind)
+        builtin = name in _RESERVED - {"grad_norm"}
+        check(not builtin, who, f"reduce[{name!r}]", "a record or 'grad_norm'", name)
+    totals = check_names(who, "totals", totals)
+    for name in totals:
+        summed, fix = reduce.get(name) == "sum", f"Pass reduce={{{name!r}: 'sum'}} as well."
+        check(summed, who, f"totals[{name!r}]", "a record reduced by 'sum'", name, fix)
+    chosen = None if records is None else frozenset(check_names(who, "records", records))
+    check_bool(who, "per_epoch", per_epoch)
+    flops = _flops(flops_per_sample, flops_per_token, peak_flops)
+    kinds = {name: kind for name, kind in reduce.items() if kind != "mean"}
+    reserved = _RESERVED | ({"mfu"} if flops else set())
+    reserved |= {"epoch_loss", "epoch"} if per_epoch else set()
+    sinks = check_sinks(who, sinks)
+    options = _Options(every, sinks, kinds, totals, chosen, per_epoch, flops, reserved, clock)
     box = [_Memory()]
 
     def plugin(event: Event) -> TrainState | None:
         kind, state = event.kind, event.state
+        if kind == "step":  # first: the one event of every update
+            return _on_step(options, box[0], event)
         if kind == "start":
             box[0] = _start(options, event)
-        memory = box[0]
-        if kind == "step":
-            return _on_step(options, memory, event)
         if kind not in ("epoch_end", "end"):
             return None
+        memory = box[0]
         try:
             extra = _scan(memory, state)
             if kind == "epoch_end" and options.per_epoch:
@@ -306,15 +283,27 @@ def log_metrics(
     return plugin
 
 
+def _flops(per_sample: Any, per_token: Any, peak: Any) -> tuple[str, float, float] | None:
+    """``("sample" | "token", FLOPs per one, peak FLOP/s)`` for train/mfu, or None."""
+    who = "log_metrics"
+    both = per_sample is not None and per_token is not None
+    check(not both, who, "flops_per_sample or flops_per_token", "given alone", "both")
+    unit, per = ("sample", per_sample) if per_token is None else ("token", per_token)
+    got = "only peak_flops" if per is None else "no peak_flops"
+    expected = "given flops_per_sample or flops_per_token and peak_flops"
+    check((per is None) == (peak is None), who, "train/mfu", expected, got)
+    if per is None:
+        return None
+    per = check_positive(who, f"flops_per_{unit}", per, "6 * n_params * tokens_per_sample")
+    return unit, per, check_positive(who, "peak_flops", peak, "989e12 (an H100's bf16 peak)")
+
+
 def _start(options: _Options, event: Event) -> _Memory:
     """A new run, from the (restored) state: its step is the one the sinks start at."""
     state = event.state
     # Entries from before this run's first update were published by an earlier run.
-    entries = {name: metric_entry(entry) for name, entry in state.extras.items()}
-    seen = {
-        name: got[0] for name, got in entries.items()
-        if got is not None and not (isinstance(got[0], int) and got[0] > state.step)
-    }  # fmt: skip
+    entries = [(name, metric_entry(entry)) for name, entry in state.extras.items()]
+    seen = {name: got[0] for name, got in entries if got and not _int_above(got[0], state.step)}
     if options.totals:
         claim(event, KEY, "log_metrics")
     if is_rank_zero():
@@ -358,15 +347,14 @@ def _take(
     before = interval.sums.get("loss", (0.0, 0.0))
 
     def flatten(record: Mapping[str, Any]) -> dict[str, Any]:
-        flat = flat_scalars(record, options.records)
-        if not memory.read_once and options.records is None:
-            left_out.update(set(_leaves(record)) - flat.keys())
+        flat = flat_scalars(record, options.records, left_out=left_out)
         clash = sorted(options.reserved.intersection(flat))
         fix = "Rename them in loss_fn's records."
         check(not clash, "log_metrics", "records", "named unlike published keys", clash, fix)
         return flat
 
-    left_out: set[str] = set()
+    # Records that are not scalars are named at the run's first read (with records=None).
+    left_out: set[str] | None = set() if not memory.read_once and options.records is None else None
     got = read(interval, memory.windows, open_window, flatten, options.kinds, also)
     memory.windows.clear()
     if left_out:  # said at the first publish, not found missing from the logs at the end
@@ -465,10 +453,8 @@ def _scan(memory: _Memory, state: TrainState) -> dict[str, float]:
     return out
 
 
-def _leaves(tree: Mapping[str, Any], path: str = "") -> Iterator[str]:
-    """The flattened names of a record tree's leaves, scalars or not."""
-    for key, value in tree.items():
-        yield from _leaves(value, f"{path}{key}/") if isinstance(value, Mapping) else [path + key]
+def _int_above(step: Any, than: int) -> bool:
+    return isinstance(step, int) and step > than
 
 
 def _lrs(optimizer: Any) -> dict[str, Any]:
