@@ -119,7 +119,8 @@ def retain(
     if not items:
         return {}
     by_step = sorted(items, key=lambda item: (item[1], item[0]), reverse=True)
-    metric, every, sign = rules.metric or "", rules.keep_every, 1 if rules.mode == "min" else -1
+    metric = rules.metric if rules.keep_best and rules.metric else ""  # none is read when off
+    every, sign = rules.keep_every, 1 if rules.mode == "min" else -1
     scored = [(sign * float(m[metric]), -step, name) for name, step, m in items if metric in m]
     best = sorted(s for s in scored if not math.isnan(s[0]))  # better, then later, then by name
     kept = {

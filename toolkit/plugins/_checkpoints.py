@@ -149,7 +149,7 @@ def _saving(config: _Config) -> Iterator[None]:
         if config.on_error == "raise":
             raise
         message = f"checkpoints: a save failed and training goes on (on_error='warn'): {error}"
-        warnings.warn(message, RuntimeWarning, stacklevel=4)
+        warnings.warn(message, RuntimeWarning, stacklevel=6)
 
 
 def _publish(config: _Config, path: Path) -> None:
@@ -269,21 +269,20 @@ def _report(config: _Config, run_: _Run, state: TrainState, loop: LoopInfo, path
     seen, saved = state.batches_seen, read_manifest(path).settings
     was, now = _flat(saved), _flat(run_.settings)
     pairs = {k: (was.get(k, "-"), now.get(k, "-")) for k in sorted(was.keys() | now.keys())}
-    if saved and (
-        changes := [f"{k} {old} -> {new}" for k, (old, new) in pairs.items() if old != new]
-    ):
+    changes = [f"{k} {old} -> {new}" for k, (old, new) in pairs.items() if old != new]
+    if saved and changes:
         if seen:  # the pass position, in the current batches: no unseen sample skipped
             seen = seen_after_change(loop.data, seen, saved.get("data", {}), run_.settings["data"])
         run_.settings.update(optimizer=saved.get("optimizer"), scheduler=saved.get("scheduler"))
         message = (
             f"checkpoints: the run in {str(config.folder)!r} started with other settings (saved "
-            f"-> now): {'; '.join(changes)}. The checkpoint's optimizer and scheduler values are "
-            f"used, with the current data and micro_batches (this pass goes on after {seen} "
-            "batches). To start afresh with the new values, use another folder."
+            f"-> now): {'; '.join(changes)}. The checkpoint's optimizer and scheduler values "
+            f"are used, the current data and micro_batches (this pass goes on after {seen} "
+            "batches). To start afresh, use another folder; on_change='error' refuses a change."
         )
         if config.on_change == "error":
             raise ValueError(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=7)
+        warnings.warn(message, RuntimeWarning, stacklevel=5)
     at = f"update {state.step}, epoch {state.epoch}, batch {seen}"
     limits = ((loop.max_steps, state.step), (loop.epochs, state.epoch))
     if any(limit is not None and done >= limit for limit, done in limits):
