@@ -12,6 +12,7 @@ the training had, so dropout and augmentation continue their own streams.
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -102,12 +103,9 @@ def snapshot(data: Any) -> dict[str, Any]:
 
     A tree of tensors and JSON values (it goes into checkpoints with the state).
     """
-    snap: dict[str, Any] = {"rng": capture_rng()}
-    for role in _ROLES:
-        generator = _attr(data, role)
-        if isinstance(generator, torch.Generator):
-            snap[role] = generator.get_state()
-    return snap
+    generators = {role: _attr(data, role) for role in _ROLES}
+    kept = {r: g.get_state() for r, g in generators.items() if isinstance(g, torch.Generator)}
+    return {"rng": capture_rng(), **kept}
 
 
 def unseen(data: Any, seen: int, snap: Any) -> tuple[Iterator[Any], str | None]:
@@ -120,12 +118,13 @@ def unseen(data: Any, seen: int, snap: Any) -> tuple[Iterator[Any], str | None]:
         return itertools.islice(iter(data), seen, None), _unless_snapshot(snap)
     training_state = capture_rng()
     if snap:
-        _restore(snap, data)
+        restore_rng(snap["rng"])
+        restore_generators(data, snap)
     try:
-        if _skippable(data):
+        if isinstance(data, DataLoader) and not isinstance(data.dataset, IterableDataset):
             loader, skipper = _skipping_copy(data, seen)
             iterator = iter(loader)  # draws the base seed, as the original pass did
-            skipper.rest()  # then the sampler's permutation, and skips `seen` index batches
+            skipper.rest  # noqa: B018 (then the sampler's permutation; skips `seen` batches)
             return iterator, _persistent(data) or _unless_snapshot(snap)
         # Nothing to skip with: the seen batches are read again and dropped, under the
         # pass's own starting randomness.
@@ -141,28 +140,22 @@ class _SkipFirst:
     """A batch sampler yielding ``inner``'s index batches after the first ``n``.
 
     Lazy, as samplers are (a RandomSampler draws its permutation at the first ``next``);
-    :meth:`rest` draws and skips now, under the randomness of the pass, and only once (with
+    :attr:`rest` draws and skips now, under the randomness of the pass, and only once (with
     worker processes the DataLoader starts iterating inside ``iter()``).
     """
 
     def __init__(self, inner: Any, n: int) -> None:
         self.inner, self.n = inner, n
-        self._rest: list[Any] | None = None
 
+    @functools.cached_property
     def rest(self) -> list[Any]:
-        if self._rest is None:
-            self._rest = list(itertools.islice(self.inner, self.n, None))
-        return self._rest
+        return list(itertools.islice(self.inner, self.n, None))
 
-    def __iter__(self) -> Iterator[Any]:
-        yield from self.rest()
+    def __iter__(self) -> Iterator[Any]:  # lazy: iter(loader) draws the base seed first
+        yield from self.rest
 
     def __len__(self) -> int:
         return max(len(self.inner) - self.n, 0)
-
-
-def _skippable(data: Any) -> bool:
-    return isinstance(data, DataLoader) and not isinstance(data.dataset, IterableDataset)
 
 
 def _skipping_copy(loader: DataLoader, seen: int) -> tuple[DataLoader, _SkipFirst]:
@@ -192,10 +185,8 @@ def _unless_snapshot(snap: Any) -> str | None:
 
 
 def _reads_again(data: Any, seen: int) -> str:
-    what = f"a {type(data).__name__}"
-    if isinstance(data, (Iterator, DataLoader)):
-        iterable = "a DataLoader over an IterableDataset"
-        what = "a one-shot iterator" if isinstance(data, Iterator) else iterable
+    said = {Iterator: "a one-shot iterator", DataLoader: "a DataLoader over an IterableDataset"}
+    what = next((w for k, w in said.items() if isinstance(data, k)), f"a {type(data).__name__}")
     return (
         f"resuming {what}: its first {seen} batches of this pass were read again and dropped; "
         "a DataLoader over a map-style dataset, a list or a StatefulDataLoader skips them unread"
@@ -206,8 +197,3 @@ def _attr(obj: Any, path: str) -> Any:
     for name in path.split("."):
         obj = getattr(obj, name, None)
     return obj
-
-
-def _restore(snap: Mapping[str, Any], data: Any) -> None:
-    restore_rng(snap["rng"])
-    restore_generators(data, snap)
