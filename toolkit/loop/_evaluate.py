@@ -133,16 +133,13 @@ def _evaluate(
     """
     # Per submodule: a model in train mode may hold frozen parts in eval mode on purpose.
     modes = [(module, module.training) for module in model.modules()]
-    records, weights = [], []
     model.eval()
     try:
         with torch.no_grad():
-            for index, batch in enumerate(data):
-                metrics, count = _parse(eval_fn(model, batch), batch, index, who)
-                records.append(metrics)
-                weights.append(count)
+            parsed = [_parse(eval_fn(model, b), b, i, who) for i, b in enumerate(data)]
+            records = [metrics for metrics, _ in parsed]
             # The batches' tensors are read back once, at the end: one host sync.
-            reduced = weighted_sums(columns(records), weights)
+            reduced = weighted_sums(columns(records), [count for _, count in parsed])
     finally:
         for module, training in modes:
             module.training = training
@@ -159,13 +156,9 @@ def _evaluate(
     check_weight_values(who, _count_name(who), reduced.weights)
     sums, _ = sum_over_ranks(who, reduced.sums, group=data_parallel_group(model))  # type: ignore[arg-type]
     if sums and not any(weight for _, weight in sums.values()):
-        why = "the counts eval_fn returned sum to 0 over all ranks"
-        message = (
-            f"{who}: every batch of the pass{where} had weight 0 ({why}), so every metric is NaN"
-        )
+        why = "had weight 0 (the counts eval_fn returned sum to 0 over all ranks)"
+        message = f"{who}: every batch of the pass{where} {why}, so every metric is NaN"
         warnings.warn(f"{message}; check the counts eval_fn returns.", RuntimeWarning, stacklevel=2)
     # A metric whose weights sum to 0 (e.g. batches without tokens) has no mean: NaN.
-    return {
-        name: total / weight if weight else math.nan
-        for name, (total, weight) in sorted(sums.items())
-    }
+    means = {name: total / weight if weight else math.nan for name, (total, weight) in sums.items()}
+    return dict(sorted(means.items()))

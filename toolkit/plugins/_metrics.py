@@ -302,8 +302,8 @@ def _start(options: _Options, event: Event) -> _Memory:
     """A new run, from the (restored) state: its step is the one the sinks start at."""
     state = event.state
     # Entries from before this run's first update were published by an earlier run.
-    entries = [(name, metric_entry(entry)) for name, entry in state.extras.items()]
-    seen = {name: got[0] for name, got in entries if got and not _int_above(got[0], state.step)}
+    steps = {name: got[0] for name, entry in state.extras.items() if (got := metric_entry(entry))}
+    seen = {name: s for name, s in steps.items() if not (isinstance(s, int) and s > state.step)}
     if options.totals:
         claim(event, KEY, "log_metrics")
     if is_rank_zero():
@@ -442,19 +442,13 @@ def _scan(memory: _Memory, state: TrainState) -> dict[str, float]:
         return {}
     memory.extras, out = state.extras, {}
     for name, entry in state.extras.items():
-        parsed = metric_entry(entry)
-        if parsed is not None and (name, parsed[0]) not in memory.seen.items():
+        if (parsed := metric_entry(entry)) and (name, parsed[0]) not in memory.seen.items():
             memory.seen[name] = parsed[0]
             out.update({f"{name}/{key}": v for key, v in flat_scalars(parsed[1]).items()})
-    tensors = [key for key, value in out.items() if isinstance(value, torch.Tensor)]
+    tensors = ", ".join(key for key, value in out.items() if isinstance(value, torch.Tensor))
     fix = "Store python floats in extras[NAME]['metrics'] (no host sync)."
-    what = f"metric {', '.join(tensors)}"
-    check(not tensors, "log_metrics", what, "a float", "a tensor", fix, TypeError)
+    check(not tensors, "log_metrics", f"metric {tensors}", "a float", "a tensor", fix, TypeError)
     return out
-
-
-def _int_above(step: Any, than: int) -> bool:
-    return isinstance(step, int) and step > than
 
 
 def _lrs(optimizer: Any) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -240,9 +241,8 @@ def _step(bar: _Bar, event: Event) -> None:
 
 def _refresh(bar: _Bar, state: TrainState, now: float, open_window: Any = ()) -> None:
     windows, interval = len(bar.windows), Interval()
-    chosen = frozenset(bar.records)
-    flatten = (lambda record: flat_scalars(record, chosen, "progress")) if chosen else None
-    read(interval, bar.windows, open_window, flatten)  # the one host sync of a refresh
+    flatten = functools.partial(flat_scalars, chosen=frozenset(bar.records), who="progress")
+    read(interval, bar.windows, open_window, flatten if bar.records else None)  # one host sync
     bar.windows.clear()
     bar.lr = interval.lr if interval.lr is not None else bar.lr
     elapsed, bar.last_time = now - bar.last_time, now
@@ -258,11 +258,9 @@ def _refresh(bar: _Bar, state: TrainState, now: float, open_window: Any = ()) ->
         parts.append(f"data {_duration(bar.data_time / windows)}")
         parts.append(f"step {_duration(bar.step_time / windows)}")
     bar.data_time = bar.step_time = 0.0
-    for entry_name in bar.show:
-        parsed = metric_entry(state.extras.get(entry_name))
-        for name, value in parsed[1].items() if parsed is not None else ():
-            if isinstance(value, (int, float)):
-                parts.append(f"{entry_name}/{name} {value:.4g}")
+    for entry in bar.show:
+        _, metrics = metric_entry(state.extras.get(entry)) or (None, {})
+        parts += [f"{entry}/{k} {v:.4g}" for k, v in metrics.items() if isinstance(v, (int, float))]
     bar.shown_step, eta = state.step, _eta(bar, now, state.step)
     info, head = " | ".join(part for part in parts if part), _head(state.step, bar.total)
     if bar.live is None:
