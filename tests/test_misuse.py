@@ -362,10 +362,10 @@ def test_windows_spanning_passes_are_progress_not_a_stall() -> None:
         (
             {"data": {"x": X}},
             TypeError,
-            "run: data must be an iterable of batches (a DataLoader, a list); got dict; to "
+            "run: data must be an iterable of batches (a DataLoader, a list); got a dict. To "
             "train on one batch n times, pass [batch] * n.",
         ),
-        ({"state": {"model": 1}}, TypeError, "run: state must be a TrainState; got dict."),
+        ({"state": {"model": 1}}, TypeError, "run: state must be a TrainState; got a dict."),
         (
             {"plugins": None},
             TypeError,

@@ -12,7 +12,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, NamedTuple, TypeVar
 
-from toolkit._checks import check_count, check_one_of
+from toolkit._checks import check_count, check_one_of, check_type
 from toolkit._unwrap import unwrap
 from toolkit.distributed._collectives import check_even, data_parallel_group
 from toolkit.loop._data import batches_per_epoch, is_stateful, snapshot, unseen
@@ -159,18 +159,15 @@ def _counted(loop: LoopInfo, state: TrainState, partial: PartialWindow) -> LoopI
 def _validate(
     state: Any, data: Any, max_steps: int | None, epochs: int | None, plugins: Any
 ) -> None:
-    if not isinstance(state, TrainState):
-        raise TypeError(f"run: state must be a TrainState; got {type(state).__name__}.")
+    check_type(isinstance(state, TrainState), "run", "state", "a TrainState", state)
     if max_steps is None and epochs is None:
         raise ValueError("run: give max_steps and/or epochs; got neither, so it would never end.")
     for name, value in (("max_steps", max_steps), ("epochs", epochs)):
         if value is not None:
             check_count("run", name, value, 0)
-    if not isinstance(data, Iterable) or isinstance(data, (Mapping, str, bytes)):
-        raise TypeError(
-            f"run: data must be an iterable of batches (a DataLoader, a list); got "
-            f"{type(data).__name__}; to train on one batch n times, pass [batch] * n."
-        )
+    ok = isinstance(data, Iterable) and not isinstance(data, (Mapping, str, bytes))
+    fix = "To train on one batch n times, pass [batch] * n."
+    check_type(ok, "run", "data", "an iterable of batches (a DataLoader, a list)", data, fix)
     if epochs is not None and isinstance(data, Iterator):
         raise ValueError(
             f"run: epochs needs data that can be iterated again; got a one-shot "

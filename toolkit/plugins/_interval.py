@@ -74,17 +74,13 @@ def read(
     # Each field is taken out of all outputs at once (zip), not by a python loop per field:
     # python steps per output show in the overhead of a refresh every few updates.
     closing = _fields(map(_LAST, windows))
-    if any(closing.nonfinite):
-        outs: Iterable[StepOutput] = [o for w in windows if not w[-1].nonfinite for o in w]
-    else:
-        outs = chain.from_iterable(windows)
-    fields = _fields(chain(outs, open_window))
+    kept = [w for w in windows if not w[-1].nonfinite] if any(closing.nonfinite) else windows
+    fields = _fields(chain(*kept, open_window))
     if any(fields.skipped):  # outputs without a loss are left out
         fields = _fields(row for row, skipped in zip(zip(*fields), fields.skipped) if not skipped)
     counts, samples = fields.count, fields.samples
-    # counts[0], then `==` on the tuple: `None in counts` would compare every tensor with
-    # None, which costs ~20 us each.
-    counted = bool(counts) and (counts[0] is not None or counts != _nones(len(counts)))
+    # Not `None in counts`: that compares every tensor with None, ~20 us each.
+    counted = any(count is not None for count in counts)
     try:
         sized: int | None = sum(samples)
     except TypeError:  # some micro-batches have no sample count
@@ -183,11 +179,6 @@ def _fields(outs: Iterable[Sequence[Any]]) -> Any:
     # and a garbage collection every few thousand updates.
     taken = list(zip(*outs))
     return StepOutput._make(taken) if taken else _NO_OUTPUTS
-
-
-@functools.cache
-def _nones(n: int) -> tuple[None, ...]:
-    return (None,) * n
 
 
 _LAST = operator.itemgetter(-1)
