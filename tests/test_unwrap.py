@@ -167,7 +167,8 @@ def test_any_nesting_unwraps_to_the_plain_module(chain: list[str]) -> None:
     "value", [None, {"weight": torch.ones(1)}, [nn.Linear(1, 1)], torch.ones(2), "model"]
 )
 def test_non_module_raises_type_error(value: object) -> None:
-    with pytest.raises(TypeError, match=r"must be a torch\.nn\.Module; got a \w+\. Pass state\.model"):
+    message = r"must be a torch\.nn\.Module; got a \w+\. Pass state\.model"
+    with pytest.raises(TypeError, match=message):
         unwrap(value)  # type: ignore[arg-type]
 
 
