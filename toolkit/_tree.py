@@ -220,8 +220,8 @@ def key_average(
     # and the record that first gave it that kind.
     kinds: _Kinds = {}
     flat: list[dict[_Path, Any]] = []  # each record's leaves by path
+    expected = "a mapping of numbers, 0-d tensors or nested mappings"
     for index, record in enumerate(records):
-        expected = "a mapping of numbers, 0-d tensors or nested mappings"
         check_type(
             isinstance(record, Mapping), "key_average", f"records[{index}]", expected, record
         )
@@ -235,11 +235,14 @@ def key_average(
     if weights is not None:
         check_weight_values("key_average", "weights[{}]", reduced.weights)
     result: dict[Hashable, Any] = {}
-    for path, (nested, _) in kinds.items():
-        total, weight = (0, 0) if nested else reduced.sums[path]
-        mean: Any = {} if nested else float(total / weight) if weight else math.nan
-        functools.reduce(operator.getitem, path[:-1], result)[path[-1]] = mean
+    for path, (nested, _) in kinds.items():  # a parent before its children
+        parent = functools.reduce(operator.getitem, path[:-1], result)
+        parent[path[-1]] = {} if nested else _mean(*reduced.sums[path])
     return result
+
+
+def _mean(total: float, weight: float) -> float:
+    return float(total / weight) if weight else math.nan
 
 
 def _collect(
