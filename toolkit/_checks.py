@@ -9,9 +9,11 @@ import pathlib
 from collections.abc import Iterable, Sequence
 from typing import Any, NoReturn
 
+import torch
+
 __all__ = [
     "check", "check_bool", "check_count", "check_key", "check_names", "check_one_of", "check_path",
-    "check_positive", "check_type", "refuse",
+    "check_positive", "check_type", "describe", "refuse",
 ]  # fmt: skip
 
 
@@ -56,6 +58,19 @@ def refuse(who: str, name: str, got: str, expected: str, error: type = ValueErro
         TypeError: key_average: records[1] is a list; expected a mapping.
     """
     raise error(f"{who}: {name} is {got}; expected {expected}.")
+
+
+def describe(value: Any) -> str:
+    """``value`` in a few words for a message: a tensor's dtype and shape, else type and repr.
+
+    Example:
+        >>> import torch
+        >>> describe(torch.ones(2)), describe("fast")
+        ('a torch.float32 tensor of shape (2,)', "a str ('fast')")
+    """
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__} ({value!r:.40})"
 
 
 def check_bool(who: str, name: str, value: Any) -> None:

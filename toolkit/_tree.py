@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from toolkit._checks import check_bool, check_type, refuse
+from toolkit._checks import check_bool, check_type, describe, refuse
 from toolkit.step._weighted import columns, weighted_sums
 
 __all__ = ["key_average", "map_nested_tensor"]
@@ -267,7 +267,7 @@ def _collect(
         else:
             expected = "a real number, a 0-d real tensor (reduce it: .mean()) or a mapping"
             where = f"records[{index}]{_name(path)}"
-            refuse("key_average", where, _describe(value), expected, TypeError)
+            refuse("key_average", where, describe(value), expected, TypeError)
 
 
 def _check_weights(weights: Any, count: int) -> list[Any]:
@@ -295,7 +295,7 @@ def check_weight(who: str, name: str, weight: Any, fix: str = "") -> Any:
         ok = isinstance(weight, numbers.Real) and not isinstance(weight, bool)
     if not ok:
         expected = f"a number >= 0 or a one-element real tensor{fix}"
-        refuse(who, name, _describe(weight), expected, TypeError)
+        refuse(who, name, describe(weight), expected, TypeError)
     return weight.reshape(()) if isinstance(weight, torch.Tensor) else weight
 
 
@@ -305,13 +305,6 @@ def check_weight_values(who: str, name: str, weights: Sequence[Any], start: int 
     for i, weight in enumerate(weights, start):
         if not (math.isfinite(weight) and weight >= 0):
             refuse(who, name.format(i), repr(weight), "a finite number >= 0")
-
-
-def _describe(value: Any) -> str:
-    """``value`` in a few words for a message: a tensor's dtype and shape, else type and repr."""
-    if isinstance(value, torch.Tensor):
-        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
-    return f"a {type(value).__name__} ({value!r:.40})"
 
 
 def _name(path: _Path) -> str:
