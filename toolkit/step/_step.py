@@ -115,7 +115,6 @@ _NO_RECORDS: Mapping[str, Any] = types.MappingProxyType({})  # shared, so read-o
 _NO_WINDOW = WindowState()
 _tuple_new = tuple.__new__  # skips a namedtuple's own __new__, a Python call: per micro-batch
 _OPEN = (False, False, False, False, False, False, None, None)  # StepOutput's flags, open
-_NO_CONTEXT = contextlib.nullcontext()  # reentrant, holds nothing: shared
 _TWICE = (  # scheduler.step() outside the step: the schedule runs ahead (a fixed text: once)
     "the LR scheduler was stepped outside the train step (its last_epoch moved between the "
     "step's own steps). Remove your scheduler.step(), or mark it toolkit.per_epoch(scheduler)."
@@ -140,6 +139,8 @@ def _leading_dim(batch: Any) -> int | None:
 
 def _parse(result: Any) -> tuple[torch.Tensor, torch.Tensor | float | None, Mapping[str, Any]]:
     """A loss function's result as (loss, count or None, records), checked."""
+    if type(result) is torch.Tensor and result.ndim == 0 and result.requires_grad:
+        return result, None, _NO_RECORDS  # the common case: nothing to parse or check
     if isinstance(result, LossSum):
         loss, count, records = result.total, _checked_count(result.count), result.records
     elif isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], Mapping):
@@ -294,24 +295,19 @@ class Step:
     ) -> tuple[WindowState | None, StepOutput, torch.Tensor | None]:
         """Phases 1-3: the advanced window (None when skipped), the output and the loss.
 
-        Run per micro-batch: on a small model every call and object made here shows (each
-        costs more than a line), hence one function with the common case up front.
+        Run per micro-batch: on a small model every call and object made here shows.
         """
         model, optimizer, window = state.model, state.optimizer, state.window
-        # 1. forward, under autocast
-        if self.amp is None and not self._with_step:
-            result = self.loss_fn(model, batch)  # the common case: no context, no keyword
+        # 1. forward, under autocast; loss_fn(model, batch, step=...) reads the update number
+        keywords = {"step": state.step} if self._with_step else {}
+        if self.amp is None:
+            result = self.loss_fn(model, batch, **keywords)
         else:
-            with self.amp.autocast(optimizer) if self.amp is not None else _NO_CONTEXT:
-                # loss_fn(model, batch, step=...) reads the update number
-                step = {"step": state.step} if self._with_step else {}
-                result = self.loss_fn(model, batch, **step)
+            with self.amp.autocast(optimizer):
+                result = self.loss_fn(model, batch, **keywords)
         if result is None:
             return None, _SKIPPED, None
-        if type(result) is torch.Tensor and result.ndim == 0 and result.requires_grad:
-            loss, count, records = result, None, _NO_RECORDS  # the common case, unparsed
-        else:
-            loss, count, records = _parse(result)
+        loss, count, records = _parse(result)
         # 2. loss normalisation: 1/k, or a sum whose gradients phase 5 divides
         window_count, window_loss = window.count, window.loss
         if window.micro_step and (count is None) != (window_count is None):
