@@ -97,12 +97,9 @@ def _parse(result: Any, batch: Any, index: int, who: str) -> tuple[Mapping[str, 
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             # Kept till the end: a copy, not the (maybe large) tensor it is a view of.
             value = value.reshape(()).clone() if value._base is not None else value.reshape(())
-        elif isinstance(value, torch.Tensor):
-            raise _bad_result(
-                result, f"metric {name!r} is a tensor of shape {tuple(value.shape)}", who
-            )
-        elif isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise _bad_result(result, f"metric {name!r} is a {type(value).__name__}", who)
+        elif isinstance(value, (torch.Tensor, bool)) or not isinstance(value, (int, float)):
+            shape = isinstance(value, torch.Tensor) and f"tensor of shape {tuple(value.shape)}"
+            raise _bad_result(result, f"metric {name!r} is a {shape or type(value).__name__}", who)
         flat[name] = value
     if result is metrics:
         samples = _leading_dim(batch)
