@@ -39,9 +39,7 @@ def batches_per_epoch(data: Any) -> int | None:
 
 def is_stateful(data: Any) -> bool:
     """A source that saves its own position (torchdata's StatefulDataLoader)."""
-    return callable(getattr(data, "state_dict", None)) and callable(
-        getattr(data, "load_state_dict", None)
-    )
+    return all(callable(getattr(data, name, None)) for name in ("state_dict", "load_state_dict"))
 
 
 def position(data: Any, data_state: Any, between_passes: bool = False) -> dict[str, Any]:

@@ -171,7 +171,9 @@ def progress(
         step 2/4 | loss 0.5 | lr 0.00e+00 | above_2 0 | 4 samples/s | eta 0:00:02
         step 4/4 | loss 2.5 | lr 0.00e+00 | above_2 0.5 | 8 samples/s | eta 0:00:00
     """
-    show, records = _names(show), _names(records)  # tuples first: a generator is read once
+    # Tuples first: a generator is read once.
+    show, records = (tuple(n) if isinstance(n, Iterable) and not isinstance(n, str) else n
+                     for n in (show, records))  # fmt: skip
     for name, names, what in (("show", show, "state.extras entry"), ("records", records, "record")):
         ok = isinstance(names, tuple) and all(isinstance(n, str) for n in names)
         check(ok, "progress", name, f"a sequence of {what} names", names, "", TypeError)
@@ -185,8 +187,9 @@ def progress(
           min_interval)  # fmt: skip
     ok = console is None or isinstance(console, rich.console.Console)
     check(ok, "progress", "console", "a rich.console.Console or None", console, "", TypeError)
-    ok = callable(clock)
-    check(ok, "progress", "clock", "a function returning seconds", clock, "", TypeError)
+    check(
+        callable(clock), "progress", "clock", "a function returning seconds", clock, "", TypeError
+    )
     bar = _Bar(every, warmup, clock, show, counts, min_interval, records, times, console)
 
     def plugin(event: Event) -> None:
@@ -292,15 +295,11 @@ def _per_second(count: float | None, elapsed: float, what: str) -> str:
     if count is None or elapsed <= 0:
         return ""
     rate = count / elapsed
-    return f"{rate:.0f} {what}/s" if rate >= 100 else f"{rate:.3g} {what}/s"
+    return f"{rate:{'.0f' if rate >= 100 else '.3g'}} {what}/s"
 
 
 def _duration(seconds: float) -> str:
     return f"{seconds * 1e3:.3g}ms" if seconds < 1 else f"{seconds:.3g}s"
-
-
-def _names(names: Any) -> Any:
-    return tuple(names) if isinstance(names, Iterable) and not isinstance(names, str) else names
 
 
 def _head(step: int, total: int | None) -> str:
