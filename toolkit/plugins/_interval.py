@@ -19,7 +19,7 @@ import functools
 import math
 import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from itertools import chain, compress
+from itertools import chain, compress, repeat
 from typing import Any
 
 import torch
@@ -79,8 +79,8 @@ def read(
     if any(fields.skipped):  # outputs without a loss are left out
         fields = _fields(row for row, skipped in zip(zip(*fields), fields.skipped) if not skipped)
     counts, samples = fields.count, fields.samples
-    # Not `None in counts`: that compares every tensor with None, ~20 us each.
-    counted = any(count is not None for count in counts)
+    # By identity, in C: `None in counts` would compare every tensor with None, ~20 us each.
+    counted = any(map(operator.is_not, counts, repeat(None)))
     try:
         sized: int | None = sum(samples)
     except TypeError:  # some micro-batches have no sample count
