@@ -255,7 +255,7 @@ def test_evaluate_refuses_bad_arguments() -> None:
     with pytest.raises(TypeError, match="evaluate: eval_fn must be callable"):
         evaluate("loss", _model(), _data(1))  # type: ignore[arg-type]
     with pytest.raises(
-        TypeError, match="evaluate: model must be a torch.nn.Module or a TrainState; got dict"
+        TypeError, match="evaluate: model must be a torch.nn.Module or a TrainState; got a dict"
     ):
         evaluate(lambda m, b: {}, {}, _data(1))  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="evaluate: data must be an iterable of batches"):

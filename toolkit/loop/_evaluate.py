@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from toolkit._checks import check_type
 from toolkit._tree import check_weight, check_weight_values
 from toolkit.distributed._collectives import data_parallel_group, sum_over_ranks
 from toolkit.step._state import TrainState
@@ -60,22 +61,18 @@ def evaluate(
         >>> sorted(evaluate(eval_fn, model, data)), model.training
         (['mse'], True)
     """
-    check_eval_fn("evaluate", eval_fn)
-    module = model.model if isinstance(model, TrainState) else model
-    if not isinstance(module, torch.nn.Module):
-        got = type(model).__name__
-        raise TypeError(f"evaluate: model must be a torch.nn.Module or a TrainState; got {got}.")
-    if not isinstance(data, Iterable) or isinstance(data, (str, bytes)):
-        got = type(data).__name__
-        raise TypeError(f"evaluate: data must be an iterable of batches (a list); got {got}.")
+    who, module = "evaluate", model.model if isinstance(model, TrainState) else model
+    check_eval_fn(who, eval_fn)
+    ok = isinstance(module, torch.nn.Module)
+    check_type(ok, who, "model", "a torch.nn.Module or a TrainState", model)
+    ok = isinstance(data, Iterable) and not isinstance(data, (str, bytes))
+    check_type(ok, who, "data", "an iterable of batches (a list)", data)
     return _evaluate(eval_fn, module, data, who="evaluate")
 
 
 def check_eval_fn(who: str, eval_fn: Any) -> None:
     """Raise TypeError unless ``eval_fn`` is callable."""
-    if not callable(eval_fn):
-        got = type(eval_fn).__name__
-        raise TypeError(f"{who}: eval_fn must be callable as eval_fn(model, batch); got {got}.")
+    check_type(callable(eval_fn), who, "eval_fn", "callable as eval_fn(model, batch)", eval_fn)
 
 
 def _bad_result(result: Any, why: str, who: str) -> TypeError:
