@@ -127,8 +127,7 @@ def unseen(data: Any, seen: int, snap: Any) -> tuple[Iterator[Any], str | None]:
         # Nothing to skip with: the seen batches are read again and dropped, under the
         # pass's own starting randomness.
         iterator = iter(data)
-        for _ in range(seen):
-            next(iterator, None)
+        next(itertools.islice(iterator, seen, seen), None)  # reads `seen` batches
         return iterator, _reads_again(data, seen)
     finally:
         restore_rng(training_state)

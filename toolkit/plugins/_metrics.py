@@ -475,16 +475,14 @@ def _over_ranks(
     reduced = interval.reduced
     if not (collective and is_distributed()):
         return sorted(interval.sums.items()), dict(reduced), counts
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-
-    def slots(key: str) -> list[str]:  # a max or min travels as one slot per rank
-        return [""] if kinds[key] == "sum" else [str(r) for r in range(world)]
-
-    sums = dict(interval.sums)  # the other kinds travel as (value, 0) pairs beside the means
-    for key, value in reduced.items():
-        for slot in slots(key):  # another rank's slot adds 0
-            sums[f"{key}\0{slot}"] = (float(value) if slot in ("", str(rank)) else 0.0, 0.0)
+    world, mine = dist.get_world_size(group), (-1, dist.get_rank(group))
+    # The other kinds travel as (value, 0) pairs beside the means: a sum in one slot that
+    # every rank adds to, a max or min in one slot per rank (another rank's slot adds 0).
+    slots = {key: [-1] if kinds[key] == "sum" else range(world) for key in reduced}
+    sums = dict(interval.sums)
+    for key, keys in slots.items():
+        sums.update({f"{key}\0{s}": (float(reduced[key]) if s in mine else 0.0, 0.0) for s in keys})
     sums, counts = sum_over_ranks("log_metrics", sums, counts, group)
-    ranks = {key: [sums[f"{key}\0{slot}"][0] for slot in slots(key)] for key in reduced}
+    ranks = {key: [sums[f"{key}\0{s}"][0] for s in keys] for key, keys in slots.items()}
     out = {k: functools.reduce(functools.partial(combine, kinds[k]), v) for k, v in ranks.items()}
     return sorted((k, pair) for k, pair in sums.items() if "\0" not in k), out, counts
