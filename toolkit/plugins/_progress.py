@@ -52,7 +52,6 @@ class _Bar:
     last_time: float = 0.0  # clock() at the last refresh
     shown_step: int = 0  # state.step of the last line
     live: Progress | None = None
-    task: Any = None
     info: RenderableColumn | None = None  # the live bar's fields
 
 
@@ -224,8 +223,7 @@ def _start(bar: _Bar, event: Event) -> None:
         )
         # Redrawn at refreshes only (no auto_refresh): no thread competing with training.
         bar.live = Progress(*columns, bar.info, console=shown, auto_refresh=False)
-        head = _head(step, bar.total)
-        bar.task = bar.live.add_task("train", total=bar.total, completed=step, head=head, eta="")
+        bar.live.add_task("", total=bar.total, completed=step, head=_head(step, bar.total), eta="")
         bar.live.start()
 
 
@@ -274,7 +272,7 @@ def _refresh(bar: _Bar, state: TrainState, now: float, open_window: Any = ()) ->
         file.flush()
     else:
         bar.info.renderable = Text(info, no_wrap=True, overflow="ellipsis")  # type: ignore[union-attr]
-        bar.live.update(bar.task, completed=state.step, head=head, eta=eta)
+        bar.live.update(bar.live.task_ids[0], completed=state.step, head=head, eta=eta)
         bar.live.refresh()
 
 
