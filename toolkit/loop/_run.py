@@ -397,10 +397,8 @@ def _pass(
     """One pass over the data (its rest when resumed); whether the data ran out."""
     one_shot = isinstance(loop.data, Iterator)
     # Close the window on the pass's last batch: at every pass's end, or the last.
-    flush = partial_window == "epoch" or (
-        partial_window == "end"
-        and (one_shot or (loop.epochs is not None and state.epoch + 1 >= loop.epochs))
-    )
+    last_pass = one_shot or (loop.epochs is not None and state.epoch + 1 >= loop.epochs)
+    flush = partial_window == "epoch" or (partial_window == "end" and last_pass)
     resumed = state.batches_seen > 0  # a partial pass may hold nothing new
     state, iterator = _open(state, loop.data, window)
     pairs = _with_last(iterator, flush, loop.batches_per_epoch, state.batches_seen)
