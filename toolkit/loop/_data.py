@@ -70,9 +70,7 @@ def pass_settings(data: Any) -> dict[str, Any]:
     return {"batch_size": size, "samples": samples, "batches": batches_per_epoch(data)}
 
 
-def seen_after_change(
-    data: Any, seen: int, saved: Mapping[str, Any], now: Mapping[str, Any]
-) -> int:
+def seen_after_change(data: Any, seen: int, saved: Mapping, now: Mapping) -> int:
     """The batches of ``now``'s pass over ``data`` that hold ``seen`` batches of ``saved``'s.
 
     A changed batch size of a DataLoader that is not stateful is mapped by samples (rounded

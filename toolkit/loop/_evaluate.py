@@ -20,10 +20,9 @@ __all__ = ["evaluate"]
 
 
 def evaluate(
-    eval_fn: Callable[[torch.nn.Module, Any], Any],
-    model: torch.nn.Module | TrainState,
+    eval_fn: Callable[[torch.nn.Module, Any], Any], model: torch.nn.Module | TrainState,
     data: Iterable[Any],
-) -> dict[str, float]:
+) -> dict[str, float]:  # fmt: skip
     """Evaluate ``model`` over ``data`` once: count-weighted means of ``eval_fn``'s metrics.
 
     The same evaluation as :func:`toolkit.plugins.validate` runs, without a training run:
@@ -114,12 +113,9 @@ def _count_name(who: str) -> str:
 
 
 def _evaluate(
-    eval_fn: Callable[[torch.nn.Module, Any], Any],
-    model: torch.nn.Module,
-    data: Iterable[Any],
-    where: str = "",
-    who: str = "validate",
-) -> dict[str, float]:
+    eval_fn: Callable[[torch.nn.Module, Any], Any], model: torch.nn.Module, data: Iterable[Any],
+    where: str = "", who: str = "validate",
+) -> dict[str, float]:  # fmt: skip
     """Count-weighted means of ``eval_fn``'s metrics over ``data`` (see :func:`validate`).
 
     ``where`` (e.g. ``" at step 40"``) completes the warning about a pass of weight 0;

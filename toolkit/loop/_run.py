@@ -156,9 +156,7 @@ def _counted(loop: LoopInfo, state: TrainState, partial: PartialWindow) -> LoopI
     return dataclasses.replace(loop, start_step=state.step, total_steps=total)
 
 
-def _validate(
-    state: Any, data: Any, max_steps: int | None, epochs: int | None, plugins: Any
-) -> None:
+def _validate(state: Any, data: Any, max_steps: Any, epochs: Any, plugins: Any) -> None:
     check_type(isinstance(state, TrainState), "run", "state", "a TrainState", state)
     if max_steps is None and epochs is None:
         raise ValueError("run: give max_steps and/or epochs; got neither, so it would never end.")
@@ -353,7 +351,7 @@ def run(
             state = _call(plugins, Event("epoch_start", state, loop))
             if _done(state, loop):
                 break
-            state, ran_out = _pass(step, state, plugins, loop, window, partial_window)
+            state, ran_out = _pass(step, state, loop, plugins, window, partial_window)
             if not ran_out:
                 break
             state = state._evolve({"epoch": state.epoch + 1, "batches_seen": 0})
@@ -387,13 +385,9 @@ class _Window:
 
 
 def _pass(
-    step: Callable[..., tuple[TrainState, StepOutput]],
-    state: TrainState,
-    plugins: Sequence[Plugin],
-    loop: LoopInfo,
-    window: _Window,
-    partial_window: PartialWindow,
-) -> tuple[TrainState, bool]:
+    step: Callable[..., tuple[TrainState, StepOutput]], state: TrainState, loop: LoopInfo,
+    plugins: Sequence[Plugin], window: _Window, partial_window: PartialWindow,
+) -> tuple[TrainState, bool]:  # fmt: skip
     """One pass over the data (its rest when resumed); whether the data ran out."""
     one_shot = isinstance(loop.data, Iterator)
     # Close the window on the pass's last batch: at every pass's end, or the last.

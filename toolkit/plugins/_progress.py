@@ -234,10 +234,8 @@ def _step(bar: _Bar, event: Event) -> None:
     # Start the ETA clock after the update that ends the warm-up.
     if bar.warm_at is None and bar.warm_from == event.state.step and event.out.updated:  # type: ignore[union-attr]
         bar.warm_at = bar.clock()
-    if due(event, bar.every):
-        now = bar.clock()
-        if now - bar.last_time >= bar.min_interval:
-            _refresh(bar, event.state, now)
+    if due(event, bar.every) and (now := bar.clock()) - bar.last_time >= bar.min_interval:
+        _refresh(bar, event.state, now)
 
 
 def _refresh(bar: _Bar, state: TrainState, now: float, open_window: Any = ()) -> None:
