@@ -471,11 +471,11 @@ def _with_last(
 
 def _check_partial(step: Any, partial_window: Any) -> None:
     check_one_of("run", "partial_window", partial_window, ("carry", "epoch", "end"))
-    try:
-        takes_close = "close" in inspect.signature(step).parameters
+    try:  # "carry" never closes a window early: any step will do
+        takes_close = partial_window == "carry" or "close" in inspect.signature(step).parameters
     except (TypeError, ValueError):
         takes_close = False
-    if partial_window != "carry" and not takes_close:
+    if not takes_close:
         raise TypeError(
             f"run: partial_window={partial_window!r} needs step(state, batch, close=...); got a "
             f"{type(step).__name__} without close=; pass a step of make_step."
