@@ -17,6 +17,7 @@ import torch
 import toolkit.step._phases as phases
 from toolkit._checks import check
 from toolkit.distributed._collectives import (
+    SYNC_KIND,
     all_reduce_,
     carrier_of,
     data_parallel_group,
@@ -271,7 +272,8 @@ class Step:
             if state.scaler is None:
                 state = state.replace(scaler=self.amp.make_scaler(optimizer))
             scaler = state.scaler
-        sync = sync_kind(state.model)  # "none", "ddp" or "fsdp2"
+        # "none", "ddp" or "fsdp2"; the cache read inline: a call per micro-batch shows
+        sync = SYNC_KIND.get(type(state.model)) or sync_kind(state.model)
         closes = close or opened.micro_step + 1 == k
         if closes or sync == "none":
             window, out, loss = self._micro_batch(state, batch, k, closes, scaler, sync)
@@ -335,7 +337,9 @@ class Step:
             if carrier is not None:
                 carrier.send(window_loss, window.skipped, optimizer.param_groups[0]["params"][0])
         (scaler.scale(objective) if scaler is not None else objective).backward()
-        samples = _leading_dim(batch)
+        first = batch[0] if type(batch) is tuple and batch else batch  # (inputs, targets)
+        samples = first.shape[0] if type(first) is torch.Tensor and first.ndim else None
+        samples = _leading_dim(batch) if samples is None else samples
         return window, _tuple_new(StepOutput, (shown, records, count, samples, *_OPEN)), loss
 
     def _close(
@@ -406,9 +410,10 @@ class Step:
         optimizer.zero_grad(set_to_none=True)
         if failure is not None:
             raise failure  # the window is thrown away (scaler updated, grads cleared) first
-        # 11. counters
-        changes = {"step": state.step + apply, "window": _NO_WINDOW, "guard": counters}
-        changes["_graph"] = loss
+        # 11. counters, in a copy of the state's fields (TrainState._evolve inlined)
+        fields = state.__dict__.copy()
+        fields["step"] = state.step + 1 if apply else state.step
+        fields["window"], fields["guard"], fields["_graph"] = _NO_WINDOW, counters, loss
         # 10. scheduler step, only after an applied update
         scheduler = state.scheduler
         if apply and scheduler is not None and not isinstance(scheduler, _NOT_PER_UPDATE):
@@ -416,10 +421,13 @@ class Step:
             if done[0] is scheduler and getattr(scheduler, "last_epoch", 0) > done[1]:
                 warnings.warn(_TWICE, stacklevel=3)
             scheduler.step()
-            changes["_scheduled"] = (scheduler, getattr(scheduler, "last_epoch", 0))
+            fields["_scheduled"] = (scheduler, getattr(scheduler, "last_epoch", 0))
         v = verdict
         flags = (apply, True, False, v.nonfinite, v.overflow, v.empty, grad_norm, lr)
-        return state._evolve(changes, consume=True), _tuple_new(StepOutput, (*out[:4], *flags))
+        new = object.__new__(TrainState)
+        object.__setattr__(new, "__dict__", fields)
+        state.__dict__["_consumed"] = True  # past the frozen __setattr__
+        return new, _tuple_new(StepOutput, (*out[:4], *flags))
 
     def _close_skipped(
         self, state: TrainState, window: WindowState, scaler: Scaler
