@@ -1019,6 +1019,14 @@ def test_export_errors(tmp_path: Path) -> None:
         "export_model: the state has no EMA weights under extras['ema'] (extras keys: []); "
         "train with the ema(key='ema') plugin, or export weights='model'."
     )
+    # An EMA of another model: its names are refused, not written as the model's weights.
+    other = TrainState(
+        model=nn.Linear(1, 1), extras={"ema": {"params": {"x.weight": torch.ones(1)}}}
+    )
+    with pytest.raises(
+        ValueError, match=r"the EMA's names must be the model's; got \['x.weight'\]"
+    ):
+        export_model(other, tmp_path / "m.safetensors", weights="ema")
     assert not (tmp_path / "m.safetensors").exists()
 
 
