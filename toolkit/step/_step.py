@@ -485,15 +485,13 @@ class Step:
         if verdict.uneven:  # a bug in the loss function or the data, not a numerical accident
             # On the error path only: one more small all-reduce, for the message.
             fewest, most = phases.skip_range(window.skipped, group, state.optimizer)
-            apply, failure = (
-                False,
-                ValueError(
-                    "loss_fn returned None on some ranks of the data-parallel group but not on "
-                    f"others within one accumulation window (from {fewest} to {most} skipped "
-                    f"micro-batches; this rank skipped {window.skipped}); the window was thrown "
-                    "away. Skip a batch on every rank alike, or return a zero loss instead of None "
-                    "(loss * 0, or LossSum(total * 0, 0))."
-                ),
+            apply = False
+            failure = ValueError(
+                "loss_fn returned None on some ranks of the data-parallel group but not on "
+                f"others within one accumulation window (from {fewest} to {most} skipped "
+                f"micro-batches; this rank skipped {window.skipped}); the window was thrown "
+                "away. Skip a batch on every rank alike, or return a zero loss instead of None "
+                "(loss * 0, or LossSum(total * 0, 0))."
             )
         return verdict, apply, counters, failure
 
