@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import inspect
 import io
 import json
 import os
@@ -1032,6 +1033,23 @@ def test_export_errors(tmp_path: Path) -> None:
 
 # ----------------------------------------------------------------------------------------
 # Writing in the background.
+
+
+def test_a_background_save_names_its_own_keywords(tmp_path: Path) -> None:
+    # Bug caught: **options passed on to a private function: a typo named _prepare, and
+    # help() and type checkers saw no parameters.
+    from toolkit.checkpoints import save_in_background
+
+    assert list(inspect.signature(save_in_background).parameters)[2:] == [
+        "objects",
+        "metrics",
+        "rules",
+        "settings",
+        "trainable_only",
+    ]
+    with pytest.raises(TypeError, match="save_in_background.* unexpected keyword .*trainable"):
+        save_in_background(TrainState(model=nn.Linear(1, 1)), tmp_path / "c", trainable=True)
+    assert not (tmp_path / "c").exists()
 
 
 def test_a_background_save_holds_the_state_of_the_call(tmp_path: Path) -> None:

@@ -240,8 +240,10 @@ def save_checkpoint(
 
 
 def save_in_background(
-    state: TrainState, path: str | os.PathLike[str], **options: Any
-) -> Future[Path]:
+    state: TrainState, path: str | os.PathLike[str], *, objects: Mapping[str, Any] | None = None,
+    metrics: Mapping[str, float] | None = None, rules: Retention | None = None,
+    settings: Mapping[str, Any] | None = None, trainable_only: bool = False,
+) -> Future[Path]:  # fmt: skip
     """Like :func:`toolkit.save_checkpoint`, but write the files in a background thread.
 
     The caller is blocked only while the state is copied to host memory (every tensor,
@@ -255,10 +257,9 @@ def save_in_background(
     Args:
         state: the state to save, at an update boundary.
         path: the checkpoint folder to create.
-        **options: the keyword arguments of ``save_checkpoint``, taken at the call:
-            ``objects`` (their ``state_dict()`` is taken now), ``metrics``, ``rules``,
-            ``settings``, ``trainable_only`` (the fingerprint of the frozen parameters is
-            taken now too).
+        objects, metrics, rules, settings, trainable_only: as for ``save_checkpoint``,
+            taken at the call (the objects' ``state_dict()`` and the fingerprint of the
+            frozen parameters too).
 
     Returns:
         A ``concurrent.futures.Future`` whose ``result()`` is the checkpoint's path, or
@@ -285,7 +286,7 @@ def save_in_background(
             "save_in_background: expected a model of this process alone, got a data-parallel "
             "one (DDP or FSDP2), whose ranks save together; use save_checkpoint on every rank."
         )
-    snapshot = _prepare(state, path, copy=True, **options)
+    snapshot = _prepare(state, path, True, objects, metrics, rules, settings, trainable_only)
     # Its worker is joined at interpreter exit (as a non-daemon thread would be).
     pool = ThreadPoolExecutor(1, thread_name_prefix=f"save_checkpoint {path}")
     future = pool.submit(_write, snapshot, path, None)
