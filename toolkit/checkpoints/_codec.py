@@ -196,9 +196,11 @@ def _hashable(value: Any) -> Any:
 
 
 def _child(template: Any, key: Any) -> Any:
+    if isinstance(template, Mapping):  # .get: a defaultdict must not grow an entry
+        return template.get(key)
     try:  # the template's entry at key, if any
-        return template[key] if isinstance(template, (Mapping, list, tuple)) else None
-    except (KeyError, IndexError, TypeError):
+        return template[key] if isinstance(template, (list, tuple)) else None
+    except (IndexError, TypeError):
         return None
 
 
