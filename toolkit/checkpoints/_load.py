@@ -117,7 +117,7 @@ def full_model(manifest: Manifest, partial: bool = False) -> dict[str, torch.Ten
 
 def full_tree(manifest: Manifest, name: str) -> Any:
     """Component ``name`` of a verified checkpoint with its sharded tensors put together."""
-    shapes = _empty(manifest)
+    shapes = _empty(manifest, f"{name}/")  # this component's sharded keys only
     used: dict[str, torch.Tensor] = {}  # a key not in the files: a KeyError, damage
     tree = read_tree(manifest, name, sharded=lambda key, _: used.setdefault(key, shapes[key]))
     if used:
@@ -440,9 +440,9 @@ def _trees(
         live = f"shape {list(template.shape)}" if isinstance(template, torch.Tensor) else "none"
         if saved == live:
             return shards.setdefault(key, template)
-        differences.append(
-            f"sharded tensors: {key!r}: {saved} in the checkpoint, {live} in the template"
-        )
+        line = f"sharded tensors: {key!r}: {saved} in the checkpoint, {live} in the template"
+        if line not in differences:  # a tensor held twice in a tree is stored once
+            differences.append(line)
         return torch.empty(0)  # a stand-in keeps decoding
 
     if manifest.sharded:
