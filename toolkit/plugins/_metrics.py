@@ -328,7 +328,8 @@ def _on_step(options: _Options, memory: _Memory, event: Event) -> TrainState | N
         used = memory.lrs[0] if event.out is not None and event.out.updated else memory.lrs[1]
         memory.lrs = (_lrs(state.optimizer), used)
     memory.windows.append(event.outs)
-    memory.times = [memory.times[0] + event.data_time, memory.times[1] + event.step_time]
+    memory.times[0] += event.data_time
+    memory.times[1] += event.step_time
     extra = _scan(memory, state)
     if due(event, options.every):
         return _publish(options, memory, state, extra, True)
@@ -379,8 +380,7 @@ def _publish(
     elapsed, memory.started = now - memory.started, now
     # The 1.0 adds up to the number of ranks: times are per rank, their mean is shown.
     counts = [interval.samples or 0, interval.targets or 0.0, *memory.times, 1.0]
-    group = data_parallel_group(state.model)
-    means, reduced, counts = _over_ranks(interval, options.kinds, counts, collective, group)
+    means, reduced, counts = _over_ranks(interval, options.kinds, counts, collective, state.model)
     samples, targets, data_time, step_time, ranks = counts
     metrics = {f"train/{k}": total / weight for k, (total, weight) in means if weight}
     metrics.update({f"train/{key}": value for key, value in reduced.items()})
@@ -469,12 +469,14 @@ def _put(metrics: dict[str, float], key: str, value: float) -> None:
 
 def _over_ranks(
     interval: Interval, kinds: Mapping[str, str], counts: list[float], collective: bool,
-    group: Any,
+    model: torch.nn.Module,
 ) -> tuple[list[tuple[str, tuple[float, float]]], dict[str, Any], list[float]]:  # fmt: skip
-    """The interval's means, other kinds and ``counts`` summed over ranks: one collective."""
+    """The interval's means, other kinds and ``counts`` summed over the model's data-parallel
+    ranks: one collective."""
     reduced = interval.reduced
     if not (collective and is_distributed()):
         return sorted(interval.sums.items()), dict(reduced), counts
+    group = data_parallel_group(model)
     world, mine = dist.get_world_size(group), (-1, dist.get_rank(group))
     # The other kinds travel as (value, 0) pairs beside the means: a sum in one slot that
     # every rank adds to, a max or min in one slot per rank (another rank's slot adds 0).
