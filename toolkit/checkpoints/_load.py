@@ -443,7 +443,10 @@ def _trees(
         line = f"sharded tensors: {key!r}: {saved} in the checkpoint, {live} in the template"
         if line not in differences:  # a tensor held twice in a tree is stored once
             differences.append(line)
-        return torch.empty(0)  # a stand-in keeps decoding
+        # A stand-in keeps decoding, of the saved shape and dtype: the extras' comparison
+        # quotes it as the checkpoint's.
+        size, dtype = shapes.get(key, ((0,), torch.float32))
+        return torch.empty(size, dtype=dtype, device="meta")
 
     if manifest.sharded:
         model = model_state(like.model)
