@@ -33,7 +33,7 @@ def to_host(tensors: Sequence[torch.Tensor]) -> list[float]:
         [0.5, 3, 2.0]
     """
     if _all_on_cpu(tensors):
-        return [t.item() for t in tensors]
+        return list(map(torch.Tensor.item, tensors))  # in C: no Python step per value
     groups: dict[torch.device, dict[torch.dtype, list[int]]] = {}  # indices by device, dtype
     for i, t in enumerate(tensors):
         groups.setdefault(t.device, {}).setdefault(t.dtype, []).append(i)

@@ -19,7 +19,7 @@ import functools
 import math
 import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from itertools import chain, compress, repeat
+from itertools import chain, compress, islice
 from typing import Any
 
 import torch
@@ -79,8 +79,9 @@ def read(
     if any(fields.skipped):  # outputs without a loss are left out
         fields = _fields(row for row, skipped in zip(zip(*fields), fields.skipped) if not skipped)
     counts, samples = fields.count, fields.samples
-    # By identity, in C: `None in counts` would compare every tensor with None, ~20 us each.
-    counted = any(map(operator.is_not, counts, repeat(None)))
+    # counts[0], then `!=` on the tuple (identity first, in C): `None in counts` would compare
+    # every tensor with None, ~20 us each.
+    counted = bool(counts) and (counts[0] is not None or counts != (None,) * len(counts))
     try:
         sized: int | None = sum(samples)
     except TypeError:  # some micro-batches have no sample count
@@ -92,17 +93,20 @@ def read(
                    for c, s in zip(counts, samples)]  # fmt: skip
     cols = columns([flatten(r) for r in fields.records]) if flatten and any(fields.records) else {}
     cols["loss"] = Column(fields.loss, None, tensors=True)  # skipped ones are out
-    other = {key: cols.pop(key).values for key in kinds if key in cols}
+    other = {key: cols.pop(key).values for key in kinds if key in cols} if kinds else {}
     applied = list(compress(closing.lr, closing.updated))
     norms = [n for n in compress(closing.grad_norm, closing.updated) if n is not None]
     if norms and "grad_norm" in kinds:
         other["grad_norm"] = norms
-    # Every tensor rides in the one host read: norms, the last LR, ``also``, other kinds.
-    parts = [norms, applied[-1:], also, *other.values()]
+    # Every tensor rides in the one host read: the norms as they are (the step's, 0-d and
+    # without grad: a call per norm was a tenth of a read), then the last LR, ``also`` and
+    # the other kinds' values.
+    parts = [applied[-1:], also, *other.values()]
     tensors = [_scalar(t) for p in parts for t in p if isinstance(t, torch.Tensor)]
-    got = weighted_sums(cols, weights, tensors)
+    got = weighted_sums(cols, weights, [*norms, *tensors])
     host = iter(got.also)
-    norms, lr, returned, *others = (
+    norms = list(islice(host, len(norms)))
+    lr, returned, *others = (
         [next(host) if isinstance(v, torch.Tensor) else v for v in part] for part in parts
     )
     for key, (total, weight) in got.sums.items():
