@@ -243,6 +243,15 @@ def test_tensor_learning_rate_is_synced_with_the_rest() -> None:
     assert rows[0][1]["train/lr"] == 0.125
 
 
+def test_tensor_learning_rate_and_gradient_norms_are_each_read_as_their_own() -> None:
+    # Bug caught: the one host read hands its values back in order; reading the LR before
+    # the norms while taking the norms first gave the LR as a norm and a norm as the LR.
+    rows, _, sink = recorder()
+    outs = [out(1.0, grad_norm=g, lr=torch.tensor(0.125)) for g in (2.0, 4.0)]
+    drive(log_metrics(2, sinks=[sink]), outs)
+    assert (rows[0][1]["train/lr"], rows[0][1]["train/grad_norm"]) == (0.125, 3.0)
+
+
 def test_grad_norm_is_the_mean_over_the_interval_updates() -> None:
     norms: list[float] = []
 
