@@ -96,8 +96,6 @@ def read(
     other = {key: cols.pop(key).values for key in kinds if key in cols} if kinds else {}
     applied = list(compress(closing.lr, closing.updated))
     norms = [n for n in compress(closing.grad_norm, closing.updated) if n is not None]
-    if norms and "grad_norm" in kinds:
-        other["grad_norm"] = norms
     # Every tensor rides in the one host read: the norms as they are (the step's, 0-d and
     # without grad: a call per norm was a tenth of a read), then the last LR, ``also`` and
     # the other kinds' values.
@@ -125,6 +123,8 @@ def read(
     interval.overflow += sum(closing.overflow)
     for (key, _), values in zip(other.items(), others):
         _reduce_into(interval.reduced, key, kinds[key], values)
+    if norms and "grad_norm" in kinds:  # from the norms read above, not read a second time
+        _reduce_into(interval.reduced, "grad_norm", kinds["grad_norm"], norms)
     return returned
 
 
