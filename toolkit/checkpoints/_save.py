@@ -286,7 +286,10 @@ def save_in_background(
             "save_in_background: expected a model of this process alone, got a data-parallel "
             "one (DDP or FSDP2), whose ranks save together; use save_checkpoint on every rank."
         )
-    snapshot = _prepare(state, path, True, objects, metrics, rules, settings, trainable_only)
+    snapshot = _prepare(
+        state, path, copy=True, objects=objects, metrics=metrics, rules=rules,
+        settings=settings, trainable_only=trainable_only,
+    )  # fmt: skip
     # Its worker is joined at interpreter exit (as a non-daemon thread would be).
     pool = ThreadPoolExecutor(1, thread_name_prefix=f"save_checkpoint {path}")
     future = pool.submit(_write, snapshot, path, None)
