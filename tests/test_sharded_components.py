@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import sys
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
+from tests.spawning import gloo_group
 from tests.timed_spawn import spawn
 from toolkit import TrainState, export_model, load_checkpoint, make_step, save_checkpoint
 
@@ -47,11 +47,7 @@ def _worker(rank: int, store: str, folder: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", store=dist.FileStore(store, WORLD), rank=rank, world_size=WORLD,
-        timeout=timedelta(seconds=30),
-    )  # fmt: skip
-    try:
+    with gloo_group(rank, WORLD, store):
         mesh = init_device_mesh("cpu", (WORLD,))
         model = _model()
         for layer in model:
@@ -69,9 +65,6 @@ def _worker(rank: int, store: str, folder: str) -> None:
         ema = {"decay": 0.9, "num_updates": 1, "params": params}
         extras = {"ema": ema, "pinned": params["0.weight"]}
         save_checkpoint(state.replace(extras=extras), Path(folder))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
