@@ -14,6 +14,11 @@ accumulate 4, clip, guard; AdamW and a scheduler unless said otherwise):
     progress  run() + progress(every=10, min_interval=0): a refresh at every 10th update
     metrics   run() + log_metrics(every=10) writing JSONL
     both      run() + progress + log_metrics (every=10)
+    read      what progress and log_metrics read at a refresh: read() of 10 windows per
+              "update" (the composed step's outputs), compared with nothing
+
+``--cache-sim`` adds valgrind's cache and branch simulation and prints, per update, the L1
+instruction and data misses and the mispredicted conditional and indirect branches too.
 
     make bench-instructions                 # or: python benchmarks/instructions.py
     python benchmarks/instructions.py run both --updates 400
@@ -34,7 +39,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-VARIANTS = ("hand", "step", "bare", "run", "progress", "metrics", "both")
+VARIANTS = ("hand", "step", "bare", "run", "progress", "metrics", "both", "read")
 
 
 SGD = ("hand", "step")  # plain SGD, no scheduler: the step against the hand-written loop
@@ -54,6 +59,20 @@ def workload(variant: str, updates: int) -> None:
     objects = overhead.setup([32, 64, 10], 32, optimizer="sgd" if variant in SGD else "adamw")
     if variant == "hand":
         train = overhead.hand_written(objects)
+    elif variant == "read":
+        from toolkit.plugins._interval import Interval, read
+
+        step, state, windows = overhead.composed_step(), TrainState(*objects[:3]), []
+        for _ in range(10):
+            outs = []
+            for batch in objects[3]:
+                state, out = step(state, batch)
+                outs.append(out)
+            windows.append(tuple(outs))
+
+        def train(n: int) -> None:
+            for _ in range(n):
+                read(Interval(), windows)
     elif variant in ("step", "bare"):
         train = overhead.bare_loop(objects)
     else:
@@ -86,15 +105,21 @@ def workload(variant: str, updates: int) -> None:
     callgrind("--dump")
 
 
-def count(variant: str, updates: int) -> int:
-    """Instructions of ``updates`` updates of ``workload(variant)``, under valgrind."""
+SIMULATED = ("I1mr", "D1mr", "Bcm", "Bim")  # --cache-sim: valgrind's names of what it prints
+
+
+def count(variant: str, updates: int, simulate: bool = False) -> dict[str, int]:
+    """Valgrind's totals over ``updates`` updates of ``workload(variant)``: ``Ir``
+    (instructions) and, with ``simulate``, the cache misses and mispredicts of SIMULATED."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "callgrind.out"
+        simulation = ["--cache-sim=yes", "--branch-sim=yes"] if simulate else []
         subprocess.run(
             [
                 "valgrind",
                 "--tool=callgrind",
                 "--instr-atstart=no",
+                *simulation,
                 f"--callgrind-out-file={out}",
                 sys.executable,
                 __file__,
@@ -108,16 +133,18 @@ def count(variant: str, updates: int) -> int:
             check=True,
         )
         dump = Path(f"{out}.1").read_text()  # the dump the workload asked for
-    match = re.search(r"^summary: (\d+)", dump, re.MULTILINE)
-    if match is None:
+    events = re.search(r"^events: (.*)$", dump, re.MULTILINE)
+    summary = re.search(r"^summary: (.*)$", dump, re.MULTILINE)
+    if events is None or summary is None:
         raise RuntimeError(f"no instruction summary in callgrind's dump:\n{dump[-2000:]}")
-    return int(match.group(1))
+    return dict(zip(events.group(1).split(), map(int, summary.group(1).split())))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("variants", nargs="*", help=f"some of {', '.join(VARIANTS)} (default all)")
     parser.add_argument("--updates", type=int, default=200)
+    parser.add_argument("--cache-sim", action="store_true", help="also cache misses, mispredicts")
     parser.add_argument("--workload", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.workload:
@@ -128,12 +155,13 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown variant(s) {unknown}; expected some of {list(VARIANTS)}")
     # Each variant is compared with its baseline: the step with the hand-written loop, the
-    # run() variants with the step in a for loop ("bare").
-    baseline = {v: "hand" if v in SGD else "bare" for v in VARIANTS}
+    # run() variants with the step in a for loop ("bare"); read() with nothing (itself).
+    baseline = {v: "hand" if v in SGD else v if v == "read" else "bare" for v in VARIANTS}
     variants = sorted({*chosen, *(baseline[v] for v in chosen)}, key=VARIANTS.index)
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        counts = dict(zip(variants, pool.map(lambda v: count(v, args.updates), variants)))
-    per_update = {v: counts[v] / args.updates for v in variants}
+        runs = pool.map(lambda v: count(v, args.updates, args.cache_sim), variants)
+        counts = dict(zip(variants, runs))
+    per_update = {v: counts[v]["Ir"] / args.updates for v in variants}
     print(f"instructions per update (valgrind, {args.updates} updates after warm-up):")
     for v in variants:
         base = per_update[baseline[v]]
@@ -142,6 +170,11 @@ def main() -> None:
             f"  {v:9s} {per_update[v] / 1e6:8.4f}M  {per_update[v] / base:.4f}x  {extra:+9.0f}"
             f"  (vs {baseline[v]})"
         )
+    if args.cache_sim:
+        print(f"simulated, per update: {', '.join(SIMULATED)}")
+        for v in variants:
+            values = (f"{counts[v][e] / args.updates:9.0f}" for e in SIMULATED)
+            print(f"  {v:9s} " + "  ".join(values))
 
 
 if __name__ == "__main__":
