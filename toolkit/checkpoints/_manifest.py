@@ -82,6 +82,7 @@ class Manifest:
     aliases: Mapping[str, str] = dataclasses.field(default_factory=dict)
     sharded: bool = False
     world_size: int = 1
+    mesh: Mapping[str, int] = dataclasses.field(default_factory=dict)  # the layout's sizes
     settings: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     model_only: bool = False
     frozen: str | None = None  # a trainable-only save's fingerprint of the frozen parameters
@@ -161,7 +162,7 @@ def _fields(document: dict[str, Any]) -> dict[str, Any] | None:
     names = [field.name for field in dataclasses.fields(Manifest)[1:]]
     fields = {name: document[name] for name in names if document.get(name) is not None}
     kinds = {"step": int, "files": dict, "aliases": dict, "classes": dict, "sharded": bool}
-    kinds.update(world_size=int, model_only=bool, settings=dict, frozen=str)
+    kinds.update(world_size=int, model_only=bool, settings=dict, frozen=str, mesh=dict)
     try:
         metrics = decode(fields["metrics"], {}, "metrics")
         settings = decode(fields.get("settings", {}), {}, "settings")
@@ -172,6 +173,7 @@ def _fields(document: dict[str, Any]) -> dict[str, Any] | None:
         ok = ok and all(type(value) in (int, float) for value in metrics.values())
         ok = ok and all(type(e["size"]) is int and type(e[CHECKSUM]) is str for e in entries)
         ok = ok and all(type(v) is str for v in fields.get("aliases", {}).values())
+        ok = ok and all(type(v) is int for v in fields.get("mesh", {}).values())
         return fields if ok and type(fields.get("classes", {}).get("objects", {})) is dict else None
     except (TreeError, KeyError, TypeError, AttributeError, ValueError, RecursionError):
         return None

@@ -50,6 +50,7 @@ from toolkit.checkpoints._model_state import (
 from toolkit.checkpoints._retention import Retention
 from toolkit.checkpoints._rng import capture_rng
 from toolkit.distributed._collectives import Group, agree, broadcast_int, group_of, rank_of
+from toolkit.distributed._layout import current_layout
 from toolkit.step._components import check_objects, fields_of
 from toolkit.step._state import TrainState
 
@@ -354,6 +355,8 @@ def _write(snapshot: _Snapshot, path: Path, group: Group | None) -> Path:
                 _write_parts(snapshot, temp, rank)
             elif phase == "publish" and rank == 0:
                 fields = {**snapshot.manifest, "world_size": size, "files": listing(temp)}
+                if (layout := current_layout()) is not None:
+                    fields["mesh"] = layout.describe()
                 write_json(temp / MANIFEST, manifest_document(**fields, time=time.time()))
                 fsync_dir(temp)
                 _publish(temp, path)

@@ -28,5 +28,9 @@ Why not ``dist.init_process_group()`` alone:
 """
 
 from toolkit.distributed._launch import Launch, process_group, setup, teardown
+from toolkit.distributed._layout import Groups, Layout, current_layout, init_layout, set_layout
 
-__all__ = ["Launch", "process_group", "setup", "teardown"]
+__all__ = [
+    "Groups", "Launch", "Layout", "current_layout", "init_layout", "process_group", "set_layout",
+    "setup", "teardown",
+]  # fmt: skip

@@ -20,7 +20,10 @@ per update, DDP     loss sum, skips and skips² on DDP's first gradient bucket  
 per update, else    the verdict's flags and skip range, MAX (:func:`all_reduce_`)   1
                     under FSDP2, a DDP hook of the user's, bf16/fp16 grads,
                     transform_grads
-per update, counts  the window's target count total, float64 SUM                    1
+per update, counts  the window's target count total, float64 SUM, over the token    1
+                    ranks (:func:`groups_of`); on a mesh with replicas of them (tensor
+                    parallelism) the total rides on the verdict's MAX as [total, -total]
+per update, DTensor the gradient norm, one all-reduce per device mesh (``full_tensor``)  1 per mesh
 per run             the ranks' data lengths, 2 int64 (:func:`check_even`)           1
 per checkpoint      one int64 per rank per phase (:func:`agree`), a token           a few
                     (:func:`broadcast_int`), the latest folder's name
@@ -49,10 +52,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from toolkit.distributed._layout import Groups, current_layout
+
 _AVAILABLE = dist.is_available()  # fixed for the build of torch, so asked once
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup (absent from builds without distributed)
-Group = ProcessGroup  # in the checkpoint coordination, None stands for "this process alone"
+Group = ProcessGroup  # in every function here, a group None stands for "this process alone"
 
 
 def _initialized() -> bool:
@@ -120,11 +125,12 @@ def data_parallel_group(model: torch.nn.Module) -> ProcessGroup | None:
 def set_data_parallel_group(model: torch.nn.Module, group: ProcessGroup) -> None:
     """Name the data-parallel group of ``model`` where it cannot be derived, or differs.
 
-    For tensor- or sequence-parallel training, where the data-parallel ranks are a
-    sub-group of the world and the wrapper's own group does not say which (HSDP on a
+    The simple case: one group for samples, targets and verdicts alike (HSDP on a
     sub-mesh: pass ``mesh["replicate", "shard"]._flatten().get_group()``, created on every
-    rank at setup). Every part of toolkit that asks :func:`data_parallel_group` then uses
-    it: the step's count and verdict all-reduces, metrics, checkpoints.
+    rank at setup). Every part of toolkit then uses it: the step's count and verdict
+    all-reduces, metrics, checkpoints. A job on a mesh with tensor, context or expert
+    dimensions describes it with :func:`toolkit.distributed.init_layout` instead, which
+    takes precedence.
 
     Args:
         model: a DDP- or FSDP2-wrapped model (the gradients of any other module are not
@@ -192,13 +198,12 @@ _CPU = torch.device("cpu")
 def all_reduce_(
     tensor: torch.Tensor, op: dist.ReduceOp.RedOpType, group: ProcessGroup | None = None
 ) -> torch.Tensor:
-    """All-reduce ``tensor`` in place over ``group`` (the default group when None).
+    """All-reduce ``tensor`` in place over ``group`` (None: this process alone, a no-op).
 
     Reduced on the group's device: the step's flags, on the model's device, are there
-    already; elsewhere they go over and back. A no-op when ``group`` is None and there is
-    no default group of more than one rank.
+    already; elsewhere they go over and back.
     """
-    if group is None and not is_distributed():
+    if group is None:
         return tensor
     moved = tensor.to(_device(group))
     dist.all_reduce(moved, op=op, group=group)
@@ -258,14 +263,23 @@ _TYPES: tuple[type[BaseException], ...] = (RuntimeError, OSError, ValueError, Ty
 _LIMIT = 8192  # bytes of an error message sent to the other ranks
 
 
-def group_of(model: torch.nn.Module) -> Group | None:
-    """The process group that checkpoints ``model`` together, or None (this process alone).
+_ALONE = Groups(None, None, None)
 
-    A DDP- or FSDP2-wrapped model is shared by the ranks of its data-parallel group
-    (:func:`data_parallel_group`); any other module is this process's own (it has no
-    data-parallel group: :func:`set_data_parallel_group` refuses one).
-    """
-    return data_parallel_group(model)
+
+def groups_of(model: torch.nn.Module) -> Groups:
+    """The groups of ``model``'s job: the job's :class:`Layout` when one is set, else
+    ``model``'s data-parallel group for all three (:func:`data_parallel_group`)."""
+    layout = current_layout()
+    if layout is not None:
+        return layout.groups
+    group = data_parallel_group(model)
+    return _ALONE if group is None else Groups(group, group, group)
+
+
+def group_of(model: torch.nn.Module) -> Group | None:
+    """The process group that checkpoints ``model`` together, or None (this process alone):
+    every rank of the job's layout, else ``model``'s data-parallel group."""
+    return groups_of(model).everyone
 
 
 def rank_of(group: Group | None) -> tuple[int, int]:
@@ -374,15 +388,15 @@ _CARRIERS: weakref.WeakKeyDictionary[torch.nn.Module, Carrier | None] = weakref.
 def carrier_of(model: torch.nn.Module) -> Carrier | None:
     """The carrier of DDP ``model`` (its hook registered on first use), or None.
 
-    None when the step's data-parallel group is not the group DDP averages over
-    (``set_data_parallel_group`` named another), or when the model already has a
+    None when the step's verdict group is not the group DDP averages over
+    (``set_data_parallel_group`` or a layout named another), or when the model already has a
     communication hook of its own (DDP takes one): the step then all-reduces its flags
     itself, as it does under FSDP2.
     """
     if model in _CARRIERS:
         return _CARRIERS[model]
     found: Carrier | None = None
-    group = data_parallel_group(model)
+    group = groups_of(model).everyone
     if group is not None and group is getattr(model, "process_group", None):
         found = Carrier(group)
         try:
@@ -427,18 +441,18 @@ def sum_over_ranks(
 ) -> tuple[dict[str, Pair], list[float]]:
     """``sums`` and ``extra`` added over the ranks of ``group``: one collective, if any.
 
-    ``group`` is the data-parallel process group (``None``: the default group, as in
-    ``torch.distributed``); nothing is exchanged outside a distributed job.
+    ``group`` is the ranks that hold different targets (:func:`groups_of`'s ``tokens``;
+    None: this process alone, nothing is exchanged).
 
     Raises:
         ValueError: the ranks hold different keys (the sums travel as one vector).
     """
-    if not is_distributed():
+    if group is None:
         return dict(sums), list(extra)
     keys = sorted(sums)
     layout = float(zlib.crc32("\0".join(keys).encode()))
     flat = [v for key in keys for v in sums[key]] + [*extra, layout]
-    values = _exchange(flat, torch.float64, dist.group.WORLD if group is None else group)
+    values = _exchange(flat, torch.float64, group)
     if values[-1] != layout * dist.get_world_size(group):
         raise ValueError(
             f"{who}: the data-parallel ranks reported different keys (this rank: {keys}); "

@@ -11,7 +11,7 @@ import torch
 
 from toolkit._checks import check_type
 from toolkit._tree import check_weight, check_weight_values
-from toolkit.distributed._collectives import data_parallel_group, sum_over_ranks
+from toolkit.distributed._collectives import groups_of, sum_over_ranks
 from toolkit.step._state import TrainState
 from toolkit.step._step import _leading_dim
 from toolkit.step._weighted import columns, weighted_sums
@@ -144,7 +144,7 @@ def _evaluate(
             "pass a non-empty, re-iterable source (a DataLoader, a list of batches)."
         )
     check_weight_values(who, _count_name(who), reduced.weights)
-    sums, _ = sum_over_ranks(who, reduced.sums, group=data_parallel_group(model))  # type: ignore[arg-type]
+    sums, _ = sum_over_ranks(who, reduced.sums, group=groups_of(model).tokens)  # type: ignore[arg-type]
     if sums and not any(weight for _, weight in sums.values()):
         why = "had weight 0 (the counts eval_fn returned sum to 0 over all ranks)"
         message = f"{who}: every batch of the pass{where} {why}, so every metric is NaN"

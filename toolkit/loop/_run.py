@@ -14,7 +14,7 @@ from typing import Any, Literal, NamedTuple, TypeVar
 
 from toolkit._checks import check_count, check_one_of, check_type
 from toolkit._unwrap import unwrap
-from toolkit.distributed._collectives import check_even, data_parallel_group
+from toolkit.distributed._collectives import check_even, groups_of
 from toolkit.loop._data import batches_per_epoch, is_stateful, snapshot, unseen
 from toolkit.step._multi import epoch_schedulers
 from toolkit.step._state import TrainState
@@ -334,7 +334,7 @@ def run(
     batches = batches_per_epoch(data)
     # Ranks whose passes differ in length would hang in the step's collectives at the end of
     # the shortest: one all-reduce per run (none without data parallelism) refuses that.
-    check_even(batches, data_parallel_group(state.model))
+    check_even(batches, groups_of(state.model).everyone)
     state = state.replace(stop=None) if state.stop is not None else state
     loop = _counted(LoopInfo(max_steps, epochs, batches, k, 0, None, data), state, partial_window)
     window = _Window()

@@ -33,7 +33,8 @@ from toolkit.checkpoints._manifest import read_manifest
 from toolkit.checkpoints._model_state import parameter_names, put_model
 from toolkit.checkpoints._retention import Retention, retain
 from toolkit.checkpoints._save import save_checkpoint, save_in_background
-from toolkit.distributed._collectives import Group, group_of, max_over_ranks, rank_of
+from toolkit.distributed._collectives import Group, group_of, groups_of, max_over_ranks, rank_of
+from toolkit.distributed._layout import current_layout
 from toolkit.loop._data import pass_settings, position, restore_generators, seen_after_change
 from toolkit.loop._run import Event, LoopInfo, Plugin, plugin_factory
 from toolkit.plugins._shared import metric_entry
@@ -225,14 +226,16 @@ def _own(root: Path, run_: _Run) -> None:
 def _settings(state: TrainState, loop: LoopInfo, group: Group | None) -> dict[str, Any]:
     """What the run is made with: each parameter group's hyperparameters (its starting lr),
     the scheduler's class and fresh state dict flattened (its arguments, and those of the
-    schedulers inside it), micro-batches, the data's pass and world size."""
+    schedulers inside it), micro-batches, the data's pass and data ranks, the mesh's sizes."""
     groups = getattr(state.optimizer, "param_groups", [])
     optimizer = [_plain({**g, "lr": g.get("initial_lr", g.get("lr"))}) for g in groups]
     sched = state.scheduler
     fresh = _flat(sched.state_dict()) if callable(getattr(sched, "state_dict", None)) else {}
     kind = None if sched is None else {"class": type(sched).__name__, **_plain(fresh)}
-    data = {**pass_settings(loop.data), "world_size": rank_of(group)[1]}
-    return dict(optimizer=optimizer, scheduler=kind, micro_batches=loop.micro_batches, data=data)
+    data = {**pass_settings(loop.data), "world_size": rank_of(groups_of(state.model).data)[1]}
+    made = dict(optimizer=optimizer, scheduler=kind, micro_batches=loop.micro_batches, data=data)
+    layout = current_layout()
+    return made if layout is None else {**made, "mesh": layout.describe()}
 
 
 def _plain(values: Mapping[str, Any]) -> dict[str, Any]:
@@ -270,6 +273,12 @@ def _report(config: _Config, run_: _Run, state: TrainState, loop: LoopInfo, path
     was, now = _flat(saved), _flat(run_.settings)
     pairs = {k: (was.get(k, "-"), now.get(k, "-")) for k in sorted(was.keys() | now.keys())}
     changes = [f"{k} {old} -> {new}" for k, (old, new) in pairs.items() if old != new]
+    if saved and changes and config.on_change == "error":
+        raise ValueError(
+            f"checkpoints: the run in {str(config.folder)!r} started with other settings "
+            f"(saved -> now): {'; '.join(changes)}, and on_change='error' refuses a change. "
+            "Resume with the saved settings, or start afresh in another folder."
+        )
     if saved and changes:
         if seen:  # the pass position, in the current batches: no unseen sample skipped
             seen = seen_after_change(loop.data, seen, saved.get("data", {}), run_.settings["data"])
@@ -280,8 +289,6 @@ def _report(config: _Config, run_: _Run, state: TrainState, loop: LoopInfo, path
             f"are used, the current data and micro_batches (this pass goes on after {seen} "
             "batches). To start afresh, use another folder; on_change='error' refuses a change."
         )
-        if config.on_change == "error":
-            raise ValueError(message)
         warnings.warn(message, RuntimeWarning, stacklevel=5)
     at = f"update {state.step}, epoch {state.epoch}, batch {seen}"
     limits = ((loop.max_steps, state.step), (loop.epochs, state.epoch))

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from toolkit._checks import check, check_bool, check_count, check_names, check_positive
 from toolkit.distributed._collectives import (
-    data_parallel_group,
+    groups_of,
     is_distributed,
     is_rank_zero,
     sum_over_ranks,
@@ -428,7 +428,7 @@ def _write(options: _Options, step: int, metrics: dict[str, float]) -> None:
 def _epoch_metrics(options: _Options, memory: _Memory, state: TrainState) -> dict[str, float]:
     if memory.windows:
         _take(options, memory)  # the interval continues; what it read is kept
-    group = data_parallel_group(state.model)
+    group = groups_of(state.model).tokens
     sums, _ = sum_over_ranks("log_metrics", {"loss": memory.epoch_loss}, group=group)
     total, weight = sums["loss"]
     memory.epoch_loss = (0.0, 0.0)
@@ -471,12 +471,11 @@ def _over_ranks(
     interval: Interval, kinds: Mapping[str, str], counts: list[float], collective: bool,
     model: torch.nn.Module,
 ) -> tuple[list[tuple[str, tuple[float, float]]], dict[str, Any], list[float]]:  # fmt: skip
-    """The interval's means, other kinds and ``counts`` summed over the model's data-parallel
-    ranks: one collective."""
-    reduced = interval.reduced
-    if not (collective and is_distributed()):
+    """The interval's means, other kinds and ``counts`` summed over the ranks that hold
+    different targets (a tensor-parallel replica counted once): one collective."""
+    reduced, group = interval.reduced, groups_of(model).tokens if collective else None
+    if group is None:
         return sorted(interval.sums.items()), dict(reduced), counts
-    group = data_parallel_group(model)
     world, mine = dist.get_world_size(group), (-1, dist.get_rank(group))
     # The other kinds travel as (value, 0) pairs beside the means: a sum in one slot that
     # every rank adds to, a max or min in one slot per rank (another rank's slot adds 0).

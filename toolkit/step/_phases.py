@@ -20,7 +20,8 @@ from toolkit.step._state import GuardState, WindowState
 
 __all__ = [
     "APPLY", "AccumulateConfig", "AmpConfig", "ClipConfig", "GradTransformConfig", "GuardConfig",
-    "LossScaleError", "NonFiniteError", "Verdict", "decide", "skip_range",
+    "LossScaleError", "NonFiniteError", "Verdict", "by_mesh", "decide", "total_norm",
+    "value_range",
 ]  # fmt: skip
 
 OnExhaust = Literal["raise", "skip", "accept"]
@@ -158,13 +159,40 @@ class ClipConfig:
 
     def apply(self, params: list[torch.Tensor], total_norm: torch.Tensor | None) -> None:
         """Clip ``params``' gradients in place; ``total_norm`` is their pre-clip norm."""
-        if self.max_norm is not None:
-            assert total_norm is not None  # the step computes it whenever clip is on
-            # clip_grad_norm_'s arithmetic, reusing the norm the step already computed for
-            # reporting and the finite check (no host sync).
-            torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, total_norm)
-        if self.max_value is not None:
-            torch.nn.utils.clip_grad_value_(params, self.max_value)
+        for part in by_mesh(params):  # DTensor refuses one kernel over two meshes
+            if self.max_norm is not None:
+                assert total_norm is not None  # the step computes it whenever clip is on
+                # clip_grad_norm_'s arithmetic, reusing the norm the step already computed
+                # for reporting and the finite check (no host sync).
+                torch.nn.utils.clip_grads_with_norm_(part, self.max_norm, total_norm)
+            if self.max_value is not None:
+                torch.nn.utils.clip_grad_value_(part, self.max_value)
+
+
+def by_mesh(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` in lists that one foreach kernel takes: plain tensors together, DTensors
+    by device mesh (a model tensor-parallel in part holds both, on several meshes)."""
+    if {*map(type, tensors)} == {torch.Tensor}:  # the common case, in C
+        return [tensors]
+    lists: dict[Any, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        lists.setdefault(getattr(tensor, "device_mesh", None), []).append(tensor)
+    return list(lists.values())
+
+
+def total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The ``norm_type``-norm of all ``grads`` as one plain tensor, over any meshes.
+
+    One norm per mesh (a DTensor's made whole over its mesh: one all-reduce), then the norm
+    of those norms, which is the total norm exactly (``max`` for ``inf``), as
+    ``clip_grad_norm_`` combines its per-device norms.
+    """
+    norms = [torch.nn.utils.get_total_norm(part, norm_type) for part in by_mesh(grads)]
+    norms = [n if type(n) is torch.Tensor else n.full_tensor() for n in norms]  # type: ignore[attr-defined]
+    if len(norms) == 1:  # one mesh, or none: the norm as clip_grad_norm_ computes it
+        return norms[0]
+    device = norms[0].device
+    return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), norm_type)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,6 +229,7 @@ class Verdict(NamedTuple):
     empty: bool = False  # the window's total target count is 0: nothing to learn from
     negative: bool = False  # ... or negative: the loss function reported a bad count
     uneven: bool = False  # data-parallel ranks skipped different numbers of micro-batches
+    replicas: bool = False  # ranks of one replica (tensor parallel) counted different targets
 
 
 APPLY = Verdict()  # nothing against applying the window: decide's answer, as one object
@@ -216,6 +245,7 @@ def decide(
     total: torch.Tensor | None,
     group: Any,
     carried: torch.Tensor | None,
+    replicated: bool = False,
 ) -> Verdict:
     """Phase 6: every decision about the closed window in one host sync, alike on all ranks.
 
@@ -225,6 +255,8 @@ def decide(
     rank's skipped micro-batches and their negation (``uneven`` when the most and the
     fewest differ), unless DDP has ``carried`` the ranks' summed window loss and skip sums
     with the gradients (see :class:`Carrier`): then every flag agrees without one.
+    ``replicated``: ``group`` holds replicas of the token ranks (tensor parallelism), whose
+    summed counts ride along as ``[total, -total]`` (``replicas`` when they differ).
     """
     loss, flags = window.loss, {}
     if scaler is None and total is None and group is None and guard is not None:
@@ -254,38 +286,42 @@ def decide(
     if total is not None:
         flags["empty"], flags["negative"] = total == 0, total < 0
     if group is not None and carried is None:
-        pair = _pair(window.skipped, optimizer)  # on the parameters' device
-        values = [flag.to(pair.device, torch.float32) for flag in flags.values()]
-        packed = torch.stack([*values, *pair])
+        pairs = [_pair(window.skipped, optimizer)]  # on the parameters' device
+        if replicated and total is not None:
+            pairs.append(torch.stack([total, -total]).to(pairs[0]))
+        values = [flag.to(pairs[0].device, torch.float32) for flag in flags.values()]
+        packed = torch.cat([torch.stack(values), *pairs]) if values else torch.cat(pairs)
         packed = all_reduce_(packed, torch.distributed.ReduceOp.MAX, group)
-        flags = dict(zip(flags, packed[:-2] > 0))
-        flags["uneven"] = packed[-2] + packed[-1] > 0
+        flags = dict(zip(flags, packed[: len(values)] > 0))
+        flags["uneven"] = packed[len(values)] + packed[len(values) + 1] > 0
+        if len(pairs) == 2:
+            flags["replicas"] = packed[-2] + packed[-1] > 0
     device = next(iter(flags.values())).device
     bits = torch.stack([flag.to(device, torch.float32) for flag in flags.values()])
     code = int((bits * _flag_weights(device)[: len(bits)]).sum().item())  # the sync
     return Verdict(**{name: bool(code >> i & 1) for i, name in enumerate(flags)})
 
 
-def _pair(skipped: int, optimizer: Any) -> torch.Tensor:
-    """``[skipped, -skipped]``: MAX over the ranks gives the most and minus the fewest."""
+def _pair(value: float, optimizer: Any) -> torch.Tensor:
+    """``[value, -value]``: MAX over the ranks gives the most and minus the fewest."""
     device = optimizer.param_groups[0]["params"][0].device
-    return torch.tensor([skipped, -skipped], dtype=torch.float32, device=device)
+    return torch.tensor([value, -value], dtype=torch.float32, device=device)
 
 
-def skip_range(skipped: int, group: Any, optimizer: torch.optim.Optimizer) -> tuple[int, int]:
-    """The fewest and the most micro-batches of the window that a rank of ``group`` skipped.
+def value_range(value: float, group: Any, optimizer: torch.optim.Optimizer) -> tuple[int, int]:
+    """The smallest and the largest ``value`` of the ranks of ``group`` (skips, counts).
 
-    For the error message, on every rank of the group once they know the counts differ.
+    For an error message, on every rank of the group once they know the values differ.
     """
-    packed = all_reduce_(_pair(skipped, optimizer), torch.distributed.ReduceOp.MAX, group)
+    packed = all_reduce_(_pair(value, optimizer), torch.distributed.ReduceOp.MAX, group)
     most, minus_fewest = packed.tolist()
     return int(-minus_fewest), int(most)
 
 
 @functools.cache
 def _flag_weights(device: torch.device) -> torch.Tensor:
-    """The weights that pack the six flags into one number, made once per device."""
-    return torch.tensor([1.0, 2.0, 4.0, 8.0, 16.0, 32.0], device=device)
+    """The weights that pack the seven flags into one number, made once per device."""
+    return torch.tensor([1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0], device=device)
 
 
 def _show(value: torch.Tensor | None) -> str:

@@ -20,11 +20,12 @@ from toolkit.distributed._collectives import (
     SYNC_KIND,
     all_reduce_,
     carrier_of,
-    data_parallel_group,
+    groups_of,
     join_gradient_sync,
     suppress_grad_sync,
     sync_kind,
 )
+from toolkit.distributed._layout import current_layout
 from toolkit.step._multi import PerEpoch
 from toolkit.step._state import GuardState, TrainState, WindowState
 
@@ -359,8 +360,11 @@ class Step:
         optimizer, transforms = state.optimizer, self.grad_transforms
         clipping, guard = self.clipping, self.guard
         k, short = window.length, window.micro_step != window.length  # short: close=True
-        # The data-parallel group, over which counts are summed and verdicts agreed.
-        group = None if sync == "none" else data_parallel_group(state.model)
+        # The ranks over which counts are summed, and those that agree on the verdict.
+        tokens = group = replicated = None  # type: Any
+        if sync != "none" or current_layout() is not None:
+            tokens, group = groups_of(state.model)[1:]
+            replicated = tokens is not group
         needs_grads = window.count is not None or short or transforms or clipping or guard
         params, grads = _with_grads(optimizer) if needs_grads else ([], [])
         # 4. unscale, exactly once
@@ -370,9 +374,10 @@ class Step:
         # window of mean losses, turn the sum of m losses / k into their mean)
         total, empty = None, not window.micro_step  # a window of skips: nothing to learn
         if window.count is not None and grads:
-            total, empty = _divide_by_count(grads, window.count, group)
+            total, empty = _divide_by_count(grads, window.count, tokens)
         elif short and grads:
-            torch._foreach_mul_(grads, k / window.micro_step)
+            for part in phases.by_mesh(grads):
+                torch._foreach_mul_(part, k / window.micro_step)
         # 5b. the user's gradient transforms (transform_grads)
         if transforms is not None and grads:
             grads = transforms.apply(params, grads)
@@ -380,22 +385,29 @@ class Step:
         grad_norm = clip_norm = None  # type: Any
         if clipping is not None or guard is not None:
             norm_type = clipping.norm_type if clipping is not None else 2.0
-            clip_norm = torch.nn.utils.get_total_norm(grads, norm_type)
-            # FSDP2: a DTensor, which clipping takes as it is; the verdict needs its value.
-            grad_norm = clip_norm if type(clip_norm) is torch.Tensor else clip_norm.full_tensor()
+            grad_norm = clip_norm = phases.total_norm(grads, norm_type)
         verdict = phases.APPLY
         if guard is not None or scaler is not None or group is not None:
             # DDP: the ranks' flags that rode on the gradient all-reduce, if they did.
             carrier = carrier_of(state.model) if sync == "ddp" and transforms is None else None
             carried = carrier.receive() if carrier is not None else None
             verdict = phases.decide(
-                guard, scaler, self.amp, optimizer, window, grad_norm, total, group, carried
+                guard,
+                scaler,
+                self.amp,
+                optimizer,
+                window,
+                grad_norm,
+                total,
+                group,
+                carried,
+                replicated,
             )
         if verdict is phases.APPLY and not empty and not state.guard.notfinite_count:
             apply, counters, failure = True, state.guard, None  # the common case, in short
         else:
             verdict, apply, counters, failure = self._judge(
-                state, window, verdict, empty, grad_norm, group
+                state, window, verdict, empty, grad_norm, group, total
             )
         lr = optimizer.param_groups[0]["lr"]
         if apply:
@@ -454,7 +466,7 @@ class Step:
 
     def _judge(
         self, state: TrainState, window: WindowState, verdict: phases.Verdict, empty: bool,
-        norm: Any, group: Any,
+        norm: Any, group: Any, count: torch.Tensor | None,
     ) -> tuple[phases.Verdict, bool, GuardState, Exception | None]:  # fmt: skip
         """Phase 6's outcome: the verdict as reported (one reason per window), whether to
         apply the window, the counters, an error to raise."""
@@ -474,8 +486,8 @@ class Step:
             counters = counters._replace(total_overflow=counters.total_overflow + 1)
         elif nonfinite:  # rejected: retried, skipped, accepted or raised
             assert guard is not None
-            n, total = counters.notfinite_count + 1, counters.total_notfinite + 1
-            counters = counters._replace(notfinite_count=n, total_notfinite=total)
+            n, rejected = counters.notfinite_count + 1, counters.total_notfinite + 1
+            counters = counters._replace(notfinite_count=n, total_notfinite=rejected)
             if n > guard.max_retries and guard.on_exhaust != "skip":
                 apply = guard.on_exhaust == "accept"
                 if not apply:
@@ -484,7 +496,7 @@ class Step:
             counters = counters._replace(notfinite_count=0)  # a finite window ends a series
         if verdict.uneven:  # a bug in the loss function or the data, not a numerical accident
             # On the error path only: one more small all-reduce, for the message.
-            fewest, most = phases.skip_range(window.skipped, group, state.optimizer)
+            fewest, most = phases.value_range(window.skipped, group, state.optimizer)
             apply = False
             failure = ValueError(
                 "loss_fn returned None on some ranks of the data-parallel group but not on "
@@ -492,6 +504,17 @@ class Step:
                 f"micro-batches; this rank skipped {window.skipped}); the window was thrown "
                 "away. Skip a batch on every rank alike, or return a zero loss instead of None "
                 "(loss * 0, or LossSum(total * 0, 0))."
+            )
+        if verdict.replicas:  # the ranks of one replica were given different batches
+            mine = float(count) if count is not None else 0.0
+            fewest, most = phases.value_range(mine, group, state.optimizer)
+            apply = False
+            failure = ValueError(
+                "the ranks of one data replica (tensor- or expert-parallel ranks, which hold "
+                f"the same samples) reported different target counts: from {fewest} to "
+                f"{most} summed over the data ranks (this rank: {mine:g}); the window was "
+                "thrown away. Give every rank of a replica the same batch: a "
+                "DistributedSampler(dataset, **layout.sampler_options())."
             )
         return verdict, apply, counters, failure
 
@@ -517,7 +540,9 @@ def _divide_by_count(
         total = all_reduce_(total.clone(), torch.distributed.ReduceOp.SUM, group)
     # DDP and FSDP average gradients over ranks; the world factor turns that mean back into
     # the sum that the global count divides.
-    torch._foreach_mul_(grads, (world / total).to(grads[0].dtype))
+    factor = (world / total).to(grads[0].dtype)
+    for part in phases.by_mesh(grads):
+        torch._foreach_mul_(part, factor)
     return total, False
 
 
