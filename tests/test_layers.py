@@ -96,3 +96,38 @@ def test_only_toolkit_distributed_calls_collectives() -> None:
             if owner in ("dist", "torch.distributed") or func.attr == "register_comm_hook":
                 found.append(f"{_module(path)}:{node.lineno} {owner}.{func.attr}")
     assert not found, found
+
+
+# docs/architecture.md's order: utilities < distributed < step < loop, checkpoints < plugins.
+LAYERS = {"distributed": 1, "step": 2, "loop": 3, "checkpoints": 3, "plugins": 4}
+
+
+def _layer(module: str) -> int:
+    """The layer of a toolkit module: 0 for the utilities (toolkit._*, toolkit.plot)."""
+    parts = module.split(".")
+    return 5 if module == "toolkit" else LAYERS.get(parts[1], 0)
+
+
+def _upward(graph: dict[str, set[str]]) -> list[str]:
+    """The imports of ``graph`` that go up a layer, or across between loop and checkpoints."""
+    found = []
+    for module, imports in graph.items():
+        for imported in imports:
+            mine, theirs = _layer(module), _layer(imported)
+            same_package = module.split(".")[:2] == imported.split(".")[:2]
+            if mine < theirs or (mine == theirs and mine and not same_package):
+                found.append(f"{module} -> {imported}")
+    return found
+
+
+def test_every_import_goes_down_the_layers_of_the_architecture() -> None:
+    assert not _upward(_graph())
+
+
+def test_the_layer_check_sees_the_two_imports_that_once_broke_the_order() -> None:
+    broken = {
+        "toolkit._tree": {"toolkit.step._weighted"},
+        "toolkit.loop._data": {"toolkit.checkpoints._rng"},
+    }
+    assert _upward(broken) == ["toolkit._tree -> toolkit.step._weighted",
+                               "toolkit.loop._data -> toolkit.checkpoints._rng"]  # fmt: skip

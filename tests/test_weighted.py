@@ -11,8 +11,8 @@ from counting import count_tolists, read_as_on_an_accelerator
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from toolkit._weighted import Column, columns, weighted_sums
 from toolkit.distributed._collectives import sum_over_ranks
-from toolkit.step._weighted import Column, columns, weighted_sums
 
 _VALUES = st.one_of(st.floats(-1e6, 1e6, allow_nan=False), st.just(math.nan))
 # (value, as a tensor?) so that one column can mix numbers and 0-d tensors.

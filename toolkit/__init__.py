@@ -17,11 +17,11 @@ from toolkit.step._decorating import (
     guard_nonfinite,
     transform_grads,
 )
+from toolkit.step._losses import causal_lm_loss
 from toolkit.step._multi import MultiOptimizer, MultiScheduler, PerEpoch, per_epoch
 from toolkit.step._phases import LossScaleError, NonFiniteError
 from toolkit.step._state import GuardState, TrainState, WindowState
 from toolkit.step._step import LossSum, Step, StepOutput, make_step
-from toolkit.step._weighted import causal_lm_loss
 
 __version__ = "0.1.0"
 

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import torch
 
 from toolkit._checks import check_bool, check_type, describe, refuse
-from toolkit.step._weighted import columns, weighted_sums
+from toolkit._weighted import columns, weighted_sums
 
 __all__ = ["key_average", "map_nested_tensor"]
 

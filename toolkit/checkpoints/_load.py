@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from toolkit._checks import check_type
+from toolkit._rng import restore_rng
 from toolkit.checkpoints._codec import TreeError, decode
 from toolkit.checkpoints._files import read_json
 from toolkit.checkpoints._manifest import DamagedCheckpointError, Manifest, verified_manifest
@@ -40,7 +41,6 @@ from toolkit.checkpoints._model_state import (
     saved_shapes,
     split_aliases,
 )
-from toolkit.checkpoints._rng import restore_rng
 from toolkit.checkpoints._save import rank_component
 from toolkit.distributed._collectives import Group, agree, group_of, rank_of
 from toolkit.step._components import check_objects, fields_of, is_namedtuple

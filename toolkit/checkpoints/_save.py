@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from toolkit._checks import check
+from toolkit._rng import capture_rng
 from toolkit.checkpoints._codec import encode, host_tensor, separate_shared
 from toolkit.checkpoints._files import fsync_dir, new_token, temp_name, write_json, write_tensors
 from toolkit.checkpoints._manifest import MANIFEST, check_metrics, listing, manifest_document
@@ -48,7 +49,6 @@ from toolkit.checkpoints._model_state import (
     split_aliases,
 )
 from toolkit.checkpoints._retention import Retention
-from toolkit.checkpoints._rng import capture_rng
 from toolkit.distributed._collectives import Group, agree, broadcast_int, group_of, rank_of
 from toolkit.distributed._layout import current_layout
 from toolkit.step._components import check_objects, fields_of

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from toolkit.checkpoints._rng import capture_rng, restore_rng
+from toolkit._rng import capture_rng, restore_rng
 
 __all__ = ["batches_per_epoch", "is_stateful", "pass_settings", "position",
            "restore_generators", "seen_after_change", "snapshot", "unseen"]  # fmt: skip

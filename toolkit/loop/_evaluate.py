@@ -11,10 +11,10 @@ import torch
 
 from toolkit._checks import check_type
 from toolkit._tree import check_weight, check_weight_values
+from toolkit._weighted import columns, weighted_sums
 from toolkit.distributed._collectives import groups_of, sum_over_ranks
 from toolkit.step._state import TrainState
 from toolkit.step._step import _leading_dim
-from toolkit.step._weighted import columns, weighted_sums
 
 __all__ = ["evaluate"]
 

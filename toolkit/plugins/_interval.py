@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from toolkit._checks import check
+from toolkit._weighted import Column, _fsum, columns, weighted_sums
 from toolkit.step._step import StepOutput
-from toolkit.step._weighted import Column, _fsum, columns, weighted_sums
 
 __all__ = ["KINDS", "Interval", "combine", "flat_scalars", "read"]
 

@@ -195,7 +195,7 @@ class Step:
 
     Each decorator (:func:`amp_wrap`, :func:`accumulate`, :func:`transform_grads`,
     :func:`clip`, :func:`guard_nonfinite`) fills one field with its configuration;
-    ``__call__`` runs the phases in one fixed order (``DESIGN.md`` section 2, numbered in
+    ``__call__`` runs the phases in one fixed order (docs/architecture.md, numbered in
     the code), so the order in which decorators are applied never matters.
 
     The model, optimizer, scheduler and scaler are updated in place; the returned state
@@ -391,18 +391,8 @@ class Step:
             # DDP: the ranks' flags that rode on the gradient all-reduce, if they did.
             carrier = carrier_of(state.model) if sync == "ddp" and transforms is None else None
             carried = carrier.receive() if carrier is not None else None
-            verdict = phases.decide(
-                guard,
-                scaler,
-                self.amp,
-                optimizer,
-                window,
-                grad_norm,
-                total,
-                group,
-                carried,
-                replicated,
-            )
+            verdict = phases.decide(guard, scaler, self.amp, optimizer, window, grad_norm, total,
+                                    group, carried, replicated)  # fmt: skip
         if verdict is phases.APPLY and not empty and not state.guard.notfinite_count:
             apply, counters, failure = True, state.guard, None  # the common case, in short
         else:
