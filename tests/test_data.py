@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 from toolkit import TrainState, accumulate, make_step, run
-from toolkit.checkpoints._rng import capture_rng, restore_rng
+from toolkit._rng import capture_rng, restore_rng
 
 
 class Numbered(Dataset):
@@ -294,12 +294,6 @@ def test_ranks_with_passes_of_different_lengths_are_refused(
     out = sorted(p for p in tmp_path.iterdir() if p.is_dir())[-1]
     for rank in (0, 1):  # both ranks raise, neither waits for the other
         assert re.search(said, (out / f"rank{rank}.txt").read_text())
-
-
-def test_a_length_check_without_a_group_makes_no_call() -> None:
-    from toolkit.distributed._collectives import check_even
-
-    check_even(5, None)  # no process group initialised: a collective here would raise
 
 
 def _uneven_run(rank: int, store: str, out: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import doctest
 import inspect
+import re
 
 import pytest
 
@@ -48,6 +49,10 @@ def test_docstring_examples_run(module: object, name: str, tmp_path, monkeypatch
     finder = doctest.DocTestFinder(recurse=True)
     tests = [t for t in finder.find(obj, name, globs={}) if t.examples]
     assert tests, f"{name} has no runnable example"
+    for example in (example for test in tests for example in test.examples):
+        imported = re.match(r"(?:from|import) (\w+)", example.source)  # an optional extra's
+        if imported:
+            pytest.importorskip(imported[1], reason=f"{name}'s example imports {imported[1]}")
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     for test in tests:
         runner.run(test)

@@ -30,15 +30,21 @@ from toolkit._checks import check
 class Groups(NamedTuple):
     """The process groups a job asks for, each None for this process alone.
 
+    Attributes:
+        data: the ranks that hold different samples (the sampler, the data's even length).
+        tokens: the ranks that hold different targets (``LossSum`` counts, metric sums).
+        everyone: the ranks that agree on the step's verdict, save checkpoints, share
+            signals.
+
     Example:
         >>> from toolkit.distributed import Groups
         >>> Groups(data=None, tokens=None, everyone=None).tokens is None  # one process
         True
     """
 
-    data: Any  # hold different samples: the sampler, the data's even length
-    tokens: Any  # hold different targets: LossSum counts, metric sums
-    everyone: Any  # agree on the step's verdict, save checkpoints, share signals
+    data: Any
+    tokens: Any
+    everyone: Any
 
 
 DIMS = ("dp_replicate", "dp_shard", "cp", "tp")  # init_layout's dimensions, outermost first
@@ -57,10 +63,18 @@ class Layout:
         context: the dimensions whose ranks hold different tokens of one sample (context or
             sequence parallelism: each rank's ``LossSum`` counts its own tokens).
 
+        groups: the :class:`Groups` made from them at construction.
+
     Example:
+        >>> import torch.distributed as dist
+        >>> from torch.distributed.device_mesh import init_device_mesh
         >>> from toolkit.distributed import Layout
-        >>> Layout.__dataclass_fields__.keys()
-        dict_keys(['mesh', 'data', 'context'])
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+        >>> layout = Layout(mesh, data=("dp",))
+        >>> layout.sampler_options(), layout.groups.tokens is None  # one rank: no group
+        ({'num_replicas': 1, 'rank': 0}, True)
+        >>> dist.destroy_process_group()
     """
 
     mesh: Any
@@ -113,6 +127,18 @@ _JOB: list[Layout | None] = [None]  # the job's layout, as torch.distributed's d
 def set_layout(layout: Layout | None) -> None:
     """Make ``layout`` the job's (None: none; each model's data-parallel group is used).
 
+    Call it on every rank alike. The step, ``run()``, the metrics and the checkpoints ask
+    it for their groups from then on (:class:`Groups`).
+
+    Args:
+        layout: a :class:`Layout` built on every rank, or None.
+
+    Returns:
+        None.
+
+    Raises:
+        TypeError: ``layout`` is neither a Layout nor None.
+
     Example:
         >>> from toolkit.distributed import current_layout, set_layout
         >>> set_layout(None); current_layout() is None
@@ -127,7 +153,22 @@ def set_layout(layout: Layout | None) -> None:
 
 
 def current_layout() -> Layout | None:
-    """The job's layout set by :func:`init_layout` or :func:`set_layout`, or None."""
+    """The job's layout set by :func:`init_layout` or :func:`set_layout`, or None.
+
+    Args:
+        none.
+
+    Returns:
+        The :class:`Layout`, or None when the job has none.
+
+    Raises:
+        nothing.
+
+    Example:
+        >>> from toolkit.distributed import current_layout
+        >>> current_layout() is None  # no layout set in this process
+        True
+    """
     return _JOB[0]
 
 
