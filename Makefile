@@ -15,7 +15,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: FORCE install test test-fast lint type example example-transformer example-hf example-ddp bench bench-instructions clean
+.PHONY: FORCE install test test-fast lint type example example-transformer example-hf example-ddp example-tp bench bench-instructions clean
 
 # The torch choice is a file, rewritten only when it changes, so that a new TORCH or
 # TORCH_INDEX reinstalls instead of silently keeping the torch already in $(VENV).
@@ -56,6 +56,9 @@ example-hf: install
 
 example-ddp: install
 	$(BIN)/torchrun --standalone --nproc_per_node=2 examples/ddp_digits.py
+
+example-tp: install
+	$(BIN)/torchrun --standalone --nproc_per_node=4 examples/tp_char_transformer.py
 
 bench: install
 	$(BIN)/python benchmarks/overhead.py --compiled $(BENCH_ARGS)

@@ -1,13 +1,15 @@
-"""Jobs launched as users launch them: torchrun with 2 CPU ranks over gloo (issue 11).
+"""Jobs launched as users launch them: torchrun with 2 (or 4) CPU ranks over gloo (issue 11).
 
-The DDP and FSDP2 examples in their ``--quick`` mode, and a job whose worker is SIGKILLed
-and restarted by torchrun. Each launch has a timeout; a rank that dies by SIGABRT (gloo at
-interpreter exit, shared/research/feasibility.md item 1c) is retried once in a fresh folder.
+The DDP and FSDP2 examples in their ``--quick`` mode, the tensor-parallel one on 4 ranks
+(dp 2 x tp 2), and a job whose worker is SIGKILLed and restarted by torchrun. Each launch
+has a timeout; a rank that dies by SIGABRT (gloo at interpreter exit,
+shared/research/feasibility.md item 1c) is retried once in a fresh folder.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import re
@@ -22,9 +24,10 @@ pytestmark = pytest.mark.slow  # each launches torchrun: a few seconds of 2 proc
 
 
 def _torchrun(
-    tmp_path: pathlib.Path, script: pathlib.Path, *args: str, restarts: int = 0
+    tmp_path: pathlib.Path, script: pathlib.Path, *args: str, restarts: int = 0, ranks: int = 2
 ) -> tuple[pathlib.Path, str]:
-    """Run ``script`` under torchrun on 2 ranks in a fresh folder: (the folder, its output)."""
+    """Run ``script`` under torchrun on ``ranks`` ranks in a fresh folder: (the folder, its
+    output)."""
     for attempt in range(2):
         folder = tmp_path / f"attempt{attempt}"
         folder.mkdir(parents=True)
@@ -33,7 +36,7 @@ def _torchrun(
             "-m",
             "torch.distributed.run",
             "--standalone",
-            "--nproc_per_node=2",
+            f"--nproc_per_node={ranks}",
             f"--max-restarts={restarts}",
             str(script),
             *args,
@@ -50,7 +53,7 @@ def _torchrun(
             },
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=60 * ranks,
         )
         output = result.stdout + result.stderr
         if result.returncode == 0:
@@ -100,6 +103,34 @@ def test_fsdp2_example_trains_on_two_ranks(tmp_path: pathlib.Path) -> None:
     # Sharded: each rank wrote its own shard file, and no rank gathered the whole model.
     assert not (newest / "model.safetensors").exists()
     assert len(list((newest / "sharded").glob("shard-*"))) == 2
+
+
+def test_tp_example_trains_on_a_dp_by_tp_mesh(tmp_path: pathlib.Path) -> None:
+    script = ROOT / "examples" / "tp_char_transformer.py"
+    folder, stdout = _torchrun(tmp_path, script, "--quick", ranks=4)
+    found = re.search(r"final validation loss: ([0-9.]+) nats/char", stdout)
+    assert found and "10 updates on 4 rank(s) (dp 2 x tp 2)" in stdout, stdout
+    assert stdout.count("final validation loss") == 1  # rank 0 alone prints
+    run_dir = folder / "runs" / "tp_char_transformer"
+    records = _metrics(run_dir / "metrics.jsonl")
+    val = [r["val/loss"] for r in records if "val/loss" in r]
+    # Below a uniform guess over the 104 characters of the vocabulary, and falling.
+    assert len(val) == 2 and val[-1] < val[0] < math.log(104), val
+    assert val[-1] == pytest.approx(float(found[1]), abs=5e-5)
+    # The two ranks of a tensor-parallel replica are counted once: each interval of 5 updates
+    # of 2 micro-batches of 32 rows over the data ranks has at most 64 targets a row (the
+    # last row of a document is padded), not twice as many.
+    most = 5 * 2 * 32 * 64
+    tokens = [r["train/tokens"] for r in records if "train/tokens" in r]
+    assert len(tokens) == 2 and all(0.95 * most < n <= most for n in tokens), tokens
+    assert records[-1]["train/total/tokens"] == sum(tokens)
+    for r in records:  # samples counted over the same ranks as the tokens
+        assert 0.95 * 64 < r["train/tokens_per_s"] / r["train/samples_per_s"] <= 64, r
+    newest = run_dir / "ckpt" / "step_000010"
+    assert (run_dir / "ckpt" / "latest").read_text().strip() == newest.name
+    manifest = json.loads((newest / "manifest.json").read_text())
+    assert manifest["mesh"] == {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2}
+    assert len(list((newest / "sharded").glob("shard-*"))) == 4  # each rank its 2-D shards
 
 
 def test_a_lost_worker_is_not_a_lost_job(tmp_path: pathlib.Path) -> None:
