@@ -651,3 +651,34 @@ def test_a_resumed_run_continues_its_logs_with_each_step_once(
     inits = [c[1] for c in fake_wandb.calls if c[0] == "init"]
     assert inits == [{"dir": str(out)}, {"dir": str(out), "id": "run1", "resume": "allow"}]
     assert [s for _, s in fake_wandb.logged()] == [2, 4, 6, 7, 8, 10]
+
+
+def test_a_run_failing_in_the_update_after_a_checkpoint_logs_each_step_once(tmp_path) -> None:
+    # Bug caught (found by tests/test_multinode.py's first version): the failed run logged
+    # its open window at the checkpoint's step, a line the resumed run kept: [2, 2, 4, 6].
+    from toolkit import accumulate
+
+    data = [(torch.randn(4, 3, generator=torch.Generator().manual_seed(i)),) for i in range(12)]
+    calls = [0]
+
+    def loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor]) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] == fail_at:  # micro-batch 2 of update 3, just after step_000002
+            raise RuntimeError("lost a peer")
+        return model(batch[0]).pow(2).mean()
+
+    for fail_at in (6, None):
+        calls[0] = 0
+        model = torch.nn.Linear(3, 1)
+        state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        plugins = [
+            checkpoints(tmp_path / "ckpt", every=2, resume="latest"),
+            log_metrics(every=2, sinks=[jsonl(tmp_path / "metrics.jsonl")]),
+        ]
+        try:
+            run(accumulate(make_step(loss_fn), micro_batches=2), state, data, max_steps=6,
+                plugins=plugins)  # fmt: skip
+        except RuntimeError:
+            assert fail_at == 6
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [2, 4, 6]

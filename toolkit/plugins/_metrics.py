@@ -271,9 +271,13 @@ def log_metrics(
             if kind == "epoch_end" and options.per_epoch:
                 extra = {**_epoch_metrics(options, memory, state), **extra}
             elif kind == "end" and (memory.windows or event.outs or memory.interval.sums):
-                # Micro-batches of a window the run left open count too; after an error, no
-                # collective (the other ranks may be gone).
-                return _publish(options, memory, state, extra, event.error is None, event.outs)
+                # Micro-batches of a window the run left open count too. After an error: no
+                # collective (the other ranks may be gone), and only updates applied since
+                # the last publish, since a resume trains the open window again at a step
+                # (the checkpoint's) whose line the resumed log keeps.
+                ok = event.error is None
+                if ok or memory.windows or memory.interval.updates:
+                    return _publish(options, memory, state, extra, ok, event.outs if ok else ())
             _write(options, state.step, extra)
         finally:
             if kind == "end":
