@@ -7,7 +7,7 @@ and an LR scheduler. The hand-written loop checks the clipped gradient norm only
 already averaged the gradients, so a NaN gradient on any rank reaches every rank's norm
 and the verdict agrees without a collective of its own. toolkit's verdict also covers each
 rank's own losses and the check that no rank skipped a micro-batch alone; those flags ride
-on DDP's first gradient bucket through a comm hook toolkit installs (``Carrier`` in
+on DDP's first gradient bucket through a comm hook toolkit installs (``BucketFlags`` in
 ``toolkit/distributed/_collectives.py``), so it makes no collective of its own either. A
 second row compares it with a hand loop that all-reduces a verdict of its own. Times are
 wall-clock (the ranks wait for each other in the all-reduce, and that waiting is part of an

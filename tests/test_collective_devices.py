@@ -78,7 +78,7 @@ def _outcome(call: Callable[[], Any]) -> Any:
 
 def _carried(rank: int, group: Any, lazy: torch.device) -> list[Any]:
     """The DDP hook on a first bucket: gradients averaged, the flags summed beside them."""
-    carrier = _collectives.Carrier(group)
+    carrier = _collectives.BucketFlags(group)
     like = torch.zeros(1, device=lazy)
     carrier.send(torch.tensor(1.0 + rank, device=lazy), rank, like)
     buffer = torch.tensor([2.0 * (rank + 1), 4.0], device=lazy)

@@ -16,7 +16,7 @@ When                What                                                        
 ==================  ==============================================================  ==========
 per micro-batch     nothing                                                         0
 per update, DDP     loss sum, skips and skips² on DDP's first gradient bucket       0
-                    (:class:`Carrier`)
+                    (:class:`BucketFlags`)
 per update, else    the verdict's flags and skip range, MAX (:func:`all_reduce_`)   1
                     under FSDP2, a DDP hook of the user's, bf16/fp16 grads,
                     transform_grads
@@ -338,7 +338,7 @@ def agree(error: BaseException | None, group: Group | None, who: str) -> None:
 _EXACT = (torch.float32, torch.float64)
 
 
-class Carrier:
+class BucketFlags:
     """A DDP model's hook state: the flags to send with the next sync, and what came back.
 
     The flags join DDP's first gradient bucket on its device (the model's, which DDP's
@@ -381,11 +381,13 @@ def _zeros(device: torch.device, size: int) -> torch.Tensor:
     return torch.zeros(size, device=device)
 
 
-# Per DDP model: its carrier, or None where a carrier cannot be installed.
-_CARRIERS: weakref.WeakKeyDictionary[torch.nn.Module, Carrier | None] = weakref.WeakKeyDictionary()
+# Per DDP model: its bucket flags, or None where the hook cannot be installed.
+_CARRIERS: weakref.WeakKeyDictionary[torch.nn.Module, BucketFlags | None] = (
+    weakref.WeakKeyDictionary()
+)
 
 
-def carrier_of(model: torch.nn.Module) -> Carrier | None:
+def bucket_flags(model: torch.nn.Module) -> BucketFlags | None:
     """The carrier of DDP ``model`` (its hook registered on first use), or None.
 
     None when the step's verdict group is not the group DDP averages over
@@ -395,10 +397,10 @@ def carrier_of(model: torch.nn.Module) -> Carrier | None:
     """
     if model in _CARRIERS:
         return _CARRIERS[model]
-    found: Carrier | None = None
+    found: BucketFlags | None = None
     group = groups_of(model).everyone
     if group is not None and group is getattr(model, "process_group", None):
-        found = Carrier(group)
+        found = BucketFlags(group)
         try:
             model.register_comm_hook(found, _hook)  # type: ignore[operator]
         except RuntimeError:  # "can only be called once": the user's own hook is there

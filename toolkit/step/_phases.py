@@ -19,9 +19,19 @@ from toolkit.distributed._collectives import all_reduce_
 from toolkit.step._state import GuardState, WindowState
 
 __all__ = [
-    "APPLY", "AccumulateConfig", "AmpConfig", "ClipConfig", "GradTransformConfig", "GuardConfig",
-    "LossScaleError", "NonFiniteError", "Verdict", "by_mesh", "decide", "total_norm",
+    "APPLY",
+    "AccumulateConfig",
+    "AmpConfig",
+    "ClipConfig",
+    "GradTransformConfig",
+    "GuardConfig",
+    "LossScaleError",
+    "NonFiniteError",
+    "Verdict",
+    "by_mesh",
+    "total_norm",
     "value_range",
+    "verdict_of_window",
 ]  # fmt: skip
 
 OnExhaust = Literal["raise", "skip", "accept"]
@@ -232,10 +242,10 @@ class Verdict(NamedTuple):
     replicas: bool = False  # ranks of one replica (tensor parallel) counted different targets
 
 
-APPLY = Verdict()  # nothing against applying the window: decide's answer, as one object
+APPLY = Verdict()  # nothing against applying the window, as one object
 
 
-def decide(
+def verdict_of_window(
     guard: GuardConfig | None,
     scaler: torch.amp.GradScaler | None,
     amp: AmpConfig | None,
@@ -254,7 +264,7 @@ def decide(
     None. Over the data-parallel ``group`` one MAX all-reduce agrees the flags, with each
     rank's skipped micro-batches and their negation (``uneven`` when the most and the
     fewest differ), unless DDP has ``carried`` the ranks' summed window loss and skip sums
-    with the gradients (see :class:`Carrier`): then every flag agrees without one.
+    with the gradients (see :class:`BucketFlags`): then every flag agrees without one.
     ``replicated``: ``group`` holds replicas of the token ranks (tensor parallelism), whose
     summed counts ride along as ``[total, -total]`` (``replicas`` when they differ).
     """

@@ -19,7 +19,7 @@ from toolkit._checks import check
 from toolkit.distributed._collectives import (
     SYNC_KIND,
     all_reduce_,
-    carrier_of,
+    bucket_flags,
     groups_of,
     join_gradient_sync,
     suppress_grad_sync,
@@ -343,7 +343,7 @@ class Step:
         # 3. backward, through the GradScaler under fp16
         if closes and sync == "ddp" and self.grad_transforms is None:
             # DDP: this rank's window loss and skips ride on the gradient all-reduce.
-            carrier = carrier_of(model)
+            carrier = bucket_flags(model)
             if carrier is not None:
                 carrier.send(window_loss, window.skipped, optimizer.param_groups[0]["params"][0])
         (scaler.scale(objective) if scaler is not None else objective).backward()
@@ -389,14 +389,16 @@ class Step:
         verdict = phases.APPLY
         if guard is not None or scaler is not None or group is not None:
             # DDP: the ranks' flags that rode on the gradient all-reduce, if they did.
-            carrier = carrier_of(state.model) if sync == "ddp" and transforms is None else None
+            carrier = bucket_flags(state.model) if sync == "ddp" and transforms is None else None
             carried = carrier.receive() if carrier is not None else None
-            verdict = phases.decide(guard, scaler, self.amp, optimizer, window, grad_norm, total,
-                                    group, carried, replicated)  # fmt: skip
+            verdict = phases.verdict_of_window(
+                guard, scaler, self.amp, optimizer, window, grad_norm, total, group, carried,
+                replicated,
+            )  # fmt: skip
         if verdict is phases.APPLY and not empty and not state.guard.notfinite_count:
             apply, counters, failure = True, state.guard, None  # the common case, in short
         else:
-            verdict, apply, counters, failure = self._judge(
+            verdict, apply, counters, failure = self._outcome_of(
                 state, window, verdict, empty, grad_norm, group, total
             )
         lr = optimizer.param_groups[0]["lr"]
@@ -448,13 +450,13 @@ class Step:
         first = state.optimizer.param_groups[0]["params"][0]
         if self.guard is not None and window.loss is None:  # the guard checks a loss
             window = window._replace(loss=torch.zeros((), device=first.device))
-        carrier = carrier_of(state.model) if self.grad_transforms is None else None
+        carrier = bucket_flags(state.model) if self.grad_transforms is None else None
         if carrier is not None:
             carrier.send(window.loss, window.skipped, first)
         join_gradient_sync(state.model)
         return self._close(state, window, _SKIPPED, None, scaler, "ddp")
 
-    def _judge(
+    def _outcome_of(
         self, state: TrainState, window: WindowState, verdict: phases.Verdict, empty: bool,
         norm: Any, group: Any, count: torch.Tensor | None,
     ) -> tuple[phases.Verdict, bool, GuardState, Exception | None]:  # fmt: skip
