@@ -32,7 +32,7 @@ from toolkit.checkpoints._manifest import (
     reduce_to_model,
 )
 from toolkit.checkpoints._retention import Retention, retain, retention_from_document
-from toolkit.distributed._collectives import Group, agree, broadcast_text, group_of, rank_of
+from toolkit.distributed._collectives import Group, agree, broadcast_text, checkpoint_group, rank_of
 from toolkit.step._state import TrainState
 
 __all__ = [
@@ -251,7 +251,7 @@ def load_latest(
         >>> load_latest("empty", like=state) is None
         True
     """
-    group = group_of(like.model) if isinstance(like, TrainState) else None
+    group = checkpoint_group(like.model) if isinstance(like, TrainState) else None
     # One rank picks, so that ranks cannot disagree.
     choice = broadcast_text(on_rank0(group, "load_latest", _pick, root) or "", group)
     if not choice:

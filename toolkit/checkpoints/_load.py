@@ -42,7 +42,7 @@ from toolkit.checkpoints._model_state import (
     split_aliases,
 )
 from toolkit.checkpoints._save import rank_component
-from toolkit.distributed._collectives import Group, agree, group_of, rank_of
+from toolkit.distributed._collectives import Group, agree, checkpoint_group, rank_of
 from toolkit.step._components import check_objects, fields_of, is_namedtuple
 from toolkit.step._state import TrainState, WindowState
 
@@ -392,7 +392,7 @@ def load_checkpoint(
     """
     who = "load_checkpoint"
     check_type(isinstance(like, TrainState), who, "like", "a TrainState (the template)", like)
-    objects, group = check_objects(objects, who), group_of(like.model)
+    objects, group = check_objects(objects, who), checkpoint_group(like.model)
     restore, error = None, None  # type: Callable[[], TrainState] | None, BaseException | None
     try:
         restore = _plan(path, like, objects, rng, group)

@@ -49,7 +49,7 @@ from toolkit.checkpoints._model_state import (
     split_aliases,
 )
 from toolkit.checkpoints._retention import Retention
-from toolkit.distributed._collectives import Group, agree, broadcast_int, group_of, rank_of
+from toolkit.distributed._collectives import Group, agree, broadcast_int, checkpoint_group, rank_of
 from toolkit.distributed._layout import current_layout
 from toolkit.step._components import check_objects, fields_of
 from toolkit.step._state import TrainState
@@ -227,7 +227,7 @@ def save_checkpoint(
         >>> sorted(load_file(path / "model.safetensors"))
         ['bias', 'weight']
     """
-    group = group_of(state.model) if isinstance(state, TrainState) else None
+    group = checkpoint_group(state.model) if isinstance(state, TrainState) else None
     snapshot, error = None, None
     try:
         snapshot = _prepare(
@@ -282,7 +282,7 @@ def save_in_background(
         3
     """
     path = Path(path)
-    if isinstance(state, TrainState) and group_of(state.model) is not None:
+    if isinstance(state, TrainState) and checkpoint_group(state.model) is not None:
         raise ValueError(
             "save_in_background: expected a model of this process alone, got a data-parallel "
             "one (DDP or FSDP2), whose ranks save together; use save_checkpoint on every rank."

@@ -276,7 +276,7 @@ def groups_of(model: torch.nn.Module) -> Groups:
     return _ALONE if group is None else Groups(group, group, group)
 
 
-def group_of(model: torch.nn.Module) -> Group | None:
+def checkpoint_group(model: torch.nn.Module) -> Group | None:
     """The process group that checkpoints ``model`` together, or None (this process alone):
     every rank of the job's layout, else ``model``'s data-parallel group."""
     return groups_of(model).everyone

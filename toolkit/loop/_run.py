@@ -337,7 +337,7 @@ def run(
     check_even(batches, groups_of(state.model).everyone)
     state = state.replace(stop=None) if state.stop is not None else state
     loop = _counted(LoopInfo(max_steps, epochs, batches, k, 0, None, data), state, partial_window)
-    window = _Window()
+    window = _BetweenPasses()
     error: BaseException | None = None
     try:
         # Restoring comes first, so that every plugin starts from the restored state.
@@ -372,7 +372,7 @@ def run(
 
 
 @dataclasses.dataclass(slots=True)
-class _Window:
+class _BetweenPasses:
     """What run() carries from pass to pass: the open accumulation window (a window may span
     the epoch boundary), how far a pass that raised got, and the warnings given once."""
 
@@ -386,7 +386,7 @@ class _Window:
 
 def _pass(
     step: Callable[..., tuple[TrainState, StepOutput]], state: TrainState, loop: LoopInfo,
-    plugins: Sequence[Plugin], window: _Window, partial_window: PartialWindow,
+    plugins: Sequence[Plugin], window: _BetweenPasses, partial_window: PartialWindow,
 ) -> tuple[TrainState, bool]:  # fmt: skip
     """One pass over the data (its rest when resumed); whether the data ran out."""
     one_shot = isinstance(loop.data, Iterator)
@@ -440,7 +440,7 @@ def _pass(
     return state, True
 
 
-def _open(state: TrainState, data: Any, window: _Window) -> tuple[TrainState, Iterator[Any]]:
+def _open(state: TrainState, data: Any, window: _BetweenPasses) -> tuple[TrainState, Iterator[Any]]:
     """The pass's iterator (the rest of a resumed pass), and the state recording the pass."""
     if state.batches_seen == 0:
         if not isinstance(data, Iterator):  # what the pass draws its order from, for a resume

@@ -1,6 +1,7 @@
 """ema: an exponential moving average of the weights, kept in ``state.extras``."""
 
 import copy
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,6 +35,14 @@ def _placed(entry: Mapping, model: torch.nn.Module, buffers: bool, key: str, fro
         # The average lives on the weights' device for the fused update.
         out[kind] = {n: t.to(device=live[n].device, dtype=live[n].dtype) for n, t in held.items()}
     return out
+
+
+@dataclasses.dataclass(slots=True)
+class _FusedLists:
+    """The fused update's lists, and the model and entry dicts they were built for."""
+
+    held: tuple[Any, ...] | None = None
+    lists: tuple[Any, ...] = ()
 
 
 def _lists(model: torch.nn.Module, entry: Mapping[str, Any], buffers: bool, frozen: bool) -> tuple:
@@ -137,7 +146,7 @@ def ema(
     # The fused update's lists, rebuilt only when the model or the entry's dicts change (a
     # resume, ema_model's adoption at "start"): walking the module tree per update costs
     # about as much as the lerp itself on a model of many small tensors.
-    lists: dict[str, Any] = {"for": None}
+    cache = _FusedLists()
 
     def plugin(event: Event) -> TrainState | None:
         kind, state = event.kind, event.state
@@ -155,9 +164,9 @@ def ema(
         n = entry["num_updates"]
         d = min(decay, (1 + n) / (10 + n)) if warmup else decay
         held = (state.model, entry["params"], entry["buffers"])
-        if lists["for"] is None or any(a is not b for a, b in zip(lists["for"], held)):
-            lists.update({"for": held, "lists": _lists(state.model, entry, buffers, frozen)})
-        averaged, live, copied, sources = lists["lists"]
+        if cache.held is None or any(a is not b for a, b in zip(cache.held, held)):
+            cache.held, cache.lists = held, _lists(state.model, entry, buffers, frozen)
+        averaged, live, copied, sources = cache.lists
         with torch.no_grad():
             if averaged:
                 # lerp(ema, p, 1 - d) = d * ema + (1 - d) * p, one fused kernel per device/dtype.

@@ -255,17 +255,17 @@ def log_metrics(
     reserved |= {"epoch_loss", "epoch"} if per_epoch else set()
     sinks = check_sinks(who, sinks)
     options = _Options(every, sinks, kinds, totals, chosen, per_epoch, flops, reserved, clock)
-    box = [_Memory()]
+    run_memory = [_Memory()]  # a fresh one per run, made at "start"
 
     def plugin(event: Event) -> TrainState | None:
         kind, state = event.kind, event.state
         if kind == "step":  # first: the one event of every update
-            return _on_step(options, box[0], event)
+            return _on_step(options, run_memory[0], event)
         if kind == "start":
-            box[0] = _start(options, event)
+            run_memory[0] = _start(options, event)
         if kind not in ("epoch_end", "end"):
             return None
-        memory = box[0]
+        memory = run_memory[0]
         try:
             extra = _scan(memory, state)
             if kind == "epoch_end" and options.per_epoch:
