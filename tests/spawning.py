@@ -46,3 +46,13 @@ def gloo_group(rank: int, world: int, store_path: str) -> Iterator[None]:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def name_the_data_ranks(world: int) -> None:
+    """Say that the ``world`` ranks hold different data, for a model without a DDP or FSDP2
+    wrapper (a replayed or evaluated one): without a layout its metrics are each rank's own."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from toolkit.distributed import Layout, set_layout
+
+    set_layout(Layout(init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)), data=("dp",)))

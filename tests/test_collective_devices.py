@@ -104,9 +104,9 @@ def _entry_points(rank: int, lazy: torch.device) -> dict[str, Callable[[], Any]]
         "sum_over_ranks": lambda: c.sum_over_ranks("who", {"a": (rank, 1.0)}, [2.0], group),
         "check_even": lambda: c.check_even(5, group),
         "check_even, uneven": lambda: c.check_even(5 + rank, group),
-        "all_reduce_, a CPU model's flags": lambda: c.all_reduce_(flags, dist.ReduceOp.MAX),
+        "all_reduce_, a CPU model's flags": lambda: c.all_reduce_(flags, dist.ReduceOp.MAX, group),
         "all_reduce_ keeps the tensor": lambda: (
-            c.all_reduce_(on_group, dist.ReduceOp.SUM) is on_group
+            c.all_reduce_(on_group, dist.ReduceOp.SUM, group) is on_group
         ),
         "the DDP carrier's hook": lambda: _carried(rank, group, lazy),
     }

@@ -254,7 +254,14 @@ def test_every_rank_resumes_its_share_without_loading_seen_batches(rank: int) ->
     assert [len(ids) for ids in got[8:]] == [4, 4, 4, 1]
 
 
-def _lengths(rank: int, lengths: tuple[int, int], store: str, out: str) -> None:
+CASES = [  # each rank's batches per pass, and what both ranks must say
+    ((6, 6), "even"),
+    ((6, 5), r"this rank \d: \d batches; the ranks range from 5 batches to 6 batches"),
+    ((6, None), r"from no length to 6 batches per pass\), so at the end of the shortest"),
+]
+
+
+def _lengths(rank: int, store: str, out: str) -> None:
     import pathlib
 
     import torch.distributed as dist
@@ -263,37 +270,31 @@ def _lengths(rank: int, lengths: tuple[int, int], store: str, out: str) -> None:
     from toolkit.distributed._collectives import check_even
 
     with gloo_group(rank, 2, store):
-        try:
-            check_even(lengths[rank], dist.group.WORLD)
-            said = "even"
-        except ValueError as error:
-            said = str(error)
-    pathlib.Path(out, f"rank{rank}.txt").write_text(said)
+        for case, (lengths, _) in enumerate(
+            CASES
+        ):  # one spawn for every case: 2 ranks start slowly
+            try:
+                check_even(lengths[rank], dist.group.WORLD)
+                said = "even"
+            except ValueError as error:
+                said = str(error)
+            pathlib.Path(out, f"case{case}.rank{rank}.txt").write_text(said)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("lengths", "said"),
-    [
-        ((6, 6), "even"),
-        ((6, 5), r"this rank \d: \d batches; the ranks range from 5 batches to 6 batches"),
-        ((6, None), r"from no length to 6 batches per pass\), so at the end of the shortest"),
-    ],
-)
-def test_ranks_with_passes_of_different_lengths_are_refused(
-    lengths: tuple[int, int], said: str, tmp_path
-) -> None:
+def test_ranks_with_passes_of_different_lengths_are_refused(tmp_path) -> None:
     from tests.timed_spawn import spawn
 
-    def arguments(attempt: int) -> tuple[tuple[int, int], str, str]:
+    def arguments(attempt: int) -> tuple[str, str]:
         out = tmp_path / str(attempt)
         out.mkdir()
-        return lengths, str(out / "store"), str(out)
+        return str(out / "store"), str(out)
 
     spawn(_lengths, arguments, nprocs=2, timeout=60)
     out = sorted(p for p in tmp_path.iterdir() if p.is_dir())[-1]
-    for rank in (0, 1):  # both ranks raise, neither waits for the other
-        assert re.search(said, (out / f"rank{rank}.txt").read_text())
+    for case, (_, said) in enumerate(CASES):
+        for rank in (0, 1):  # both ranks raise, neither waits for the other
+            assert re.search(said, (out / f"case{case}.rank{rank}.txt").read_text()), case
 
 
 def _uneven_run(rank: int, store: str, out: str) -> None:

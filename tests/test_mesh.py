@@ -74,9 +74,9 @@ def _worker(rank: int, store: str, out: str) -> None:
             results[f"resumed {dp}x{tp}"] = jobs.full_weights(state.model)
         results["refused"] = _refusals()
         results["folder"] = str(folder)
+        ran = _run_jobs(out)  # run() on the mesh, below: the same spawn (4 ranks start slowly)
         set_layout(None)
-    if rank == 0:
-        torch.save(results, Path(out) / "results.pt")
+    torch.save({"plans": results, "run": ran}, Path(out) / f"rank{rank}.pt")
 
 
 def _refusals() -> dict[str, str]:
@@ -112,16 +112,27 @@ def _refusals() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, torch.Tensor]]:
+def spawned(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """Every rank's results of the one spawn."""
     root = tmp_path_factory.mktemp("mesh")
 
     def attempt(n: int) -> tuple[str, str]:
         (root / str(n)).mkdir()
         return str(root / str(n) / "store"), str(root / str(n))
 
-    spawn(_worker, attempt, nprocs=WORLD, timeout=300)
-    found = sorted(root.glob("*/results.pt"))
-    return torch.load(found[-1])
+    spawn(_worker, attempt, nprocs=WORLD, timeout=600)
+    last = sorted(p for p in root.iterdir() if p.is_dir())[-1]
+    return [torch.load(last / f"rank{rank}.pt") for rank in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def results(spawned: list[dict]) -> dict[str, dict[str, torch.Tensor]]:
+    return spawned[0]["plans"]
+
+
+@pytest.fixture(scope="module")
+def ran(spawned: list[dict]) -> list[dict]:
+    return [rank["run"] for rank in spawned]
 
 
 def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
@@ -248,40 +259,24 @@ def _evaluate(model: torch.nn.Module) -> float:
     return evaluate(_eval_fn, model, loader)["loss"]
 
 
-def _run_worker(rank: int, store: str, out: str) -> None:
-    torch.set_num_threads(1)
+def _run_jobs(out: str) -> dict[str, object]:
     _counted.seen = []  # type: ignore[attr-defined]
     jobs.loss_fn = _counted  # type: ignore[assignment]  # train_step() looks it up
     results: dict[str, object] = {}
-    with gloo_group(rank, WORLD, store):
-        metrics: list[dict] = []
-        state = _run(Path(out) / "whole", 3, metrics)
-        results.update(whole=jobs.full_weights(state.model), metrics=metrics)
-        results["evaluated"] = _evaluate(state.model)
-        _run(Path(out) / "parts", 1, [])
-        state = _run(Path(out) / "parts", 3, [])  # resumed after one update
-        results["resumed"] = jobs.full_weights(state.model)
-        try:
-            _run(Path(out) / "parts", 4, [], mesh=(4, 1), on_change="error")
-        except ValueError as error:
-            results["changed mesh"] = str(error)
-        set_layout(None)
+    metrics: list[dict] = []
+    state = _run(Path(out) / "whole", 3, metrics)
+    results.update(whole=jobs.full_weights(state.model), metrics=metrics)
+    results["evaluated"] = _evaluate(state.model)
+    _run(Path(out) / "parts", 1, [])
+    state = _run(Path(out) / "parts", 3, [])  # resumed after one update
+    results["resumed"] = jobs.full_weights(state.model)
+    try:
+        _run(Path(out) / "parts", 4, [], mesh=(4, 1), on_change="error")
+    except ValueError as error:
+        results["changed mesh"] = str(error)
     jobs.loss_fn = _LOSS
     results["seen"] = _counted.seen  # type: ignore[attr-defined]
-    torch.save(results, Path(out) / f"run{rank}.pt")
-
-
-@pytest.fixture(scope="module")
-def ran(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    root = tmp_path_factory.mktemp("mesh_run")
-
-    def attempt(n: int) -> tuple[str, str]:
-        (root / str(n)).mkdir()
-        return str(root / str(n) / "store"), str(root / str(n))
-
-    spawn(_run_worker, attempt, nprocs=WORLD, timeout=300)
-    last = sorted(p for p in root.iterdir() if p.is_dir())[-1]
-    return [torch.load(last / f"run{rank}.pt") for rank in range(WORLD)]
+    return results
 
 
 def test_the_ranks_of_one_replica_see_the_same_batches_and_replicas_different_ones(

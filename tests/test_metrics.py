@@ -19,7 +19,7 @@ from counting import CountSyncs, count_tolists, read_as_on_an_accelerator
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from rich.console import Console
-from spawning import gloo_group, spawn
+from spawning import gloo_group, name_the_data_ranks, spawn
 
 from toolkit import (
     Event,
@@ -587,14 +587,8 @@ def test_only_rank_zero_writes_but_every_rank_syncs(monkeypatch: pytest.MonkeyPa
 
 
 def _distributed_worker(rank: int, store: str, path: str) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from toolkit.distributed import Layout, set_layout
-
     with gloo_group(rank, 2, store):
-        # The replayed model has no data-parallel wrapper: the layout says the ranks hold
-        # different data (without it each rank's metrics are its own: group None).
-        set_layout(Layout(init_device_mesh("cpu", (2,), mesh_dim_names=("dp",)), data=("dp",)))
+        name_the_data_ranks(2)  # the replayed model has no data-parallel wrapper
         sink = jsonl(f"{path}.rank{rank}")
         plugin = log_metrics(2, sinks=[sink])
         # Rank 0: 1 token of loss 1 and 1 of loss 3; rank 1: 3 tokens of loss 2, 1 of 6.

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
-from spawning import gloo_group
+from spawning import gloo_group, name_the_data_ranks
 from test_metrics import LOOP, frozen_state, out, recorder
 from timed_spawn import spawn
 
@@ -22,6 +22,7 @@ _RANKS = {0: [(1.0, 1), (3.0, 1), (5.0, 2)], 1: [(2.0, 3), (6.0, 1), (4.0, 5)]}
 
 def _worker(rank: int, store: str, path: str) -> None:
     with gloo_group(rank, 2, store):
+        name_the_data_ranks(2)  # the replayed model has no data-parallel wrapper
         calls = [0]
         all_reduce = dist.all_reduce
 

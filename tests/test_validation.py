@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from counting import count_tolists, read_as_on_an_accelerator
-from spawning import gloo_group
+from spawning import gloo_group, name_the_data_ranks
 from timed_spawn import spawn
 
 from toolkit import TrainState, accumulate, make_step, run
@@ -462,6 +462,7 @@ def test_empty_validation_data():
 
 def _dist_worker(rank: int, store: str, out_dir: str) -> None:
     with gloo_group(rank, 2, store):
+        name_the_data_ranks(2)  # a plain Linear: no data-parallel wrapper names them
         # Rank 0 holds 3 samples of value 1, rank 1 holds 1 sample of value 5: mean 2.
         data = [torch.full((3, 1), 1.0)] if rank == 0 else [torch.full((1, 1), 5.0)]
         metrics = _evaluate(lambda m, b: {"v": b.mean()}, torch.nn.Linear(1, 1), data)
