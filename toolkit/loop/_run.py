@@ -195,7 +195,7 @@ EVAL_MODE = (  # a warning: dropout off and batch norm frozen for the whole run
 
 def plugin_factory(order: int) -> Callable[[F], F]:
     """Mark a function that builds a plugin: run() refuses it uncalled, and calls the plugins
-    it builds at ``order`` among the others (lower first; see :func:`run`)."""
+    it builds at ``order`` among the others (lower first; :func:`run` lists the orders)."""
 
     def mark(factory: F) -> F:
         @functools.wraps(factory)
@@ -266,18 +266,21 @@ def run(
     A scheduler marked :func:`toolkit.per_epoch` in ``state.scheduler`` (alone or in a
     list) is stepped at every completed pass, right before the ``"epoch_end"`` plugins.
 
-    Plugins are plain functions ``plugin(event) -> TrainState | None`` (see :class:`Event`),
-    called in list order at ``"start"``, at ``"epoch_start"`` before each pass, once per
-    optimizer update (``"step"``, with the outputs of the window's micro-batches in
-    ``event.outs`` and their batches in ``event.batches``), at ``"epoch_end"`` and at
-    ``"end"``. The state is the same between updates (only the accumulation window moves),
-    so a plugin sees every change of ``state.step``, and a stop request takes effect at the
-    next update. A returned state replaces the current one and the
-    next plugin sees it. The order of the list does not matter for toolkit's plugins: run() calls
-    them in a fixed order (ema, then validate and peak_memory, early_stop, your own plugins
-    in list order, log_metrics, log_images and profile, checkpoints, progress), so that each
-    sees what the ones before it made of the same update. ``"end"``
-    reaches every plugin even when training raised (then ``event.error`` is set and the
+    Plugins are plain functions ``plugin(event) -> TrainState | None`` (see :class:`Event`), called
+    (in the order below) at ``"restore"`` and ``"start"``, at ``"epoch_start"`` before each pass,
+    once per optimizer update (``"step"``, with the outputs of the window's micro-batches in
+    ``event.outs`` and their batches in ``event.batches``), at ``"epoch_end"`` and at ``"end"``. The
+    state is the same between updates (only the accumulation window moves), so a plugin sees every
+    change of ``state.step``, and a stop request takes effect at the next update. A returned state
+    replaces the current one and the next plugin sees it. **Order.** run() calls the plugins by
+    their ``order`` attribute, lower first, the list order breaking ties: ema 10, validate and
+    peak_memory 20, early_stop 30, yours 50 (a function without ``order``), log_metrics, log_images
+    and profile 60, checkpoints 80, progress 90; so each sees what the ones before it made of the
+    same update, wherever it stands in the list. To place a plugin of your own elsewhere, set it:
+    ``my_plugin.order = 70`` (after the metrics are published, before the checkpoint);
+    :func:`plugin_factory` does that for a factory.
+
+    ``"end"`` reaches every plugin even when training raised (then ``event.error`` is set and the
     exception propagates after all of them ran, their own failures attached as notes); when
     training ended well, a plugin failing at ``"end"`` is reported as a ``RuntimeWarning``
     and the trained state is still returned. The data iterator (and its worker pool) is

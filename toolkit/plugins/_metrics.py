@@ -109,9 +109,9 @@ def log_metrics(
     torch). ``totals`` names summed records whose run total is published too, as
     ``train/total/<name>``: it is never reset, and it lives in ``state.extras["log_metrics"]``
     (``{"totals": {...}, "through": step}``), so a checkpoint carries it and a resume
-    continues it. The totals in the state count the updates up to the last publish: put
-    ``log_metrics`` *before* ``checkpoints`` in the plugin list and save at multiples of
-    ``every`` (the final save then follows the final publish), and a resumed run's totals
+    continues it. The totals in the state count the updates up to the last publish: save at
+    multiples of ``every`` (``checkpoints`` runs after ``log_metrics``, so the final save
+    follows the final publish), and a resumed run's totals
     equal an uninterrupted run's. A checkpoint taken between publishes (a signal, another
     cadence) holds the totals up to the publish before it: the updates after it are in no
     total after a resume, and a warning says how many. The open interval (means of the
@@ -163,13 +163,13 @@ def log_metrics(
       interval, when not zero;
     * ``NAME/<metric>`` for each ``state.extras[NAME] = {"step": s, "metrics": {...}}``
       entry of another plugin, as soon as its ``"step"`` changes (entries from before this
-      run's first update, e.g. restored by a resume, are not republished). Put such
-      plugins (``validate``, ``peak_memory``) before ``log_metrics`` so they appear at
-      their step.
+      run's first update, e.g. restored by a resume, are not republished). ``validate``
+      and ``peak_memory`` run before ``log_metrics``, so their metrics appear at their
+      step.
 
-    At the run's first event after ``"start"`` (so that a ``checkpoints`` plugin placed
-    after it has restored the state), rank 0 calls each sink's ``start(step)`` with the
-    step the run resumes from. At ``"end"`` the sinks are closed (they reopen
+    At ``"start"`` (after the ``"restore"`` event, at which a ``checkpoints`` plugin has
+    restored the state), rank 0 calls each sink's ``start(step)`` with the step the run
+    resumes from. At ``"end"`` the sinks are closed (they reopen
     if written again, e.g. by a second run). When training raised, the partial interval is
     still published, from this rank's data only (no collective: the other ranks may be
     gone).

@@ -45,12 +45,12 @@ class Sink(NamedTuple):
             A built-in sink started by two plugins (one sink shared by ``log_metrics`` and
             ``log_images``) is released at the second ``close``.
         start: ``start(step)``, optional (default: does nothing): called by
-            :func:`toolkit.plugins.log_metrics` and :func:`toolkit.plugins.log_images` on
-            rank 0 at the run's first event after ``"start"`` (after a ``checkpoints``
-            plugin restored the state) with ``state.step`` (0 for a fresh run, N after a
-            resume); checks what can be checked before training (folder writable, parent
-            not a file) and aligns the logs with the resumed step. (The wandb arguments
-            are checked earlier, when ``wandb(...)`` is called.)
+            :func:`toolkit.plugins.log_metrics` and :func:`toolkit.plugins.log_images` on rank 0 at
+            ``"start"`` (after the ``"restore"`` event, at which a ``checkpoints`` plugin restored
+            the state) with ``state.step`` (0 for a fresh run, N after a resume); checks what can be
+            checked before training (folder writable, parent not a file) and aligns the logs with
+            the resumed step. (The wandb arguments are checked earlier, when ``wandb(...)`` is
+            called.)
         images: ``images(step, {name: image})``, optional (default: records nothing):
             records images at ``step``; an image is a tensor (uint8 pixels, or float
             intensities in [0, 1]; ``(H, W)``, CHW when the first dimension is 1, 3 or 4,
