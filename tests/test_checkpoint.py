@@ -19,8 +19,8 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.optim import lr_scheduler as lrs
 
+import toolkit.checkpoints._components as components_module
 import toolkit.checkpoints._save as save_module
-import toolkit.step._components as components_module
 from toolkit import (
     TrainState,
     accumulate,

@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 from toolkit._checks import check_type
 from toolkit._rng import restore_rng
 from toolkit.checkpoints._codec import TreeError, decode
+from toolkit.checkpoints._components import check_objects, fields_of, is_namedtuple
 from toolkit.checkpoints._files import read_json
 from toolkit.checkpoints._manifest import DamagedCheckpointError, Manifest, verified_manifest
 from toolkit.checkpoints._model_state import (
@@ -43,7 +44,6 @@ from toolkit.checkpoints._model_state import (
 )
 from toolkit.checkpoints._save import rank_component
 from toolkit.distributed._collectives import Group, agree, checkpoint_group, rank_of
-from toolkit.step._components import check_objects, fields_of, is_namedtuple
 from toolkit.step._state import TrainState, WindowState
 
 

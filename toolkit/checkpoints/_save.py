@@ -38,6 +38,7 @@ import torch
 from toolkit._checks import check
 from toolkit._rng import capture_rng
 from toolkit.checkpoints._codec import encode, host_tensor, separate_shared
+from toolkit.checkpoints._components import check_objects, fields_of
 from toolkit.checkpoints._files import fsync_dir, new_token, temp_name, write_json, write_tensors
 from toolkit.checkpoints._manifest import MANIFEST, check_metrics, listing, manifest_document
 from toolkit.checkpoints._model_state import (
@@ -51,7 +52,6 @@ from toolkit.checkpoints._model_state import (
 from toolkit.checkpoints._retention import Retention
 from toolkit.distributed._collectives import Group, agree, broadcast_int, checkpoint_group, rank_of
 from toolkit.distributed._layout import current_layout
-from toolkit.step._components import check_objects, fields_of
 from toolkit.step._state import TrainState
 
 
