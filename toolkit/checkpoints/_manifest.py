@@ -3,7 +3,7 @@
 The manifest lists every file of the checkpoint with its size and xxh3-128 checksum, the
 format name and version, the step and time, the metrics and retention rules given at save
 time, the class of each saved object, the model's tied-tensor aliases, whether the model
-is in the ``sharded/`` sub-folder (:mod:`._sharded`), how many ranks wrote it, the run's
+is in the ``sharded/`` sub-folder (:mod:`._model_state`), how many ranks wrote it, the run's
 ``settings``, whether retention reduced it to model-only (``model_only``) and, for a
 ``trainable_only`` save, the fingerprint of the frozen parameters it lacks (``frozen``). A
 component ``name`` is present when ``name.json`` is listed (with ``name.safetensors`` when

@@ -17,7 +17,7 @@ Layout of one checkpoint folder (every file listed, with size and checksum, in
 
 A ``.safetensors`` file in brackets exists only when its tree holds tensors (JSON documents
 follow :mod:`._codec`). FSDP2 (DTensor parameters): the model, the optimizer's tensors and
-DTensors in the trees go to ``sharded/`` instead (:mod:`._sharded`), one file per rank.
+DTensors in the trees go to ``sharded/`` instead (:mod:`._model_state`), one file per rank.
 One path saves a single process and the ranks of a data-parallel group alike.
 """
 
