@@ -73,5 +73,8 @@ def test_a_scheduler_stepped_outside_the_step_warns() -> None:
         other.step()  # a new scheduler, already stepped: no history with this one
         state, _ = step(state.replace(scheduler=other), torch.randn(4, 3))
     other.step()  # the user's own sched.step() next to the step's
-    with pytest.warns(UserWarning, match=r"stepped outside the train step.*Remove your scheduler"):
+    with pytest.warns(
+        UserWarning, match=r"stepped outside the train step.*Remove your scheduler"
+    ) as caught:
         state, _ = step(state, torch.randn(4, 3))
+    assert caught[0].filename == __file__  # the user's call of the step, not toolkit's line
