@@ -31,8 +31,21 @@ WORLD = 4
 PLANS = ("full", "blocks", "sequence")
 
 
+_LAYOUTS: dict[tuple[int, ...], object] = {}
+
+
+def _layout(dp_shard: int, tp: int = 1, cp: int = 1):  # type: ignore[no-untyped-def]
+    """init_layout once per shape in this process (each builds process groups: slow on 4
+    ranks of 2 cores), then set again as the job's."""
+    key = (dp_shard, tp, cp)
+    if key not in _LAYOUTS:
+        _LAYOUTS[key] = init_layout(dp_shard=dp_shard, tp=tp, cp=cp)
+    set_layout(_LAYOUTS[key])  # type: ignore[arg-type]
+    return _LAYOUTS[key]
+
+
 def _tensor_parallel(plan: str, dp: int, tp: int) -> TrainState:
-    layout = init_layout(dp_shard=dp, tp=tp)
+    layout = _layout(dp_shard=dp, tp=tp)
     model = jobs.fresh_model(norms=plan != "full")
     jobs.tensor_parallel(model, layout.mesh["tp"], plan)
     jobs.shard_data(model, layout.mesh["dp_shard"])
@@ -49,7 +62,7 @@ def _train(state: TrainState, batches: range, context: bool = False) -> TrainSta
 
 def _context_parallel() -> TrainState:
     """dp=2 x cp=2: FSDP2 over the data x context ranks, each rank's loss over its slice."""
-    layout = init_layout(dp_shard=2, cp=2)
+    layout = _layout(dp_shard=2, cp=2)
     model = jobs.fresh_model(norms=True)
     jobs.shard_data(model, layout.mesh["dp_shard", "cp"]._flatten())
     return TrainState(model=model, optimizer=jobs.optimizer(model))
