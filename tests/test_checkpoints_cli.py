@@ -107,6 +107,7 @@ def test_verify_reports_a_flipped_bit_by_path_and_exits_1(
     ]
 
 
+@pytest.mark.slow  # starts Python processes: seconds each
 def test_a_truncated_file_shows_without_verify_and_exit_codes_from_the_shell(
     tmp_path: Path,
 ) -> None:

@@ -302,6 +302,7 @@ def test_main_prints_notes_and_paths_or_the_error(
     assert "an empty file" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # starts Python processes: seconds each
 def test_python_dash_m_toolkit_plot(tmp_path: pathlib.Path) -> None:
     path = _write(tmp_path / "metrics.jsonl", [{"step": 1, "train/loss": 1.0}])
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}

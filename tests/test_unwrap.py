@@ -178,6 +178,7 @@ def test_optimizer_is_rejected_by_name() -> None:
         unwrap(optimizer)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow  # starts Python processes: seconds each
 def test_unwrap_does_not_import_dynamo() -> None:
     # torch._dynamo is a slow import; unwrap looks OptimizedModule up only when it is loaded.
     code = (
