@@ -167,7 +167,7 @@ def test_a_sequence_sharded_loss_over_a_context_dimension_equals_one_process(res
 
 
 def test_bad_input_on_a_mesh_is_refused_on_every_rank_before_anything_changes(
-    results: dict,
+    results: dict, spawned: list[dict]
 ) -> None:
     said = results["refused"]
     assert "ranks of one data replica" in said["replica counts"]
@@ -177,7 +177,9 @@ def test_bad_input_on_a_mesh_is_refused_on_every_rank_before_anything_changes(
         "dimension must be one of ('dp_replicate', 'dp_shard', 'cp', 'tp'); got 'dp'"
         in (said["dimension"])
     )
-    assert said["outside"] == "accepted"  # rank 0 is in the mesh of ranks 0 and 1
+    assert said["outside"] == "accepted"  # rank 0 is in the mesh of ranks 0 and 1, rank 2 not
+    outside = spawned[2]["plans"]["refused"]["outside"]
+    assert "mesh must be a mesh holding this rank (2); got [0, 1]" in outside, outside
 
 
 def test_init_layout_refuses_sizes_that_do_not_make_the_world() -> None:

@@ -356,7 +356,7 @@ def _write(snapshot: _Snapshot, path: Path, group: Group | None) -> Path:
             elif phase == "publish" and rank == 0:
                 fields = {**snapshot.manifest, "world_size": size, "files": listing(temp)}
                 if (layout := current_layout()) is not None:
-                    fields["mesh"] = layout.describe()
+                    fields["mesh"] = layout.sizes()
                 write_json(temp / MANIFEST, manifest_document(**fields, time=time.time()))
                 fsync_dir(temp)
                 _publish(temp, path)

@@ -382,7 +382,7 @@ def _zeros(device: torch.device, size: int) -> torch.Tensor:
 
 
 # Per DDP model: its bucket flags, or None where the hook cannot be installed.
-_CARRIERS: weakref.WeakKeyDictionary[torch.nn.Module, BucketFlags | None] = (
+_BUCKET_FLAGS: weakref.WeakKeyDictionary[torch.nn.Module, BucketFlags | None] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -395,8 +395,8 @@ def bucket_flags(model: torch.nn.Module) -> BucketFlags | None:
     communication hook of its own (DDP takes one): the step then all-reduces its flags
     itself, as it does under FSDP2.
     """
-    if model in _CARRIERS:
-        return _CARRIERS[model]
+    if model in _BUCKET_FLAGS:
+        return _BUCKET_FLAGS[model]
     found: BucketFlags | None = None
     group = groups_of(model).everyone
     if group is not None and group is getattr(model, "process_group", None):
@@ -405,7 +405,7 @@ def bucket_flags(model: torch.nn.Module) -> BucketFlags | None:
             model.register_comm_hook(found, _hook)  # type: ignore[operator]
         except RuntimeError:  # "can only be called once": the user's own hook is there
             found = None
-    _CARRIERS[model] = found
+    _BUCKET_FLAGS[model] = found
     return found
 
 

@@ -105,7 +105,7 @@ class Layout:
             return {"num_replicas": 1, "rank": 0}
         return {"num_replicas": dist.get_world_size(group), "rank": dist.get_rank(group)}
 
-    def describe(self) -> dict[str, int]:
+    def sizes(self) -> dict[str, int]:
         """The mesh's dimensions and sizes, as a checkpoint's manifest records them."""
         return dict(zip(self.mesh.mesh_dim_names, self.mesh.shape))
 

@@ -229,7 +229,7 @@ def _own(root: Path, run_: _Run) -> None:
     clean_temporaries(root)
 
 
-def _settings(state: TrainState, loop: LoopInfo, group: Group | None) -> dict[str, Any]:
+def _settings(state: TrainState, loop: LoopInfo) -> dict[str, Any]:
     """What the run is made with: each parameter group's hyperparameters (its starting lr),
     the scheduler's class and fresh state dict flattened (its arguments, and those of the
     schedulers inside it), micro-batches, the data's pass and data ranks, the mesh's sizes."""
@@ -241,7 +241,7 @@ def _settings(state: TrainState, loop: LoopInfo, group: Group | None) -> dict[st
     data = {**pass_settings(loop.data), "world_size": rank_of(groups_of(state.model).data)[1]}
     made = dict(optimizer=optimizer, scheduler=kind, micro_batches=loop.micro_batches, data=data)
     layout = current_layout()
-    return made if layout is None else {**made, "mesh": layout.describe()}
+    return made if layout is None else {**made, "mesh": layout.sizes()}
 
 
 def _plain(values: Mapping[str, Any]) -> dict[str, Any]:
@@ -306,7 +306,7 @@ def _report(config: _Config, run_: _Run, state: TrainState, loop: LoopInfo, path
 
 def _resumed(config: _Config, run_: _Run, event: Event) -> TrainState:
     root, state, loop = config.folder, event.state, event.loop
-    run_.settings = _settings(state, loop, run_.group)  # the user's, before any load
+    run_.settings = _settings(state, loop)  # the user's, before any load
     path = None
     if config.resume == "latest":
         state, path = load_latest(root, like=state, objects=config.objects) or (state, None)
