@@ -1,6 +1,6 @@
 """A hand-written PyTorch training loop in the nanoGPT ``train.py`` order.
 
-This is the reference the composed toolkit step is tested against (tests/test_equivalence.py).
+This is the reference the composed toolkit step is tested against (tests/step/test_equivalence.py).
 It is written the way a careful user writes the loop by hand, with plain PyTorch calls only
 and nothing from toolkit: per micro-batch, forward under autocast, ``loss / k``, backward
 through the GradScaler; when the window closes, unscale, clip by norm (reporting the pre-clip

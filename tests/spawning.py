@@ -1,13 +1,15 @@
-"""mp.spawn for multi-rank gloo tests, retried once if a rank dies by a signal at teardown.
+"""Spawn gloo ranks for multi-process tests: a deadline, and one retry for a teardown abort.
 
 gloo can abort (SIGABRT) while the interpreter shuts down even after a clean
-barrier + destroy_process_group (shared/research/feasibility.md, item 1c: 5 of 55 runs
-without a barrier). A Python exception in a rank is a real failure and is never retried.
+barrier + destroy_process_group (5 of 55 runs without a barrier, when this was measured). A
+Python exception in a rank is a real failure and is never retried. A hung rank fails its test
+instead of the suite: every rank is killed once ``timeout`` seconds have passed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -15,20 +17,41 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+def _once(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int, timeout: float) -> None:
+    context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    try:
+        while not context.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"{nprocs} ranks of {getattr(fn, '__name__', fn)} still running after "
+                    f"{timeout:g} s: a collective is likely mismatched (a hang)."
+                )
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+
+
 def spawn(
-    fn: Callable[..., None], make_args: Callable[[int], tuple[Any, ...]], nprocs: int
+    fn: Callable[..., None],
+    make_args: Callable[[int], tuple[Any, ...]],
+    nprocs: int,
+    timeout: float = 300.0,
 ) -> None:
-    """``mp.spawn(fn, make_args(attempt), nprocs)``, once more if a rank died by a signal.
+    """``fn(rank, *make_args(attempt))`` on ``nprocs`` ranks, killed after ``timeout`` s;
+    once more if a rank died by a signal.
 
     ``make_args`` gets the attempt number (0, then 1) so that a retry can use a fresh
     rendezvous file and output paths: the first attempt's may be half-written.
     """
     try:
-        mp.spawn(fn, args=make_args(0), nprocs=nprocs, join=True)
+        _once(fn, make_args(0), nprocs, timeout)
     except mp.ProcessExitedException as exc:
         if exc.signal_name is None:
             raise
-        mp.spawn(fn, args=make_args(1), nprocs=nprocs, join=True)
+        _once(fn, make_args(1), nprocs, timeout)
 
 
 @contextlib.contextmanager
@@ -36,7 +59,7 @@ def gloo_group(rank: int, world: int, store_path: str) -> Iterator[None]:
     """A gloo process group over a file store, torn down with a barrier first.
 
     The barrier runs only when the body succeeded (a failed rank must not wait for the
-    others); without it gloo can abort at exit (feasibility notes, item 1c).
+    others); without it gloo can abort at exit (see the module docstring).
     """
     dist.init_process_group(
         "gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world

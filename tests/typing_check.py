@@ -1,5 +1,5 @@
 # mypy: warn-unused-ignores
-"""Calls of each decorator in both forms, for mypy (tests/test_typing.py runs it on this file).
+"""Calls of each decorator in both forms, for mypy (tests/step/test_typing.py runs it on this file).
 
 Not a test module: mypy reads it, pytest does not collect it. The ``type: ignore`` lines are
 mistakes that fail at run time; with ``--warn-unused-ignores`` mypy fails if it stops

@@ -1,0 +1,158 @@
+"""Issue 17, items 12 and 15: a second signal cannot cut the shutdown short; Ctrl-C saves.
+
+Each test runs a small job in a subprocess (with a timeout) and signals it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from toolkit.checkpoints import list_checkpoints
+
+pytestmark = pytest.mark.slow  # subprocesses that import torch
+TIMEOUT = 120
+
+JOB = """
+import sys, time, torch
+from toolkit import TrainState, make_step, run
+from toolkit.plugins import checkpoints
+
+def announce(event):
+    if event.kind == "step":
+        print("step", event.state.step, flush=True)
+        time.sleep(0.05)
+
+def slow_end(event):  # after checkpoints (order 80) and progress (90)
+    if event.kind == "end":
+        print("ending", flush=True)
+        time.sleep(1.0)
+        print("ended", flush=True)
+
+slow_end.order = 95
+model = torch.nn.Linear(2, 1)
+state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+step = make_step(lambda m, b: m(b).square().mean())
+plugins = [checkpoints(sys.argv[1], at_end=False), announce, slow_end]
+run(step, state, [torch.ones(2, 2)] * 10_000, max_steps=10_000, plugins=plugins)
+"""
+
+
+def _job(tmp_path: Path) -> subprocess.Popen:
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(JOB))
+    return subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "ckpt")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+
+
+def _until(job: subprocess.Popen, line: str) -> None:
+    assert job.stdout is not None
+    deadline = time.time() + TIMEOUT
+    while time.time() < deadline:
+        got = job.stdout.readline()
+        if not got or got.strip() == line:
+            assert got, f"the job ended before {line!r}"
+            return
+    job.kill()
+    raise AssertionError(f"no {line!r} in {TIMEOUT} s")
+
+
+def _finish(job: subprocess.Popen) -> tuple[int, str]:
+    try:
+        out, _ = job.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        job.communicate()
+        raise
+    return job.returncode, out
+
+
+def test_a_second_sigterm_during_the_ends_does_not_cut_them_short(tmp_path: Path) -> None:
+    # Bug caught: the handlers went back at the checkpoints plugin's end, so the second
+    # SIGTERM killed the process (-15) inside the end of a later plugin.
+    job = _job(tmp_path)
+    _until(job, "step 3")
+    job.send_signal(signal.SIGTERM)
+    _until(job, "ending")
+    time.sleep(0.2)
+    job.send_signal(signal.SIGTERM)
+    code, out = _finish(job)
+    assert code == 143 and out.splitlines()[-1] == "ended", (code, out)
+    assert len(list_checkpoints(tmp_path / "ckpt")) == 1
+
+
+def test_ctrl_c_saves_and_exits_130(tmp_path: Path) -> None:
+    # Bug caught: SIGINT was not among the default signals: KeyboardInterrupt, no save.
+    job = _job(tmp_path)
+    _until(job, "step 3")
+    job.send_signal(signal.SIGINT)
+    code, out = _finish(job)
+    assert code == 130, (code, out)
+    steps = [3] + [int(line.split()[1]) for line in out.splitlines() if line.startswith("step")]
+    assert [i.step for i in list_checkpoints(tmp_path / "ckpt")] == [steps[-1]]  # the last
+
+
+TORCHRUN_JOB = """
+import os, sys, time, torch
+from torch.nn.parallel import DistributedDataParallel
+from toolkit import TrainState, make_step, run
+from toolkit.distributed import process_group
+from toolkit.plugins import checkpoints
+
+def announce(event):
+    if event.kind == "start":
+        os.write(1, f"pid {os.environ['RANK']} {os.getpid()}\\n".encode())  # one write, whole
+    if event.kind == "step":
+        time.sleep(0.02)
+
+with process_group(seed=0) as launch:
+    model = DistributedDataParallel(torch.nn.Linear(2, 1))
+    state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    step = make_step(lambda m, b: m(b).square().mean())
+    plugins = [checkpoints(sys.argv[1], at_end=False), announce]
+    run(step, state, [torch.ones(2, 2)] * 100_000, max_steps=100_000, plugins=plugins)
+"""
+
+
+def test_under_torchrun_every_rank_exits_128_plus_signal(tmp_path: Path) -> None:
+    # Bug caught: the rank that exited last was killed (-15) by torchrun's SIGTERM while
+    # Python shut down, its handlers put back, in about half of the launches.
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(TORCHRUN_JOB))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
+    for launch in range(3):
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        command += ["--nproc_per_node=2", str(script), str(tmp_path / f"ckpt{launch}")]
+        job = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
+        pids: dict[str, int] = {}
+        assert job.stdout is not None
+        deadline = time.time() + TIMEOUT
+        while len(pids) < 2 and time.time() < deadline:
+            line = job.stdout.readline()
+            assert line, f"torchrun ended before both ranks started: {job.communicate()[0]}"
+            if line.startswith("pid "):
+                pids[line.split()[1]] = int(line.split()[2])
+        time.sleep(0.3)
+        os.kill(pids["1"], signal.SIGTERM)  # one rank only: both stop after the same update
+        code, out = _finish(job)
+        ranks = [line for line in out.splitlines() if line.strip().startswith("exitcode")]
+        assert code != 0 and len(ranks) == 2, out[-3000:]
+        codes = [line.split(":")[1].split()[0] for line in ranks]
+        # -6: gloo's "terminate called without an active exception" as a rank's process
+        # ends after teardown, seen once in about 20 launches under load; not ours to fix
+        # here, and not the bug this test is for (a rank killed by -15).
+        assert set(codes) <= {"143", "-6"} and "143" in codes, out[-3000:]
