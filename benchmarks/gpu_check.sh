@@ -46,16 +46,16 @@ print('optree', optree.__version__, 'toolkit', toolkit.__file__)
 "
 
 check test_cuda 200 python3 -m pytest -q -p no:cacheprovider -m cuda -rs --durations=8 \
-    tests/test_cuda.py
+    tests/integration/test_cuda.py
 
 # The other CUDA-only tests (skipped without CUDA): the real NCCL group of the collective
 # layer, setup() on CUDA, the host reads and peak memory on the GPU.
 check test_cuda 90 python3 -m pytest -q -p no:cacheprovider -rs \
-    tests/test_collective_devices.py::test_under_a_real_nccl_group_every_collective_runs \
-    tests/test_launch.py::test_on_cuda_the_backend_is_nccl_bound_to_the_ranks_device \
-    tests/test_host.py::test_across_devices_in_the_callers_order \
-    tests/test_memory.py::test_cuda_device_of_a_model_on_the_gpu \
-    tests/test_tree.py::test_one_host_sync_on_cuda
+    tests/distributed/test_collective_devices.py::test_under_a_real_nccl_group_every_collective_runs \
+    tests/distributed/test_launch.py::test_on_cuda_the_backend_is_nccl_bound_to_the_ranks_device \
+    tests/utilities/test_host.py::test_across_devices_in_the_callers_order \
+    tests/plugins/test_memory.py::test_cuda_device_of_a_model_on_the_gpu \
+    tests/utilities/test_tree.py::test_one_host_sync_on_cuda
 
 # The README's Quick start, as written (its first python block), then make example's job.
 python3 -c 'import pathlib, re; print(re.findall(r"```python\n(.*?)```", pathlib.Path("README.md").read_text(), re.S)[0])' > "$RUNS/quick_start.py"

@@ -17,7 +17,7 @@ Two details keep the alternation exact:
   backward leaves no gradients on the discriminator that its next update would add
   (each step clears only its own optimizer's gradients).
 
-``tests/test_multi_optimizer.py`` checks this alternation bitwise against the textbook hand
+``tests/step/test_multi_optimizer.py`` checks this alternation bitwise against the textbook hand
 loop. The script prints how many of the 8 modes the generator covers and which share of its
 points lie near a mode, at the start and at the end (the full run: 8 of 8, 86.5%), and
 saves each state as its own checkpoint (``OUT/generator``, ``OUT/discriminator``; resume

@@ -13,7 +13,7 @@ Options to make the bad moments easy to hit: ``--slow-save S`` sleeps S seconds 
 each save (after the temporary folder exists), ``--slow-first S`` sleeps before the first
 batch, ``--pad-mb M`` saves an M MiB tensor with every checkpoint.
 
-Several ranks (issue 11): start one process per rank with ``--world W --rank R --store
+Several ranks: start one process per rank with ``--world W --rank R --store
 FILE`` (a fresh FileStore file per launch) and ``--wrap ddp`` or ``--wrap fsdp2`` (with
 ``--bf16``: a bf16 ``MixedPrecisionPolicy``). Each rank reads its part of the data through
 a ``DistributedSampler``, draws its own dropout (seeded per rank), records the batches of

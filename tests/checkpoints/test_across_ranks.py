@@ -1,4 +1,4 @@
-"""Checkpoints across ranks (issue 11, item 4): DDP and FSDP2 on 2 gloo ranks.
+"""Checkpoints across ranks: DDP and FSDP2 on 2 gloo ranks.
 
 One mp.spawn runs every 2-rank scenario (spawning costs seconds); each rank writes its
 findings to a JSON file, and the test asserts on them and on the checkpoints on disk,

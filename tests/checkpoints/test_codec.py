@@ -265,7 +265,7 @@ def test_any_tree_of_the_rule_round_trips_exactly(tree: Any) -> None:
 
 
 # ----------------------------------------------------------------------------------------
-# Extra objects as users write them (issue 17, item 10): subclasses of str, int, float and
+# Extra objects as users write them: subclasses of str, int, float and
 # dict and NumPy scalars are stored as their base type.
 
 

@@ -1,6 +1,6 @@
 """Fuzz: a real checkpoint folder corrupted in hundreds of ways is refused cleanly or loads exactly.
 
-Issue 17's acceptance: one checkpoint (a model with buffers, AdamW state in two parameter
+One checkpoint (a model with buffers, AdamW state in two parameter
 groups, a SequentialLR, the RNG states, an extra object, an EMA of the ema plugin) is
 written once; each case copies it and corrupts the copy in one way (bit flips anywhere,
 also in manifest.json and safetensors headers; truncation; appended bytes; two files

@@ -1,4 +1,4 @@
-"""Hostile or damaged checkpoint folders (issue 17, items 1-5 and 11): refused, never a hang.
+"""Hostile or damaged checkpoint folders: refused, never a hang.
 
 Each test does the bad thing: a FIFO or a link to /dev/zero in place of a file, a 1 GiB
 sparse manifest, 100,000 nested brackets, NaN in a manifest, links leading out of the

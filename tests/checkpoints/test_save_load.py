@@ -1101,7 +1101,7 @@ def test_a_background_save_reports_its_failure_on_result(
 
 
 # ----------------------------------------------------------------------------------------
-# Decision (issue 10, open point): a parameter the optimizer holds but the model does not
+# Decision: a parameter the optimizer holds but the model does not
 # (a learnable loss temperature) is refused, with the fix, not stored by position.
 
 

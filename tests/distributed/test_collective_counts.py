@@ -1,4 +1,4 @@
-"""Collective calls per DDP update, counted (issue 11, item 7): a count, not a timing.
+"""Collective calls per DDP update, counted: a count, not a timing.
 
 ``benchmarks/ddp.py`` prints these counts next to its timings; this test pins them on 2
 spawned gloo ranks: the hand-written DDP loop makes one all-reduce per update (DDP's

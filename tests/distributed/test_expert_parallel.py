@@ -1,4 +1,4 @@
-"""Expert parallelism (issue 24, item 3): examples/moe_expert_parallel.py's model and sharding
+"""Expert parallelism: examples/moe_expert_parallel.py's model and sharding
 on 4 gloo ranks equal one process that holds every expert (float64, below 1e-10).
 
 The mesh is ``("ep_replicate", "ep") = (2, 2)``, every rank a data rank: the dense parts are

@@ -1,4 +1,4 @@
-"""toolkit.distributed: joining a job from the launcher's environment (issue 11, item 1).
+"""toolkit.distributed: joining a job from the launcher's environment.
 
 In one process (a world of one, bad environments) and on 2 spawned ranks that rendezvous
 the way ``srun`` with exported variables does (rank 0 hosts the store). The torchrun path,

@@ -1,4 +1,4 @@
-"""Several machines, played by two torchrun "nodes" on this one (issue 24, item 6).
+"""Several machines, played by two torchrun "nodes" on this one.
 
 Each node is its own ``torchrun --nnodes=2 --nproc_per_node=1`` agent with one worker; they
 meet at a c10d rendezvous on a free loopback port. Both tests run ``examples/ddp_digits.py

@@ -1,5 +1,5 @@
 """A DDP rank whose loss function returns None for every batch from some update on: every
-rank fails with the lockstep error (issue 17 item 13), instead of a gloo abort.
+rank fails with the lockstep error, instead of a gloo abort.
 
 The skipping rank never runs the closing backward that the others wait in (their gradient
 all-reduce); once it has skipped a window's worth of micro-batches it takes part in that

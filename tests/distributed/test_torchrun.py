@@ -1,4 +1,4 @@
-"""Jobs launched as users launch them: torchrun with 2 (or 4) CPU ranks over gloo (issue 11).
+"""Jobs launched as users launch them: torchrun with 2 (or 4) CPU ranks over gloo.
 
 The DDP and FSDP2 examples in their ``--quick`` mode, the tensor-parallel one on 4 ranks
 (dp 2 x tp 2), and a job whose worker is SIGKILLed and restarted by torchrun. Each launch

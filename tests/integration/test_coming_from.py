@@ -1,6 +1,6 @@
 """The coming-from guides' scripts train the same job the library's way and toolkit's way,
 and get the same weights: bitwise where the arithmetic is the same (Accelerate, Fabric), to
-rounding where HF Trainer sums its token-averaged loss in another order (issue 19, item 6).
+rounding where HF Trainer sums its token-averaged loss in another order.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Every public name is documented, and every docstring example runs (issue 2, item 10)."""
+"""Every public name is documented, and every docstring example runs."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The examples/from_<trainer>.py scripts run as their users run them, with the outcome
-those users expect (issue 12, item 13): each in a short mode of a few seconds."""
+those users expect: each in a short mode of a few seconds."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The README's quick start runs as written and trains (issue 2, item 10); the README starts
+"""The README's quick start runs as written and trains; the README starts
 with getting started, and the reference moved to docs/ keeps its code and links working
 (issue 19, item 7)."""
 

@@ -1,5 +1,5 @@
 """A pass resumed mid-epoch draws the batches an uninterrupted run would, without reading the
-seen ones again (issue 10, items 3 and 10): every source a PyTorch user passes to run().
+seen ones again: every source a PyTorch user passes to run().
 
 Each test trains once without interruption and once stopped mid-epoch and resumed in what
 stands for a new process: the global RNGs are scrambled and set back to the moment of the

@@ -225,7 +225,7 @@ def test_every_plugins_end_runs_when_training_raises_and_the_error_propagates() 
 
 
 def test_a_failing_end_after_good_training_warns_and_returns_the_state() -> None:
-    # Issue 9, item 10: bookkeeping at the end must not cost the trained state.
+    # Bookkeeping at the end must not cost the trained state.
     ran = []
 
     def failing_end(event: Event) -> None:

@@ -1,4 +1,4 @@
-"""Loop and data workflows of other trainers (issue 12, items 1, 2, 4, 9): short windows at a
+"""Loop and data workflows of other trainers: short windows at a
 pass's end, "epoch_start", evaluate(), a loss function reading the update number,
 to_device, the window's batches in the "step" event. References are hand-written loops.
 """

@@ -357,7 +357,7 @@ def test_a_signal_before_the_first_update(tmp_path: Path) -> None:
 def test_killed_at_random_moments_and_resumed_it_ends_bitwise_as_uninterrupted(
     tmp_path: Path,
 ) -> None:
-    """Acceptance of issue 10, item 3: SIGKILL at several moments, some during a save."""
+    """SIGKILL at several moments, some during a save."""
     reference = _uninterrupted(tmp_path, "--pad-mb", "16")
     rng = random.Random(4)
     folder = tmp_path / "killed"
@@ -383,7 +383,7 @@ def test_killed_at_random_moments_and_resumed_it_ends_bitwise_as_uninterrupted(
     assert result == reference  # parameters, optimizer state and EMA bitwise
 
 
-# --- two ranks (issue 11): one process per rank, launched here so that each rank's exit
+# --- two ranks: one process per rank, launched here so that each rank's exit
 # code and pid are known; a FileStore file per launch -------------------------------------
 
 
@@ -411,7 +411,7 @@ def _results(folder: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_two_ddp_ranks_killed_at_random_moments_resume_bitwise(tmp_path: Path) -> None:
-    """Issue 11, item 4: the kill test of issue 10 on 2 DDP ranks (both killed, as torchrun
+    """The kill test on 2 DDP ranks (both killed, as torchrun
     tears the group down); each rank's dropout RNG and data position come back."""
     extra = ("--wrap", "ddp", "--pad-mb", "8")
     reference = tmp_path / "reference"
@@ -442,7 +442,7 @@ def test_two_ddp_ranks_killed_at_random_moments_resume_bitwise(tmp_path: Path) -
 
 @pytest.mark.slow
 def test_sigterm_to_one_fsdp2_rank_stops_both_after_the_same_update_bf16(tmp_path: Path) -> None:
-    """Issue 11, items 4, 5 and 9: SIGTERM to rank 1 only; FSDP2 with a bf16 policy."""
+    """SIGTERM to rank 1 only; FSDP2 with a bf16 policy."""
     extra = ("--wrap", "fsdp2", "--bf16", "--every", "0")
     reference = tmp_path / "reference"
     assert [code for code, _ in _finish_all(_ranks(reference, 0, *extra))] == [0, 0]

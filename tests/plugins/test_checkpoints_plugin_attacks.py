@@ -1,4 +1,4 @@
-"""The checkpoints plugin under a reviewer's attacks (issue 17): an error after a signal is not
+"""The checkpoints plugin under a reviewer's attacks: an error after a signal is not
 hidden by the exit, the folder's lock file is never followed elsewhere nor kept by a forked
 child, data-parallel ranks with unequal shards resume, keep_best with a user's own metrics
 plugin, changed scheduler arguments reported, Ctrl-C handed back after a signal-stop."""

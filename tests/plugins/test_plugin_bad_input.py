@@ -1,4 +1,4 @@
-"""Issue 9 on the plugin side: extras key clashes, validation weights, ReduceLROnPlateau.
+"""extras key clashes, validation weights, ReduceLROnPlateau.
 
 Each misuse is refused with an error naming the argument, what was expected, what was given
 and the fix, before training where it can be known then.
@@ -353,7 +353,7 @@ def test_a_bad_plateau_metric_is_refused_when_built(value) -> None:
         validate(_eval, VAL, every=1, plateau_metric=value)
 
 
-# --- issue 12 item 12: validate leaves an FSDP2 model as it found it --------------------------
+# --- validate leaves an FSDP2 model as it found it --------------------------
 
 
 def _fsdp_worker(rank: int, store: str, out_dir: str) -> None:

@@ -1,4 +1,4 @@
-"""Issue 17, items 6-9 and 11: one run per folder, resumes that say what they did, a changed
+"""one run per folder, resumes that say what they did, a changed
 configuration reported (never a skipped sample), the epoch checkpoint of a loader with its own
 generator, retention rules that save."""
 

@@ -1,4 +1,4 @@
-"""Issue 17, items 12 and 15: a second signal cannot cut the shutdown short; Ctrl-C saves.
+"""a second signal cannot cut the shutdown short; Ctrl-C saves.
 
 Each test runs a small job in a subprocess (with a timeout) and signals it.
 """

@@ -1,4 +1,4 @@
-"""Exact accumulation (issue 2, item 4): counts, unequal micro-batches, skipped batches.
+"""Exact accumulation: counts, unequal micro-batches, skipped batches.
 
 The gradient a step applied is read back through SGD with lr=1 and no momentum: in float64
 ``p0 - p1`` equals the gradient up to one rounding of ``p0`` (relative error ~1e-16 here).

@@ -1,4 +1,4 @@
-"""Misuse gets a clear error before anything changes, or a documented outcome (issue 9).
+"""Misuse gets a clear error before anything changes, or a documented outcome.
 
 Each test names the issue's item it covers; each failed on the code before the fix (a hang,
 a silent acceptance, or an error from deep inside torch after the weights had moved).

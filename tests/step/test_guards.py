@@ -1,4 +1,4 @@
-"""guard_nonfinite (issue 2, item 5): rejected windows, counters, exhaustion, fp16 overflow.
+"""guard_nonfinite: rejected windows, counters, exhaustion, fp16 overflow.
 
 A batch is ``(x, mode)``; ``mode`` says how the loss function makes it bad:
 

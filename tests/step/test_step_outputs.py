@@ -1,5 +1,5 @@
 """What a train step hands back and refuses: detached records, a "loss" record, amp_wrap's
-positional dtype, a scheduler stepped twice per update (issue 19 items 2 and 7)."""
+positional dtype, a scheduler stepped twice per update."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ Why not ``dist.init_process_group()`` alone:
   connects to that address and fails or hangs (2 of 3 runs of a 2-rank job whose rank 1 was
   SIGKILLed, one of them until the timeout). :func:`setup` joins through a store prefixed
   per attempt (``TORCHELASTIC_RESTART_COUNT``), so each attempt reads only its own keys
-  (3 of 3 runs restarted cleanly, and the kill test of ``tests/test_torchrun.py``).
+  (3 of 3 runs restarted cleanly, and the kill test of ``tests/distributed/test_torchrun.py``).
 * **Tear-down.** gloo can abort the process at exit when ranks destroy the group at
   different moments (about 1 run in 10 without a barrier); :func:`teardown` waits for every
   rank first.
