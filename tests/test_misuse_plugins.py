@@ -108,7 +108,8 @@ def test_a_users_plugin_declaring_a_key_is_refused_next_to_another_before_any_st
 
 
 def test_published_metrics_must_be_metrics_records() -> None:
-    with pytest.raises(TypeError, match=r"TrainState.metrics\['val'\]: expected a Metrics, "):
+    said = r"TrainState: metrics\['val'\] must be a Metrics, .*; got \{'step': 1, 'metrics'"
+    with pytest.raises(TypeError, match=said):
         _state().replace(metrics={"val": {"step": 1, "metrics": {"loss": 0.5}}})  # the old shape
 
 

@@ -331,11 +331,9 @@ def _kinds(state: TrainState) -> None:
 def _metrics(state: TrainState) -> None:
     for name, entry in state.metrics.items():
         ok = isinstance(entry, Mapping) and type(entry.get("step")) is int
-        if not (ok and isinstance(entry.get("values"), Mapping)):
-            raise TypeError(
-                f"TrainState.metrics[{name!r}]: expected a Metrics, {{'step': int, 'values': "
-                f"{{name: float}}}}; got {entry!r:.60}."
-            )
+        ok = ok and isinstance(entry.get("values"), Mapping)
+        shape = "a Metrics, {'step': int, 'values': {name: float}}"
+        check(ok, "TrainState", f"metrics[{name!r}]", shape, entry, error=TypeError)
 
 
 # Each check and the fields it reads: replace() runs it when one of them changes (in order:
