@@ -216,8 +216,8 @@ def main() -> None:
     state = run(step, state, train_loader, max_steps=max_steps, plugins=plugins)
     seconds = time.perf_counter() - started
 
-    val = state.extras["val"]  # at_end=True: the evaluation of the final weights
-    loss = val["metrics"]["loss"]
+    val = state.metrics["val"]  # at_end=True: the evaluation of the final weights
+    loss = val["values"]["loss"]
     print(
         f"final validation loss: {loss:.4f} nats/char (perplexity {math.exp(loss):.2f}) at "
         f"update {val['step']}; {state.step} updates in {seconds:.1f} s"

@@ -177,10 +177,10 @@ def main() -> None:
         state = train(launch, epochs, every, args.out)
         seconds = time.perf_counter() - started
         if launch.rank == 0:
-            val, val_ema = state.extras["val"], state.extras["val_ema"]
+            val, val_ema = state.metrics["val"], state.metrics["val_ema"]
             print(
-                f"final validation accuracy: {val['metrics']['accuracy']:.4f} "
-                f"(EMA: {val_ema['metrics']['accuracy']:.4f}) after {state.step} updates, "
+                f"final validation accuracy: {val['values']['accuracy']:.4f} "
+                f"(EMA: {val_ema['values']['accuracy']:.4f}) after {state.step} updates, "
                 f"{state.epoch} epochs on {launch.world_size} rank(s) in {seconds:.1f} s"
             )
             print(f"metrics: {args.out / 'metrics.jsonl'}; checkpoints: {args.out / 'ckpt'}")

@@ -177,12 +177,12 @@ def main() -> None:
     if state.stop is not None:
         print(f"stopped early: {state.stop}")
     # at_end=True: both entries describe the final weights.
-    val, val_ema = state.extras["val"], state.extras["val_ema"]
+    val, val_ema, best = state.metrics["val"], state.metrics["val_ema"], state.extras["val"]
     print(
-        f"final validation accuracy: {val['metrics']['accuracy']:.4f} "
-        f"(EMA: {val_ema['metrics']['accuracy']:.4f}) after {state.step} updates, "
-        f"{state.epoch} epochs in {seconds:.1f} s; best val/loss {val['best']:.4f} at update "
-        f"{val['best_step']}"
+        f"final validation accuracy: {val['values']['accuracy']:.4f} "
+        f"(EMA: {val_ema['values']['accuracy']:.4f}) after {state.step} updates, "
+        f"{state.epoch} epochs in {seconds:.1f} s; best val/loss {best['best']:.4f} at update "
+        f"{best['best_step']}"
     )
     print(f"metrics: {metrics_path}")
 

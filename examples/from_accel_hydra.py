@@ -201,12 +201,12 @@ def main(cfg: DictConfig) -> None:
         step, state, train_loader, epochs=cfg.epochs, plugins=plugins, partial_window="epoch"
     )
 
-    val = state.extras["val"]
+    best, val = state.extras["val"], state.metrics["val"]["values"]
     print(f"stopped: {state.stop}" if state.stop else f"trained {state.epoch} epochs")
     lr = optimizer.param_groups[0]["lr"]
     print(
-        f"{state.step} updates; best val/{monitor} {val['best']:.4f} at update "
-        f"{val['best_step']}; last val/accuracy {val['metrics']['accuracy']:.4f}; lr {lr:.2e}"
+        f"{state.step} updates; best val/{monitor} {best['best']:.4f} at update "
+        f"{best['best_step']}; last val/accuracy {val['accuracy']:.4f}; lr {lr:.2e}"
     )
     print(f"run folder: {out}")
 

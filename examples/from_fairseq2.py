@@ -165,7 +165,7 @@ def main() -> None:
     state = run(step, state, data_reader, epochs=max_num_data_epochs, plugins=plugins)
 
     total = state.extras["log_metrics"]["totals"]["num_target_elements"]
-    nll = state.extras["val"]["metrics"]["nll_loss"]
+    nll = state.metrics["val"]["values"]["nll_loss"]
     print(f"targets per data epoch: {targets_per_epoch}")
     # :.0f: the total is an int from CPU records, a float from CUDA tensor records.
     print(f"{state.step} updates, {state.epoch} data epochs, {total:.0f} target elements in total")

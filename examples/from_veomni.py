@@ -214,7 +214,7 @@ def main() -> None:
     path = export_model(state, args.out / "hf_ckpt" / "model.safetensors")  # save_hf_weights
 
     print(f"{state.step} updates of {GLOBAL_BATCH_SIZE} rows ({micro_batches} micro-batches each)")
-    print(f"final validation loss: {state.extras['val']['metrics']['loss']:.4f} nats/token")
+    print(f"final validation loss: {state.metrics['val']['values']['loss']:.4f} nats/token")
     print(f"exported: {path}")
 
 

@@ -134,7 +134,7 @@ def main() -> None:
         state = run(step, state, train_loader, max_steps=max_steps, plugins=plugins)
         seconds = time.perf_counter() - started
         if launch.rank == 0:
-            loss = state.extras["val"]["metrics"]["loss"]
+            loss = state.metrics["val"]["values"]["loss"]
             print(
                 f"final validation loss: {loss:.4f} nats/char (perplexity {math.exp(loss):.2f})"
                 f"; {state.step} updates on {launch.world_size} rank(s) in {seconds:.1f} s"

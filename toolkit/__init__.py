@@ -20,14 +20,14 @@ from toolkit.step._decorating import (
 from toolkit.step._losses import causal_lm_loss
 from toolkit.step._multi import MultiOptimizer, MultiScheduler, PerEpoch, per_epoch
 from toolkit.step._phases import LossScaleError, NonFiniteError
-from toolkit.step._state import GuardState, TrainState, WindowState
+from toolkit.step._state import GuardState, Metrics, TrainState, WindowState
 from toolkit.step._step import LossSum, Step, StepOutput, make_step
 
 __version__ = "0.1.0"
 
 # fmt: off
 __all__ = [
-    "Event", "GuardState", "LoopInfo", "LossScaleError", "LossSum", "MultiOptimizer",
+    "Event", "GuardState", "LoopInfo", "LossScaleError", "LossSum", "Metrics", "MultiOptimizer",
     "MultiScheduler", "NonFiniteError", "PerEpoch", "Step", "StepOutput", "TrainState",
     "WindowState", "accumulate", "amp_wrap", "causal_lm_loss", "clip", "compose",
     "data_parallel_group", "evaluate", "export_model", "export_pretrained", "guard_nonfinite",

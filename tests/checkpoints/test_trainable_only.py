@@ -219,8 +219,8 @@ def test_the_checkpoints_plugin_saves_the_trainable_part_and_resumes_from_it(
     def score(event: Any) -> TrainState | None:  # a metric for keep_best: the lowest at step 2
         if event.kind != "step":
             return None
-        entry = {"step": event.state.step, "metrics": {"loss": abs(event.state.step - 2)}}
-        return event.state.replace(extras={**event.state.extras, "val": entry})
+        entry = {"step": event.state.step, "values": {"loss": abs(event.state.step - 2)}}
+        return event.state.replace(metrics={**event.state.metrics, "val": entry})
 
     best = checkpoints(tmp_path / "best", every=1, keep_best=("val/loss", "min", 1),
                        restore_best=True, trainable_only=True)  # fmt: skip

@@ -430,7 +430,7 @@ def test_peak_memory_reads_cuda_allocator_statistics(device: torch.device) -> No
     state = TrainState(model=model, optimizer=_adamw(model)[0])
     state = run(make_step(loss_fn), state, _batches(2, device), max_steps=2,
                 plugins=[peak_memory(every=1)])  # fmt: skip
-    peak = state.extras["memory"]["metrics"]["peak_gib"] * 2**30
+    peak = state.metrics["memory"]["values"]["peak_gib"] * 2**30
     # What the allocator holds now (model, batches, cuBLAS workspaces) plus the scratch and
     # a little for activations: the tensors' peak, not the process's resident set.
     held = torch.cuda.memory_allocated(device)
@@ -497,8 +497,8 @@ def test_validate_on_cuda_evaluates_the_trained_weights(device: torch.device) ->
     data = _uneven(device)
     state = run(make_step(_loss_fn), state, _batches(4, device), max_steps=4,
                 plugins=[validate(_eval_fn, data, every=2, monitor="mse")])  # fmt: skip
-    assert state.extras["val"]["step"] == 4
-    assert state.extras["val"]["metrics"] == pytest.approx(_by_hand_means(model, data), rel=1e-5)
+    assert state.metrics["val"]["step"] == 4
+    assert state.metrics["val"]["values"] == pytest.approx(_by_hand_means(model, data), rel=1e-5)
 
 
 def test_to_device_copies_pinned_batches_without_a_host_sync(device: torch.device) -> None:

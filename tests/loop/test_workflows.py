@@ -243,7 +243,7 @@ def test_evaluate_is_validates_evaluation_without_training() -> None:
         max_steps=0,
         plugins=[validate(eval_fn, data, at_end=True, monitor="mse")],
     )
-    assert got == state.extras["val"]["metrics"]
+    assert got == state.metrics["val"]["values"]
     with torch.no_grad():  # count-weighted: the mean over samples
         want = sum(((model(x) - y) ** 2).sum() for x, y in data) / sum(len(x) for x, _ in data)
     assert got["mse"] == pytest.approx(want.item(), rel=1e-6)

@@ -200,15 +200,15 @@ def test_ranks_with_unequal_shards_resume_and_refuse_together(tmp_path: Path) ->
 # --- keep_best with a user's own metrics plugin ------------------------------------------------
 
 
-def _my_eval(event):  # a user's evaluation, publishing the MetricsEntry shape every 4 updates
+def _my_eval(event):  # a user's evaluation, publishing in state.metrics every 4 updates
     if event.kind == "step" and event.out.updated and event.state.step % 4 == 0:
-        entry = {"step": event.state.step, "metrics": {"acc": event.state.step / 10}}
-        return event.state.replace(extras={**event.state.extras, "myeval": entry})
+        entry = {"step": event.state.step, "values": {"acc": event.state.step / 10}}
+        return event.state.replace(metrics={**event.state.metrics, "myeval": entry})
     return None
 
 
 def test_keep_best_ranks_by_a_user_plugins_metric(tmp_path: Path) -> None:
-    # Bug caught: a user plugin claims no extras key, so the first save (step 2, before any
+    # Bug caught: a user plugin declares no key, so the first save (step 2, before any
     # evaluation) raised "which no plugin publishes".
     plugin = checkpoints(tmp_path, every=2, keep_best=("myeval/acc", "max", 1), keep_last=1)
     run(STEP, _state(), DATA, max_steps=10, plugins=[_my_eval, plugin])

@@ -129,8 +129,8 @@ def test_early_stop_never_sees_the_entry():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         state = run(_STEP, _state(), _train(2), max_steps=2, plugins=plugins)
-    assert [str(w.message)[:60] for w in caught] == [
-        "early_stop: state.extras never got a 'valid' entry to read '"
+    assert [str(w.message)[:61] for w in caught] == [
+        "early_stop: state.metrics never got a 'valid' entry to read '"
     ]
     assert caught[0].category is RuntimeWarning and "(entries: ['val'])" in str(caught[0].message)
     assert state.step == 2 and "early_stop" not in state.extras
@@ -142,7 +142,7 @@ def test_a_run_too_short_to_validate_ends_with_a_warning_not_an_error():
         validate(lambda m, b: {"loss": 1.0}, [torch.ones(1, 2)], every=10),
         early_stop("val/loss"),
     ]
-    with pytest.warns(RuntimeWarning, match=r"^early_stop: state.extras never got a 'val' entry"):
+    with pytest.warns(RuntimeWarning, match=r"^early_stop: state.metrics never got a 'val' entry"):
         state = run(_STEP, _state(), _train(3), max_steps=3, plugins=plugins)
     assert state.step == 3 and state.stop is None
 
@@ -173,15 +173,17 @@ def test_early_stop_missing_sub_metric():
         validate(lambda m, b: {"loss": 1.0}, [torch.ones(1, 2)], every=1),
         early_stop("val/acc"),
     ]
-    message = r"'val/acc' must be a metric of state.extras\['val'\], one of \['loss'\]; got 'acc'"
+    message = r"'val/acc' must be a metric of state.metrics\['val'\], one of \['loss'\]; got 'acc'"
     with pytest.raises(KeyError, match=message):
         run(_STEP, _state(), _train(2), max_steps=2, plugins=plugins)
 
 
-def test_early_stop_on_an_entry_without_metrics():
-    plugins = [ema(0.5), early_stop("ema/loss")]  # ema's entry holds weights, not metrics
-    with pytest.raises(KeyError, match=r"state.extras\['ema'\] holds no metrics"):
-        run(_STEP, _state(), _train(2), max_steps=2, plugins=plugins)
+def test_early_stop_on_a_plugin_that_publishes_no_metrics():
+    # ema keeps weights in state.extras and publishes nothing in state.metrics.
+    plugins = [ema(0.5), early_stop("ema/loss")]
+    with pytest.warns(RuntimeWarning, match=r"never got a 'ema' entry .* \(entries: \[\]\)"):
+        state = run(_STEP, _state(), _train(2), max_steps=2, plugins=plugins)
+    assert state.step == 2 and state.stop is None
 
 
 def test_two_validations_under_their_own_keys_and_early_stop_on_one():
@@ -195,8 +197,8 @@ def test_two_validations_under_their_own_keys_and_early_stop_on_one():
     ]
     state = run(_STEP, _state(), _train(10), max_steps=6, plugins=plugins)
     assert state.stop is None and state.step == 6  # "b" kept improving
-    assert state.extras["a"]["metrics"]["loss"] == 1.0 and state.extras["a"]["best_step"] == 1
-    assert state.extras["b"]["best"] == 0.5 and "val" not in state.extras
+    assert state.metrics["a"]["values"]["loss"] == 1.0 and state.extras["a"]["best_step"] == 1
+    assert state.extras["b"]["best"] == 0.5 and "val" not in state.extras | state.metrics
     state = run(
         _STEP,
         _state(),

@@ -27,10 +27,10 @@ def _records(name: str = "rss_peak_gib"):  # on the CPU; "peak_gib" on CUDA
     seen: list[tuple[int, float]] = []
 
     def spy(event: Event) -> None:
-        entry = event.state.extras.get("memory")
+        entry = event.state.metrics.get("memory")
         if entry is not None and (not seen or seen[-1][0] != entry["step"]):
-            assert set(entry["metrics"]) == {name}  # one value, named by what it measures
-            seen.append((entry["step"], entry["metrics"][name]))
+            assert set(entry["values"]) == {name}  # one value, named by what it measures
+            seen.append((entry["step"], entry["values"][name]))
 
     return seen, spy
 
@@ -63,13 +63,13 @@ def test_cadence_counts_applied_updates_only():
     step = accumulate(_STEP, micro_batches=2)
     state = run(step, _state(), _DATA, max_steps=6, plugins=[peak_memory(every=3), spy])
     assert [s for s, _ in seen] == [3, 6]
-    assert state.extras["memory"]["step"] == 6
-    assert set(state.extras["memory"]["metrics"]) == {"rss_peak_gib"}  # not CUDA's name
+    assert state.metrics["memory"]["step"] == 6
+    assert set(state.metrics["memory"]["values"]) == {"rss_peak_gib"}  # not CUDA's name
 
 
 def test_custom_key():
     state = run(_STEP, _state(), _DATA, max_steps=2, plugins=[peak_memory(every=1, key="mem")])
-    assert state.extras["mem"]["step"] == 2 and "memory" not in state.extras
+    assert state.metrics["mem"]["step"] == 2 and "memory" not in state.metrics
 
 
 def test_cuda_branch_with_fakes(monkeypatch):

@@ -507,14 +507,15 @@ def test_a_single_sink_is_accepted() -> None:
 # ---------------------------------------------------------------- other plugins' metrics
 
 
-def test_plugin_metrics_in_extras_are_published_once_per_new_step() -> None:
+def test_plugin_metrics_are_published_once_per_new_step() -> None:
     def producer(event: Event) -> TrainState | None:
         state = event.state
         if event.kind == "step" and state.step in (2, 3):
-            entry = {"step": state.step, "metrics": {"loss": state.step / 10}, "best": 0.1}
-            return state.replace(extras={**state.extras, "val": entry})
-        if event.kind == "step" and state.step == 4:  # new extras, same val entry
-            return state.replace(extras={**state.extras, "other": 1})
+            entry = {"step": state.step, "values": {"loss": state.step / 10}}
+            memory = {**state.extras, "val": {"best": 0.1}}
+            return state.replace(metrics={**state.metrics, "val": entry}, extras=memory)
+        if event.kind == "step" and state.step == 4:  # new metrics, same val entry
+            return state.replace(metrics=dict(state.metrics))
         return None
 
     rows, _, sink = recorder()
@@ -527,15 +528,15 @@ def test_plugin_metrics_in_extras_are_published_once_per_new_step() -> None:
     )
     assert [(s, m.get("val/loss")) for s, m in rows] == [(2, 0.2), (3, 0.3), (4, None), (5, None)]
     assert "train/loss" in rows[0][1]  # merged with the interval that closes at the same step
-    assert "val/best" not in rows[0][1]  # private fields are not metrics
+    assert "val/best" not in rows[0][1]  # a plugin's memory (extras) is not published
     assert set(rows[1][1]) == {"val/loss"}  # published at its step, not held for the interval
 
 
 def test_plugin_metrics_nested_and_from_epoch_end() -> None:
     def producer(event: Event) -> TrainState | None:
         if event.kind == "epoch_end":
-            entry = {"step": event.state.step, "metrics": {"acc": {"top1": 0.5, "top5": 0.75}}}
-            return event.state.replace(extras={**event.state.extras, "val": entry})
+            entry = {"step": event.state.step, "values": {"acc": {"top1": 0.5, "top5": 0.75}}}
+            return event.state.replace(metrics={**event.state.metrics, "val": entry})
         return None
 
     rows, _, sink = recorder()
@@ -551,7 +552,7 @@ def test_plugin_metrics_nested_and_from_epoch_end() -> None:
 
 
 def test_plugin_metrics_restored_with_the_state_are_not_republished() -> None:
-    restored = frozen_state(step=10, extras={"val": {"step": 10, "metrics": {"loss": 0.5}}})
+    restored = frozen_state(step=10, metrics={"val": {"step": 10, "values": {"loss": 0.5}}})
     rows, _, sink = recorder()
     drive(log_metrics(1, sinks=[sink]), [out(1.0)], state=restored)
     assert [s for s, _ in rows] == [11] and "val/loss" not in rows[0][1]
@@ -560,8 +561,8 @@ def test_plugin_metrics_restored_with_the_state_are_not_republished() -> None:
 def test_plugin_metric_tensor_is_refused() -> None:
     def producer(event: Event) -> TrainState | None:
         if event.kind == "step":
-            entry = {"step": event.state.step, "metrics": {"loss": torch.tensor(0.5)}}
-            return event.state.replace(extras={"val": entry})
+            entry = {"step": event.state.step, "values": {"loss": torch.tensor(0.5)}}
+            return event.state.replace(metrics={"val": entry})
         return None
 
     with pytest.raises(TypeError, match=r"metric val/loss must be a float; got 'a tensor'"):

@@ -135,8 +135,8 @@ def test_sinks_start_at_the_step_the_run_resumes_from(tmp_path: Path) -> None:
 
     def val(event: Event) -> TrainState | None:  # a plugin publishing at step 1
         if event.kind == "step" and event.state.step == 1:
-            entry = {"step": 1, "metrics": {"score": 0.5}}
-            return event.state.replace(extras={**event.state.extras, "val": entry})
+            entry = {"step": 1, "values": {"score": 0.5}}
+            return event.state.replace(metrics={**event.state.metrics, "val": entry})
         return None
 
     def go(every: int, max_steps: int) -> None:

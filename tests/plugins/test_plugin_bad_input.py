@@ -1,4 +1,4 @@
-"""extras key clashes, validation weights, ReduceLROnPlateau.
+"""Plugins refuse misuse: key clashes, validation weights, ReduceLROnPlateau.
 
 Each misuse is refused with an error naming the argument, what was expected, what was given
 and the fix, before training where it can be known then.
@@ -54,29 +54,29 @@ def _eval(m: torch.nn.Module, b: torch.Tensor) -> dict[str, torch.Tensor]:
     [
         (
             lambda: [ema(0.9), ema(0.99)],
-            "ema: state.extras['ema'] is already kept by ema in this run; two plugins writing "
+            "ema: key 'ema' is already kept by ema in this run; two plugins writing "
             "one key would overwrite each other's memory. Give each its own key, e.g. "
             "ema(..., key='ema_2')",
         ),
         (
             lambda: [ema(0.9), validate(_eval, VAL, every=1, key="ema")],
-            "validate: state.extras['ema'] is already kept by ema in this run",
+            "validate: key 'ema' is already kept by ema in this run",
         ),
         (
             lambda: [validate(_eval, VAL, every=1), validate(_eval, VAL, per_epoch=True)],
-            "validate: state.extras['val'] is already kept by validate in this run",
+            "validate: key 'val' is already kept by validate in this run",
         ),
         (
             lambda: [peak_memory(), validate(_eval, VAL, every=1, key="memory")],
-            "validate: state.extras['memory'] is already kept by peak_memory in this run",
+            "validate: key 'memory' is already kept by peak_memory in this run",
         ),
         (
             lambda: [validate(_eval, VAL, every=1), early_stop(), early_stop("val/loss")],
-            "early_stop: state.extras['early_stop'] is already kept by early_stop in this run",
+            "early_stop: key 'early_stop' is already kept by early_stop in this run",
         ),
         (
             lambda: [ema(0.9), peak_memory(key="ema")],
-            "peak_memory: state.extras['ema'] is already kept by ema in this run",
+            "peak_memory: key 'ema' is already kept by ema in this run",
         ),
     ],
 )
@@ -91,8 +91,26 @@ def test_two_plugins_keeping_one_extras_key_are_refused_before_training(plugins,
 
 def test_one_plugin_listed_twice_is_a_clash_too() -> None:
     plugin = ema(0.9)
-    with pytest.raises(ValueError, match=r"ema: state.extras\['ema'\] is already kept by ema"):
+    with pytest.raises(ValueError, match=r"ema: key 'ema' is already kept by ema"):
         run(_STEP, _state(), _train(2), max_steps=2, plugins=[plugin, plugin])
+
+
+def test_a_users_plugin_declaring_a_key_is_refused_next_to_another_before_any_start() -> None:
+    seen: list[str] = []
+
+    def mine(event) -> None:  # publishes state.metrics["val"]: says so with its key
+        seen.append(event.kind)
+
+    mine.key = "val"  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match=r"^mine: key 'val' is already kept by validate in this"):
+        run(_STEP, _state(), _train(2), max_steps=2, plugins=[mine, validate(_eval, VAL, every=1)])
+    assert seen == ["restore", "end"]  # refused after the restore, before any "start"
+
+
+def test_published_metrics_must_be_metrics_records() -> None:
+    said = r"TrainState: metrics\['val'\] must be a Metrics, .*; got \{'step': 1, 'metrics'"
+    with pytest.raises(TypeError, match=said):
+        _state().replace(metrics={"val": {"step": 1, "metrics": {"loss": 0.5}}})  # the old shape
 
 
 def test_own_keys_keep_two_emas_apart() -> None:
@@ -111,14 +129,15 @@ def test_own_keys_keep_two_emas_apart() -> None:
 def test_a_key_already_in_the_state_is_a_resume_not_a_clash() -> None:
     plugins = [ema(0.9), validate(_eval, VAL, every=2), early_stop(patience=50), peak_memory(2)]
     state = run(_STEP, _state(), _train(8), max_steps=4, plugins=plugins)
-    assert {"ema", "val", "early_stop", "memory"} <= state.extras.keys()
+    assert {"ema", "val", "early_stop"} <= state.extras.keys()
+    assert {"val", "memory"} <= state.metrics.keys()
     # A second run() with the same plugin objects on the state that holds their entries.
     state = run(_STEP, state, _train(8), max_steps=8, plugins=plugins)
-    assert state.extras["ema"]["num_updates"] == 8 and state.extras["val"]["step"] == 8
+    assert state.extras["ema"]["num_updates"] == 8 and state.metrics["val"]["step"] == 8
     # And fresh plugins on it, as after a resume from a checkpoint.
     fresh = [ema(0.9), validate(_eval, VAL, every=2), early_stop(patience=50), peak_memory(2)]
     state = run(_STEP, state, _train(12), max_steps=10, plugins=fresh)
-    assert state.extras["ema"]["num_updates"] == 10 and state.extras["val"]["step"] == 10
+    assert state.extras["ema"]["num_updates"] == 10 and state.metrics["val"]["step"] == 10
 
 
 # --- item 7: validation weights --------------------------------------------------------------
@@ -175,8 +194,8 @@ def test_a_pass_of_weight_zero_warns_and_gives_nan_that_never_becomes_best() -> 
     zero = validate(_counted(0), VAL * 2, every=2)
     with pytest.warns(RuntimeWarning, match=r"pass at step 2 had weight 0 .*every metric is NaN"):
         state = run(_STEP, _state(), _train(2), max_steps=2, plugins=[zero])
-    entry = state.extras["val"]
-    assert math.isnan(entry["metrics"]["loss"]) and entry["best"] is None
+    assert math.isnan(state.metrics["val"]["values"]["loss"])
+    assert state.extras["val"]["best"] is None
 
 
 def test_a_batch_of_weight_zero_among_others_is_silent_and_counts_for_nothing() -> None:
@@ -187,7 +206,7 @@ def test_a_batch_of_weight_zero_among_others_is_silent_and_counts_for_nothing() 
         every=1,
     )
     state = run(_STEP, _state(), _train(1), max_steps=1, plugins=[plugin])  # no warning
-    assert state.extras["val"]["metrics"]["loss"] == 0.0
+    assert state.metrics["val"]["values"]["loss"] == 0.0
 
 
 # --- item 4: ReduceLROnPlateau stepped with a validation metric ------------------------------
@@ -245,32 +264,43 @@ def test_plateau_metric_may_differ_from_monitor_and_follows_the_scheduler_mode()
     assert state.optimizer.param_groups[0]["lr"] == 0.1 * 0.5**2
 
 
-def test_a_plateau_scheduler_that_no_validate_steps_is_refused_at_start() -> None:
+def test_a_plateau_scheduler_that_no_validate_steps_is_refused_before_start() -> None:
     state = _state()
     state = state.replace(scheduler=_plateau(state.optimizer))
     seen = []
     plugins = [validate(_eval, VAL, every=5), lambda e: seen.append((e.kind, e.state.step))]
     message = (
-        "validate: state.scheduler is a ReduceLROnPlateau, which the train step leaves alone "
-        "(it needs a metric), and no validate of this run steps it, so the learning rate "
+        "run: state.scheduler is a ReduceLROnPlateau, which the train step leaves alone "
+        "(it needs a metric), and no plugin of this run steps it, so the learning rate "
         "would never be reduced. Pass the metric to step it with, e.g. "
         "validate(..., plateau_metric='loss')."
     )
     with pytest.raises(ValueError, match=re.escape(message)):
         run(_STEP, state, _train(10), max_steps=10, plugins=plugins)
-    # validate raised at "start", before the plugins after it: they saw no "start".
+    # run() raised after "restore", before any plugin's "start".
     assert seen == [("restore", 0), ("end", 0)]
+
+
+@pytest.mark.parametrize("plugins", [[], [ema(0.9), peak_memory()]], ids=["none", "others"])
+def test_a_plateau_scheduler_without_any_validate_is_refused(plugins) -> None:
+    # Before: no validate, no check; the learning rate was silently never reduced.
+    state = _state()
+    state = state.replace(scheduler=_plateau(state.optimizer))
+    with pytest.raises(ValueError, match=r"^run: state.scheduler is a ReduceLROnPlateau, .* no "):
+        run(_STEP, state, _train(2), max_steps=2, plugins=plugins)
+    assert state.optimizer.state == {}  # not one update
 
 
 def test_the_check_does_not_mask_the_error_that_ended_training() -> None:
     # ema (run before validate) refuses an average of another model at "start": that error
-    # is the one reported, and validate, whose "start" never ran, checks nothing at "end".
+    # is the one reported, not one of validate, whose "start" never ran, at "end".
     state = _state()
     extras = {"ema": {"step": 0, "num_updates": 0, "params": {"other": torch.ones(1)},
                       "buffers": {}}}  # fmt: skip
     state = state.replace(scheduler=_plateau(state.optimizer), extras=extras)
     with pytest.raises(ValueError, match=r"ema: state.extras\['ema'\]\['params'\] does not"):
-        run(_STEP, state, _train(2), max_steps=2, plugins=[validate(_eval, VAL, every=1), ema()])
+        plugins = [validate(_eval, VAL, every=1, plateau_metric="loss"), ema()]
+        run(_STEP, state, _train(2), max_steps=2, plugins=plugins)
 
 
 def test_a_plugin_reused_for_a_second_run_checks_the_scheduler_again() -> None:
@@ -319,9 +349,9 @@ def test_a_validate_listed_before_the_one_that_steps_the_scheduler_is_fine() -> 
                 validate(_eval, VAL, every=1, plateau_metric="loss"),
                 validate(_eval, VAL, every=1, key="b", plateau_metric="loss"),
             ],
-            "validate(key='b', plateau_metric='loss'): state.scheduler, a ReduceLROnPlateau, "
-            "is already stepped by validate(key='val', plateau_metric='loss') in this run; a "
-            "second one would step it twice per evaluation. Give plateau_metric to one validate.",
+            "validate(key='b'): state.scheduler, a ReduceLROnPlateau, is already stepped by "
+            "validate(key='val') in this run; a second one would step it twice per evaluation. "
+            "Give plateau_metric to one validate.",
         ),
     ],
 )
@@ -375,7 +405,7 @@ def _fsdp_worker(rank: int, store: str, out_dir: str) -> None:
         modes = [m.training for m in model.modules()]
         assert modes == [True, True, False, True], modes
         Path(out_dir, f"rank{rank}").write_text(
-            f"{len(full)} {state.extras['val']['step']} {state.extras['val']['metrics']['loss']}"
+            f"{len(full)} {state.metrics['val']['step']} {state.metrics['val']['values']['loss']}"
         )
 
 

@@ -298,8 +298,8 @@ def test_count_rate_label_is_configurable() -> None:
 def _publishes(name: str, metrics: dict[str, float]):
     def plugin(event: Event) -> TrainState | None:
         if event.kind == "step" and event.out is not None and event.out.updated:
-            entry = {"step": event.state.step, "metrics": metrics}
-            return event.state.replace(extras={**event.state.extras, name: entry})
+            entry = {"step": event.state.step, "values": metrics}
+            return event.state.replace(metrics={**event.state.metrics, name: entry})
         return None
 
     return plugin
@@ -360,8 +360,8 @@ def test_grad_norm_shown_when_the_step_computes_it() -> None:
 def test_peak_memory_is_shown_with_its_prefix_like_any_entry() -> None:
     def memory(event: Event) -> TrainState | None:
         if event.kind == "step":
-            entry = {"step": event.state.step, "metrics": {"peak_gib": 1.5}}
-            return event.state.replace(extras={**event.state.extras, "memory": entry})
+            entry = {"step": event.state.step, "values": {"peak_gib": 1.5}}
+            return event.state.replace(metrics={**event.state.metrics, "memory": entry})
         return None
 
     console, clock = recorded(False), FakeTime(lambda i: 1.0)

@@ -12,7 +12,7 @@ from counting import count_tolists, read_as_on_an_accelerator
 from spawning import gloo_group, name_the_data_ranks
 from spawning import spawn
 
-from toolkit import TrainState, accumulate, make_step, run
+from toolkit import TrainState, accumulate, load_checkpoint, make_step, run, save_checkpoint
 from toolkit.loop._evaluate import _evaluate
 from toolkit.loop._run import Event
 from toolkit.plugins._ema import ema, ema_model
@@ -77,7 +77,7 @@ def test_default_weights_are_batch_sizes_exact_mean():
         m64 = {k: v.double() for k, v in model.state_dict().items()}
         h = torch.relu(allx @ m64["0.weight"].T + m64["0.bias"])
         out = (h @ m64["2.weight"].T + m64["2.bias"]).squeeze(1)
-    metrics = state.extras["val"]["metrics"]
+    metrics = state.metrics["val"]["values"]
     assert metrics["mse"] == pytest.approx(((out - 1.0) ** 2).mean().item(), rel=1e-6)
     assert metrics["abs"] == pytest.approx((out - 1.0).abs().mean().item(), rel=1e-6)
     # The plain mean of batch means differs: the weighting is really by size.
@@ -177,7 +177,7 @@ def test_eval_mode_and_no_grad_inside_and_train_mode_restored():
     assert seen == [(False, False)] * 4
     assert model.training and all(m.training for m in model.modules())
     assert torch.is_grad_enabled()
-    assert state.extras["val"]["step"] == 4
+    assert state.metrics["val"]["step"] == 4
 
 
 def test_eval_mode_model_stays_eval_and_mixed_modes_restored():
@@ -216,7 +216,7 @@ def test_every_n_applied_updates_with_accumulation():
         return {"loss": 0.0}
 
     def spy(event: Event) -> None:
-        entry = event.state.extras.get("val")
+        entry = event.state.metrics.get("val")
         if entry is not None and (not steps or steps[-1] != entry["step"]):
             steps.append(entry["step"])
 
@@ -242,8 +242,8 @@ def test_at_end_evaluates_the_final_weights_once():
         plugins=[validate(eval_fn, [torch.ones(1, 2)], every=2, at_end=True)],
     )
     assert len(calls) == 3
-    assert state.extras["val"]["step"] == 5
-    assert state.extras["val"]["metrics"]["loss"] == 0.3
+    assert state.metrics["val"]["step"] == 5
+    assert state.metrics["val"]["values"]["loss"] == 0.3
     # Final weights already evaluated (4 is a multiple of 2): no second evaluation.
     eval_fn, calls = _scripted([0.5, 0.4, 0.3])
     run(
@@ -263,7 +263,7 @@ def test_at_end_evaluates_the_final_weights_once():
         max_steps=3,
         plugins=[validate(eval_fn, [torch.ones(1, 2)], at_end=True)],
     )
-    assert (len(calls), state.extras["val"]["step"]) == (1, 3)
+    assert (len(calls), state.metrics["val"]["step"]) == (1, 3)
 
     def boom(event: Event) -> None:
         if event.kind == "step":
@@ -289,8 +289,8 @@ def test_per_epoch_and_dedup_with_every():
 
     def spy(event: Event) -> None:
         if event.kind == "epoch_end":
-            entry = event.state.extras["val"]
-            epochs.append((entry["step"], entry["epoch"]))
+            step, entry = event.state.metrics["val"]["step"], event.state.extras["val"]
+            epochs.append((step, entry["epoch"]))
 
     counter: list[int] = []
 
@@ -358,7 +358,7 @@ def test_best_min_and_max():
     )
     entry = state.extras["val"]
     assert (entry["best"], entry["best_step"]) == (-1.0, 4)
-    assert entry["metrics"] == {"acc": -1.5, "loss": 1.5}
+    assert state.metrics["val"]["values"] == {"acc": -1.5, "loss": 1.5}
 
 
 def test_best_survives_resume_and_nan_never_best():
@@ -366,9 +366,18 @@ def test_best_survives_resume_and_nan_never_best():
     plugin = validate(eval_fn, [torch.ones(1, 2)], every=1)
     state = run(_STEP, _state(), _train(4), max_steps=3, plugins=[plugin])
     entry = state.extras["val"]
-    assert (entry["best"], entry["best_step"]) == (2.0, 1) and entry["metrics"]["loss"] == 3.0
+    assert (entry["best"], entry["best_step"]) == (2.0, 1)
+    assert state.metrics["val"]["values"]["loss"] == 3.0
     state = run(_STEP, state, _train(4), max_steps=4, plugins=[plugin])
     assert (state.extras["val"]["best"], state.extras["val"]["best_step"]) == (1.0, 4)
+
+
+def test_the_published_result_and_the_best_survive_a_checkpoint(tmp_path: Path) -> None:
+    eval_fn, _ = _scripted([2.0, 1.0, 3.0])
+    state = run(_STEP, _state(), _train(3), max_steps=3, plugins=[validate(eval_fn, [1], every=1)])
+    loaded = load_checkpoint(save_checkpoint(state, tmp_path / "step_000003"), like=_state())
+    assert loaded.metrics == {"val": {"step": 3, "values": {"loss": 3.0, "acc": -3.0}}}
+    assert loaded.extras == state.extras == {"val": {"epoch": 0, "best": 1.0, "best_step": 2}}
 
 
 def test_a_first_nan_evaluation_is_not_best_either():

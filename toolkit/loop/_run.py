@@ -12,6 +12,8 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, NamedTuple, TypeVar
 
+from torch.optim.lr_scheduler import ReduceLROnPlateau
+
 from toolkit._checks import check_count, check_one_of, check_type
 from toolkit._unwrap import unwrap
 from toolkit.distributed._collectives import check_even, groups_of
@@ -39,9 +41,6 @@ class LoopInfo:
         total_steps: the number of updates the run will reach, when it can be known.
         data: the data source given to :func:`run` (a checkpoint plugin records a stateful
             loader's position from it).
-        claimed: the ``state.extras`` keys that plugins claimed for this run, each with the
-            name of its plugin; a plugin that keeps memory in ``extras`` claims its key at
-            ``"start"`` so two plugins writing one key are refused before training.
 
     Example:
         >>> import torch
@@ -63,7 +62,6 @@ class LoopInfo:
     start_step: int
     total_steps: int | None
     data: Any = dataclasses.field(default=None, repr=False, compare=False)
-    claimed: dict[str, str] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
 
 class Event(NamedTuple):
@@ -195,19 +193,60 @@ EVAL_MODE = (  # a warning: dropout off and batch norm frozen for the whole run
 
 def plugin_factory(order: int) -> Callable[[F], F]:
     """Mark a function that builds a plugin: run() refuses it uncalled, and calls the plugins
-    it builds at ``order`` among the others (lower first; :func:`run` lists the orders)."""
+    it builds at ``order`` among the others (lower first; :func:`run` lists the orders),
+    named after the factory (in run()'s messages)."""
 
     def mark(factory: F) -> F:
         @functools.wraps(factory)
         def build(*args: Any, **kwargs: Any) -> Any:
             plugin = factory(*args, **kwargs)
-            plugin.order = order
+            plugin.order, plugin.__name__ = order, factory.__name__
             return plugin
 
         FACTORIES.add(build)
         return build  # type: ignore[return-value]
 
     return mark
+
+
+def declare(plugin: Plugin, key: str | None, steps_plateau: bool = False) -> Plugin:
+    """``plugin`` with what it writes declared, for run()'s check before training: ``key``,
+    the ``state.metrics``/``state.extras`` name; ``steps_plateau``, whether it steps a
+    ``ReduceLROnPlateau`` in ``state.scheduler``."""
+    vars(plugin).update(key=key, steps_plateau=steps_plateau)
+    return plugin
+
+
+def _check_plugins(plugins: Sequence[Plugin], state: TrainState) -> None:
+    """One key per plugin; a ReduceLROnPlateau in the state stepped by exactly one."""
+    keys: dict[str, str] = {}
+    named: list[str] = []  # the plugins stepping a ReduceLROnPlateau
+    for plugin in plugins:
+        key, name = getattr(plugin, "key", None), getattr(plugin, "__name__", repr(plugin))
+        if getattr(plugin, "steps_plateau", False):
+            named.append(f"{name}(key={key!r})")
+        if key in keys:
+            raise ValueError(
+                f"{name}: key {key!r} is already kept by {keys[key]} in this run; two plugins "
+                f"writing one key would overwrite each other's memory. Give each its own key, "
+                f"e.g. {name}(..., key={key + '_2'!r}) (and the same key to whatever reads it, "
+                "such as early_stop or ema_model)."
+            )
+        if key is not None:
+            keys[key] = name
+    if isinstance(state.scheduler, ReduceLROnPlateau) and not named:
+        raise ValueError(
+            "run: state.scheduler is a ReduceLROnPlateau, which the train step leaves alone (it "
+            "needs a metric), and no plugin of this run steps it, so the learning rate would "
+            "never be reduced. Pass the metric to step it with, e.g. "
+            "validate(..., plateau_metric='loss')."
+        )
+    if len(named) > 1:
+        raise ValueError(
+            f"{named[1]}: state.scheduler, a ReduceLROnPlateau, is already stepped by {named[0]} "
+            "in this run; a second one would step it twice per evaluation. Give plateau_metric "
+            "to one validate."
+        )
 
 
 def _call(plugins: Sequence[Plugin], event: Event) -> TrainState:
@@ -280,6 +319,15 @@ def run(
     ``my_plugin.order = 70`` (after the metrics are published, before the checkpoint);
     :func:`plugin_factory` does that for a factory.
 
+    **What plugins publish.** A plugin that measures publishes in ``state.metrics[name]`` (a
+    :class:`toolkit.Metrics`: its step and values; ``log_metrics``, ``progress``,
+    ``early_stop`` and ``checkpoints`` read it there) and keeps its own memory, which
+    checkpoints persist, in ``state.extras[name]``; a stop request is ``state.stop``. A
+    plugin's ``key`` attribute names the entry it writes, and ``steps_plateau`` (true) says it
+    steps a ``ReduceLROnPlateau`` in ``state.scheduler`` (``validate(plateau_metric=)``). After
+    ``"restore"``, run() refuses two plugins with one ``key``, and a ``ReduceLROnPlateau``
+    stepped by no plugin (its learning rate would never drop) or by two.
+
     ``"end"`` reaches every plugin even when training raised (then ``event.error`` is set and the
     exception propagates after all of them ran, their own failures attached as notes); when
     training ended well, a plugin failing at ``"end"`` is reported as a ``RuntimeWarning``
@@ -301,7 +349,7 @@ def run(
         data: an iterable of batches.
         max_steps: stop after this many applied updates in total (not per run).
         epochs: stop after this many passes over ``data`` in total.
-        plugins: plugin functions, called in order.
+        plugins: plugin functions, called by their ``order`` (see above).
         partial_window: ``"carry"``, ``"epoch"`` or ``"end"``: what becomes of a window the
             data's end leaves short (see above).
 
@@ -311,7 +359,8 @@ def run(
     Raises:
         ValueError: neither ``max_steps`` nor ``epochs``, a negative budget, ``epochs``
             with a one-shot iterator, an unknown ``partial_window``; a pass without an
-            accepted micro-batch under ``max_steps`` alone; under data parallelism (a DDP
+            accepted micro-batch under ``max_steps`` alone; two plugins with one ``key``,
+            a ``ReduceLROnPlateau`` that no plugin steps, or two; under data parallelism (a DDP
             or FSDP2 model), ranks whose ``data`` have different lengths (checked once, at
             the start, with one all-reduce).
         TypeError: ``state`` not a TrainState; ``data`` not an iterable of batches (a
@@ -345,6 +394,7 @@ def run(
     try:
         # Restoring comes first, so that every plugin starts from the restored state.
         state = _call(plugins, Event("restore", state, loop))
+        _check_plugins(plugins, state)
         loop = _counted(loop, state, partial_window)
         state = _call(plugins, Event("start", state, loop))
         if not unwrap(state.model).training:  # from_pretrained's models come in eval mode

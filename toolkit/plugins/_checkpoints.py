@@ -43,7 +43,6 @@ from toolkit.distributed._collectives import (
 from toolkit.distributed._layout import current_layout
 from toolkit.loop._data import pass_settings, position, restore_generators, seen_after_change
 from toolkit.loop._run import Event, LoopInfo, Plugin, plugin_factory
-from toolkit.plugins._shared import metric_entry
 from toolkit.step._state import TrainState
 
 __all__ = ["SIGNAL_EVERY", "checkpoints"]
@@ -136,7 +135,7 @@ def _metrics(state: TrainState, metric: str | None) -> dict[str, float]:
     """The numbers the plugins published at this very step (a checkpoint's scores for
     keep_best); a keep_best ``metric`` missing from what its prefix's plugin published (a
     typo) is refused."""
-    published = {n: p for n, e in state.extras.items() if (p := metric_entry(e)) is not None}
+    published = {n: (e["step"], e["values"]) for n, e in state.metrics.items()}
     known = {f"{n}/{k}": (at, v) for n, (at, m) in published.items() for k, v in m.items()}
     if metric and metric not in known and any(metric.startswith(f"{n}/") for n in published):
         raise ValueError(

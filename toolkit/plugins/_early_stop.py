@@ -3,8 +3,8 @@
 import warnings
 
 from toolkit._checks import check, check_count, check_key, check_one_of
-from toolkit.loop._run import Event, Plugin, plugin_factory
-from toolkit.plugins._shared import EarlyStopEntry, better, claim, metric_entry
+from toolkit.loop._run import Event, Plugin, declare, plugin_factory
+from toolkit.plugins._shared import EarlyStopEntry, better
 from toolkit.step._state import TrainState
 
 
@@ -15,20 +15,19 @@ def early_stop(
 ) -> Plugin:  # fmt: skip
     """A plugin that asks the loop to stop when a metric has stopped improving.
 
-    ``metric="NAME/m"`` reads ``state.extras[NAME]["metrics"][m]`` (the entry that
-    :func:`validate` with ``key=NAME`` writes) each time ``state.extras[NAME]["step"]``
-    changes, so each evaluation counts once. An evaluation improves when it beats the best
+    ``metric="NAME/m"`` reads ``state.metrics[NAME]["values"][m]`` (what :func:`validate`
+    with ``key=NAME`` publishes) each time ``state.metrics[NAME]["step"]`` changes, so each
+    evaluation counts once. An evaluation improves when it beats the best
     so far by more than ``min_delta`` (below ``best - min_delta`` for ``mode="min"``, above
     ``best + min_delta`` for ``"max"``; a NaN never improves); the first one always does.
     After ``patience`` evaluations in a row without improvement the plugin returns the
     state with ``stop`` set to the reason, e.g. ``"early_stop: val/loss did not improve by
     more than 0 for 5 evaluations (best 0.1234 at step 400)"``. Its counters live in
     ``state.extras[key]`` (``{"metric", "seen_step", "best", "best_step", "bad"}``), so a
-    resumed run keeps them. The plugin claims ``key`` at ``"start"``: a second
-    ``early_stop`` (say on another metric) needs its own ``key=``, or the run is refused
-    before training.
+    resumed run keeps them. A second ``early_stop`` (say on another metric) needs its own
+    ``key=``, or the run is refused before training.
 
-    When a run that did not raise ends and ``state.extras`` never got a ``NAME`` entry, the
+    When a run that did not raise ends and ``state.metrics`` never got a ``NAME`` entry, the
     plugin warns once at ``"end"`` (a ``RuntimeWarning`` naming the entries that exist) and
     does nothing else: a misspelt metric or a missing or late ``validate`` would otherwise
     go unnoticed, while a run too short to reach its first evaluation is not an error (the
@@ -48,10 +47,9 @@ def early_stop(
 
     Raises:
         ValueError: ``metric`` without ``"/"``, ``patience < 1``, a negative ``min_delta``,
-            a bad ``mode``, an empty ``key``; at ``"start"``, ``key`` kept by another plugin
-            of the run.
-        KeyError: during the run, an entry ``NAME`` that holds no metrics or no metric
-            ``m``.
+            a bad ``mode``, an empty ``key``; before training, ``key`` kept by another
+            plugin of the run.
+        KeyError: during the run, an entry ``NAME`` without a metric ``m``.
 
     Warns:
         RuntimeWarning: at the end of a run that did not raise, no ``NAME`` entry at all.
@@ -74,7 +72,7 @@ def early_stop(
         True
     """
     ok = isinstance(metric, str) and "/" in metric
-    check(ok, "early_stop", "metric", "'NAME/metric' (an extras entry / its metric)", metric)
+    check(ok, "early_stop", "metric", "'NAME/metric' (a state.metrics entry / its value)", metric)
     name, _, sub = metric.partition("/")
     check_count("early_stop", "patience", patience, 1, "evaluations without improvement")
     ok = isinstance(min_delta, (int, float)) and not isinstance(min_delta, bool)
@@ -85,29 +83,21 @@ def early_stop(
 
     def plugin(event: Event) -> TrainState | None:
         state = event.state
-        if event.kind == "start":
-            claim(event, key, "early_stop")
-        if event.kind == "end" and event.error is None and name not in state.extras:
+        if event.kind == "end" and event.error is None and name not in state.metrics:
             message = (
-                f"early_stop: state.extras never got a {name!r} entry to read {metric!r} from "
-                f"(entries: {sorted(state.extras)}), so no score was judged. Check the name, "
+                f"early_stop: state.metrics never got a {name!r} entry to read {metric!r} from "
+                f"(entries: {sorted(state.metrics)}), so no score was judged. Check the name, "
                 f"and that validate(..., key={name!r}) evaluates in the run (e.g. at_end=True)."
             )
             warnings.warn(message, RuntimeWarning, stacklevel=2)
-        if event.kind in ("restore", "start", "end") or name not in state.extras:
+        if event.kind in ("restore", "start", "end") or name not in state.metrics:
             return None
-        parsed = metric_entry(state.extras[name])
-        if parsed is None:
-            raise KeyError(
-                f"early_stop: state.extras[{name!r}] holds no metrics (expected an entry "
-                "{'step': ..., 'metrics': {...}} as validate writes), e.g. early_stop('val/loss')."
-            )
-        step, metrics = parsed
+        step, metrics = state.metrics[name]["step"], state.metrics[name]["values"]
         counters: EarlyStopEntry = state.extras.get(key) or fresh
         counters = counters if counters["metric"] == metric else fresh
         if step == counters["seen_step"]:
             return None
-        known = f"a metric of state.extras[{name!r}], one of {sorted(metrics)}"
+        known = f"a metric of state.metrics[{name!r}], one of {sorted(metrics)}"
         fix = f"Use early_stop('{name}/<one of them>')."
         check(sub in metrics, "early_stop", repr(metric), known, sub, fix, KeyError)
         counters = {**counters, "seen_step": step, "bad": counters["bad"] + 1}
@@ -122,4 +112,4 @@ def early_stop(
             f"{counters['bad']} evaluations (best {best} at step {counters['best_step']})"
         )
 
-    return plugin
+    return declare(plugin, key)

@@ -9,8 +9,8 @@ import torch
 
 from toolkit._checks import check, check_bool, check_count, check_key
 from toolkit._unwrap import unwrap
-from toolkit.loop._run import Event, Plugin, plugin_factory
-from toolkit.plugins._shared import EmaEntry, claim, due
+from toolkit.loop._run import Event, Plugin, declare, plugin_factory
+from toolkit.plugins._shared import EmaEntry, due
 from toolkit.step._state import TrainState
 
 
@@ -88,10 +88,9 @@ def ema(
     kernels, without a host sync. On ``"start"`` the entry is created from the current
     weights when absent; an entry already in the state (from an earlier run) is kept,
     checked against the model and moved to the weights' device. ema runs before
-    ``validate``, which so evaluates the new average. The plugin claims ``key`` for
-    the run at ``"start"``: a second ``ema()`` under the same key, or another plugin keeping
-    that ``state.extras`` key (e.g. ``validate(key="ema")``), is refused before training;
-    give each its own ``key=``.
+    ``validate``, which so evaluates the new average. A second ``ema()`` under the same key,
+    or another plugin of the run under it (e.g. ``validate(key="ema")``), is refused before
+    training; give each its own ``key=``. Read the average with :func:`ema_model`.
 
     Args:
         decay: the decay in ``[0, 1)``; the average spans roughly ``1 / (1 - decay)`` updates.
@@ -109,9 +108,9 @@ def ema(
         The plugin, ``plugin(event) -> TrainState | None``.
 
     Raises:
-        ValueError: ``decay`` outside ``[0, 1)``, ``every < 1``, an empty ``key``; at
-            ``"start"``, ``key`` kept by another plugin of the run, or an existing entry
-            whose names do not match the model.
+        ValueError: ``decay`` outside ``[0, 1)``, ``every < 1``, an empty ``key``; before
+            training, ``key`` kept by another plugin of the run; at ``"start"``, an existing
+            entry whose names do not match the model.
         TypeError: ``warmup``, ``buffers`` or ``frozen`` not a bool.
 
     Example:
@@ -150,8 +149,6 @@ def ema(
 
     def plugin(event: Event) -> TrainState | None:
         kind, state = event.kind, event.state
-        if kind == "start":
-            claim(event, key, "ema")
         entry = state.extras.get(key)
         if entry is None:  # at a step: called outside run(), no "start" was delivered
             # At "restore": the template a checkpoint restores the average into.
@@ -176,7 +173,7 @@ def ema(
         new = {**entry, "step": state.step, "num_updates": n + 1}
         return state.replace(extras={**state.extras, key: new})
 
-    return plugin
+    return declare(plugin, key)
 
 
 def ema_model(state: TrainState, key: str = "ema") -> torch.nn.Module:

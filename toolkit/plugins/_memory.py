@@ -1,4 +1,4 @@
-"""peak_memory: the peak memory of each interval of updates, as a metric entry."""
+"""peak_memory: the peak memory of each interval of updates, published in state.metrics."""
 
 import resource
 import sys
@@ -6,9 +6,9 @@ import sys
 import torch
 
 from toolkit._checks import check_count, check_key
-from toolkit.loop._run import Event, Plugin, plugin_factory
-from toolkit.plugins._shared import MetricsEntry, claim, due
-from toolkit.step._state import TrainState
+from toolkit.loop._run import Event, Plugin, declare, plugin_factory
+from toolkit.plugins._shared import due
+from toolkit.step._state import Metrics, TrainState
 
 
 def _cuda_device(model: torch.nn.Module) -> torch.device | None:
@@ -29,7 +29,7 @@ def _peak_gib(model: torch.nn.Module) -> dict[str, float]:
 
 @plugin_factory(order=20)
 def peak_memory(every: int = 10, *, key: str = "memory") -> Plugin:
-    """A plugin recording peak memory every ``every`` applied updates, as a metric entry.
+    """A plugin publishing peak memory every ``every`` applied updates, in ``state.metrics``.
 
     When the model's parameters are on a CUDA device, the value is
     ``torch.cuda.max_memory_allocated(device)`` (memory held by tensors, not the caching
@@ -40,23 +40,22 @@ def peak_memory(every: int = 10, *, key: str = "memory") -> Plugin:
     since it started, which the operating system cannot reset, so on the CPU successive
     records never decrease and include whatever ran before training.
 
-    Each record is ``state.extras[key] = {"step": state.step, "metrics": {name: float}}``
+    Each record is ``state.metrics[key] = {"step": state.step, "values": {name: float}}``
     (GiB = 2**30 bytes), which ``log_metrics`` publishes as ``"memory/<name>"``; the name
     says what was measured: ``"peak_gib"`` (the CUDA peak allocated) or ``"rss_peak_gib"``
     (the process's peak RSS, on the CPU).
-    The value is this process's; other ranks' are not gathered. The plugin claims ``key``
-    for the run at ``"start"``, so another plugin keeping that key is refused before
-    training.
+    The value is this process's; other ranks' are not gathered. Another plugin of the run
+    under the same ``key`` is refused before training.
 
     Args:
         every: record after every this many applied updates (``state.step % every == 0``).
-        key: the ``state.extras`` key.
+        key: the name of the record in ``state.metrics``.
 
     Returns:
         The plugin, ``plugin(event) -> TrainState | None``.
 
     Raises:
-        ValueError: ``every < 1`` or an empty ``key``; at ``"start"``, ``key`` kept by
+        ValueError: ``every < 1`` or an empty ``key``; before training, ``key`` kept by
             another plugin of the run.
 
     Example:
@@ -68,7 +67,7 @@ def peak_memory(every: int = 10, *, key: str = "memory") -> Plugin:
         >>> step = make_step(lambda m, b: m(b).square().mean())
         >>> data = [torch.ones(4, 2)] * 4
         >>> state = run(step, state, data, max_steps=4, plugins=[peak_memory(every=2)])
-        >>> state.extras["memory"]["step"], state.extras["memory"]["metrics"]["rss_peak_gib"] > 0
+        >>> state.metrics["memory"]["step"], state.metrics["memory"]["values"]["rss_peak_gib"] > 0
         (4, True)
     """
     check_count("peak_memory", "every", every, 1, "applied updates between records")
@@ -77,11 +76,10 @@ def peak_memory(every: int = 10, *, key: str = "memory") -> Plugin:
     def plugin(event: Event) -> TrainState | None:
         state = event.state
         if event.kind == "start":
-            claim(event, key, "peak_memory")
             _peak_gib(state.model)  # resets the CUDA peak counter
         if not due(event, every):
             return None
-        entry = MetricsEntry(step=state.step, metrics=_peak_gib(state.model))
-        return state.replace(extras={**state.extras, key: entry})
+        entry = Metrics(step=state.step, values=_peak_gib(state.model))
+        return state.replace(metrics={**state.metrics, key: entry})
 
-    return plugin
+    return declare(plugin, key)

@@ -19,9 +19,9 @@ from toolkit.distributed._collectives import (
     is_rank_zero,
     sum_over_ranks,
 )
-from toolkit.loop._run import Event, plugin_factory
+from toolkit.loop._run import Event, declare, plugin_factory
 from toolkit.plugins._interval import KINDS, Interval, combine, flat_scalars, read
-from toolkit.plugins._shared import claim, due, metric_entry
+from toolkit.plugins._shared import due
 from toolkit.plugins._sinks import Sink, check_sinks, close_all
 from toolkit.step._state import TrainState
 from toolkit.step._step import StepOutput
@@ -67,8 +67,8 @@ class _Memory:
     interval: Interval = dataclasses.field(default_factory=Interval)  # read so far
     times: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.0])  # data, step
     started: float = 0.0  # clock() when the interval started
-    seen: dict[str, Any] = dataclasses.field(default_factory=dict)  # entry -> step published
-    extras: Any = None  # the state.extras last scanned for new entries
+    seen: dict[str, int] = dataclasses.field(default_factory=dict)  # entry -> step published
+    metrics: Any = None  # the state.metrics last scanned for new entries
     # With several parameter groups: their LRs for the next update, and the last applied one's.
     lrs: tuple[dict[str, Any], dict[str, Any]] = ({}, {})
     epoch_loss: tuple[float, float] = (0.0, 0.0)  # (weighted sum, weight) this epoch
@@ -161,11 +161,11 @@ def log_metrics(
     * ``train/total/<name>`` for each of ``totals``;
     * ``train/nonfinite``, ``train/overflow``: rejected and fp16-overflowed windows in the
       interval, when not zero;
-    * ``NAME/<metric>`` for each ``state.extras[NAME] = {"step": s, "metrics": {...}}``
-      entry of another plugin, as soon as its ``"step"`` changes (entries from before this
-      run's first update, e.g. restored by a resume, are not republished). ``validate``
-      and ``peak_memory`` run before ``log_metrics``, so their metrics appear at their
-      step.
+    * ``NAME/<metric>`` for each ``state.metrics[NAME] = {"step": s, "values": {...}}``
+      that another plugin published, as soon as its ``"step"`` changes (entries from
+      before this run's first update, e.g. restored by a resume, are not republished).
+      ``validate`` and ``peak_memory`` run before ``log_metrics``, so their metrics appear
+      at their step.
 
     At ``"start"`` (after the ``"restore"`` event, at which a ``checkpoints`` plugin has
     restored the state), rank 0 calls each sink's ``start(step)`` with the step the run
@@ -201,7 +201,7 @@ def log_metrics(
             of several elements, or ranks reporting different record keys.
         TypeError: ``sinks`` is not a list of sinks, ``reduce`` not a mapping, ``totals``
             or ``records`` not a list of names; (while training) a record in ``records``
-            that is not a number, or a plugin metric in ``state.extras`` that is a tensor.
+            that is not a number, or a plugin metric in ``state.metrics`` that is a tensor.
 
     Example:
         >>> import torch
@@ -284,7 +284,7 @@ def log_metrics(
                 close_all(options.sinks)
         return None
 
-    return plugin
+    return declare(plugin, KEY if totals else None)
 
 
 def _flops(per_sample: Any, per_token: Any, peak: Any) -> tuple[str, float, float] | None:
@@ -306,10 +306,7 @@ def _start(options: _Options, event: Event) -> _Memory:
     """A new run, from the (restored) state: its step is the one the sinks start at."""
     state = event.state
     # Entries from before this run's first update were published by an earlier run.
-    steps = {name: got[0] for name, entry in state.extras.items() if (got := metric_entry(entry))}
-    seen = {name: s for name, s in steps.items() if not (isinstance(s, int) and s > state.step)}
-    if options.totals:
-        claim(event, KEY, "log_metrics")
+    seen = {name: m["step"] for name, m in state.metrics.items() if m["step"] <= state.step}
     if is_rank_zero():
         for sink in options.sinks:
             sink.start(state.step)
@@ -441,16 +438,16 @@ def _epoch_metrics(options: _Options, memory: _Memory, state: TrainState) -> dic
 
 
 def _scan(memory: _Memory, state: TrainState) -> dict[str, float]:
-    """The metrics of other plugins' ``state.extras`` entries whose "step" changed."""
-    if state.extras is memory.extras:  # extras are replaced, never mutated
+    """The values of the ``state.metrics`` entries whose "step" changed."""
+    if state.metrics is memory.metrics:  # metrics are replaced, never mutated
         return {}
-    memory.extras, out = state.extras, {}
-    for name, entry in state.extras.items():
-        if (parsed := metric_entry(entry)) and (name, parsed[0]) not in memory.seen.items():
-            memory.seen[name] = parsed[0]
-            out.update({f"{name}/{key}": v for key, v in flat_scalars(parsed[1]).items()})
+    memory.metrics, out = state.metrics, {}
+    for name, entry in state.metrics.items():
+        if memory.seen.get(name) != entry["step"]:
+            memory.seen[name] = entry["step"]
+            out.update({f"{name}/{key}": v for key, v in flat_scalars(entry["values"]).items()})
     tensors = ", ".join(key for key, value in out.items() if isinstance(value, torch.Tensor))
-    fix = "Store python floats in extras[NAME]['metrics'] (no host sync)."
+    fix = "Publish python floats in state.metrics[NAME]['values'] (no host sync)."
     check(not tensors, "log_metrics", f"metric {tensors}", "a float", "a tensor", fix, TypeError)
     return out
 

@@ -19,7 +19,7 @@ from toolkit._checks import check, check_count
 from toolkit.distributed._collectives import is_rank_zero
 from toolkit.loop._run import Event, plugin_factory
 from toolkit.plugins._interval import Interval, flat_scalars, read
-from toolkit.plugins._shared import due, metric_entry
+from toolkit.plugins._shared import due
 from toolkit.step._state import TrainState
 from toolkit.step._step import StepOutput
 
@@ -77,7 +77,7 @@ def progress(
     rate the last update used, the mean gradient norm (when the step computes it, under
     :func:`toolkit.clip` or :func:`toolkit.guard_nonfinite`), samples/s and, when the loss
     reports target counts (:class:`toolkit.LossSum`), their rate (``counts``/s, tokens/s by
-    default), the latest metrics of each ``state.extras`` entry named in ``show`` (by
+    default), the latest values of each ``state.metrics`` entry named in ``show`` (by
     default the validation results of :func:`toolkit.plugins.validate` as ``val/<metric>``,
     and the peak memory of :func:`toolkit.plugins.peak_memory`), and the ETA. With
     ``records``, it also shows those records of the loss function (flattened with "/",
@@ -117,8 +117,8 @@ def progress(
             console (standard output).
         clock: a function returning seconds (default ``time.perf_counter``), for the ETA
             and throughput; tests pass a fake clock for deterministic output.
-        show: names of ``state.extras`` entries (of the ``{"step", "metrics"}`` form plugins
-            publish) whose metrics are shown as ``name/metric``, e.g. ``memory/peak_gib``.
+        show: names of ``state.metrics`` entries (what plugins publish) whose values are
+            shown as ``name/metric``, e.g. ``memory/peak_gib``.
         counts: what the loss's target counts are, for the rate label (``"tokens"``,
             ``"targets"``, ``"pixels"``...).
         min_interval: seconds (by ``clock``) that must have passed since the previous
@@ -173,7 +173,7 @@ def progress(
     # Tuples first: a generator is read once.
     show, records = (tuple(n) if isinstance(n, Iterable) and not isinstance(n, str) else n
                      for n in (show, records))  # fmt: skip
-    for name, names, what in (("show", show, "state.extras entry"), ("records", records, "record")):
+    for name, names, what in (("show", show, "metrics entry"), ("records", records, "record")):
         ok = isinstance(names, tuple) and all(isinstance(n, str) for n in names)
         check(ok, "progress", name, f"a sequence of {what} names", names, "", TypeError)
     check(isinstance(times, bool), "progress", "times", "True or False", times, "", TypeError)
@@ -258,8 +258,8 @@ def _refresh(bar: _Bar, state: TrainState, now: float, open_window: Any = ()) ->
         parts.append(f"step {_duration(bar.step_time / windows)}")
     bar.data_time = bar.step_time = 0.0
     for entry in bar.show:
-        _, metrics = metric_entry(state.extras.get(entry)) or (None, {})
-        parts += [f"{entry}/{k} {v:.4g}" for k, v in metrics.items() if isinstance(v, (int, float))]
+        values = state.metrics[entry]["values"] if entry in state.metrics else {}
+        parts += [f"{entry}/{k} {v:.4g}" for k, v in values.items() if isinstance(v, (int, float))]
     bar.shown_step, eta = state.step, _eta(bar, now, state.step)
     info, head = " | ".join(part for part in parts if part), _head(state.step, bar.total)
     if bar.live is None:

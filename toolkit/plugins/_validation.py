@@ -8,26 +8,14 @@ from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from toolkit._checks import check, check_count, check_key, check_one_of
 from toolkit.loop._evaluate import _evaluate, check_eval_fn
-from toolkit.loop._run import Event, Plugin, plugin_factory
-from toolkit.plugins._shared import ValidationEntry, better, claim, due
-from toolkit.step._state import TrainState
-
-# The run's claim (in LoopInfo.claimed) of stepping the ReduceLROnPlateau; no extras key.
-_PLATEAU = "<state.scheduler: ReduceLROnPlateau>"
+from toolkit.loop._run import Event, Plugin, declare, plugin_factory
+from toolkit.plugins._shared import ValidationEntry, better, due
+from toolkit.step._state import Metrics, TrainState
 
 
-def _check_plateau(event: Event, plateau_metric: str | None, monitor: str, mode: str, me: str):
-    """At ``"start"``: a ReduceLROnPlateau in the state is stepped by exactly one validate."""
+def _check_plateau(event: Event, plateau_metric: str, monitor: str, mode: str) -> None:
+    """At ``"start"``: plateau_metric steps a ReduceLROnPlateau of ``mode`` (when monitored)."""
     scheduler = event.state.scheduler
-    if plateau_metric is None:
-        if isinstance(scheduler, ReduceLROnPlateau) and _PLATEAU not in event.loop.claimed:
-            raise ValueError(
-                "validate: state.scheduler is a ReduceLROnPlateau, which the train step "
-                "leaves alone (it needs a metric), and no validate of this run steps it, so "
-                "the learning rate would never be reduced. Pass the metric to step it with, "
-                f"e.g. validate(..., plateau_metric={monitor!r})."
-            )
-        return
     kind, name = type(scheduler).__name__, "state.scheduler"
     fix = "Put one in the state, or drop plateau_metric (the train step steps other schedulers)."
     steps = f"a ReduceLROnPlateau for plateau_metric={plateau_metric!r}"
@@ -35,13 +23,6 @@ def _check_plateau(event: Event, plateau_metric: str | None, monitor: str, mode:
     same = plateau_metric != monitor or scheduler.mode == mode
     fix = f"plateau_metric={plateau_metric!r} is also the monitored metric: give both one mode."
     check(same, "validate", f"{name}.mode", f"{mode!r} like validate's", scheduler.mode, fix)
-    holder = event.loop.claimed.setdefault(_PLATEAU, me)
-    if holder != me:
-        raise ValueError(
-            f"{me}: state.scheduler, a ReduceLROnPlateau, is already stepped by {holder} in "
-            "this run; a second one would step it twice per evaluation. Give plateau_metric "
-            "to one validate."
-        )
 
 
 @plugin_factory(order=20)
@@ -66,15 +47,15 @@ def validate(
     over the ranks in one collective, so each rank should evaluate its own shard and every
     rank must return the same metric names.
 
-    The result goes to ``state.extras[key] = {"step": state.step, "epoch": state.epoch,
-    "metrics": {name: float}, "best": float, "best_step": int}``, where ``best`` is the best
-    ``monitor`` value so far (lowest for ``mode="min"``, highest for ``"max"``; a NaN never
-    becomes best, so both are None until an evaluation gives a number) and ``best_step`` the
-    update at which it was reached; a resumed entry keeps its best. The evaluation is not
-    repeated for a ``state.step`` that already has one (the weights have not changed), e.g.
-    when an epoch ends on a multiple of ``every``. At ``"start"`` the plugin claims ``key`` for
-    the run: another plugin keeping the same ``state.extras`` key (a second ``validate``,
-    ``ema()`` under ``key="ema"``) is refused before training.
+    The metrics are published as ``state.metrics[key] = {"step": state.step, "values": {name:
+    float}}`` (a :class:`toolkit.Metrics`), and ``state.extras[key] = {"epoch": state.epoch,
+    "best": float, "best_step": int}`` keeps ``best``, the best ``monitor`` value so far
+    (lowest for ``mode="min"``, highest for ``"max"``; a NaN never becomes best, so both are
+    None until an evaluation gives a number) and ``best_step``, the update at which it was
+    reached; a resumed entry keeps its best. The evaluation is not repeated for a
+    ``state.step`` that already has one (the weights have not changed), e.g. when an epoch
+    ends on a multiple of ``every``. Another plugin of the run under the same ``key`` (a
+    second ``validate``, ``ema()`` under ``key="ema"``) is refused before training.
 
     Weights: a count must be a real number or a one-element real tensor (a bool is
     refused), finite and >= 0; a python number is checked when returned, a tensor count
@@ -89,9 +70,9 @@ def validate(
     ``scheduler.step(metrics["loss"])``, exactly as a hand-written loop calling
     ``scheduler.step(val_loss)`` after each validation. It is explicit on purpose: with a
     ``ReduceLROnPlateau`` in the state and no ``validate`` of the run given
-    ``plateau_metric``, every ``validate`` raises at ``"start"`` rather than leave the
+    ``plateau_metric``, :func:`toolkit.run` raises before training rather than leave the
     learning rate silently unreduced; a second ``validate`` with ``plateau_metric`` would
-    step it twice per evaluation and is refused at ``"start"``.
+    step it twice per evaluation and is refused too.
 
     Args:
         eval_fn: ``eval_fn(model, batch) -> mapping | (mapping, count)``.
@@ -100,7 +81,7 @@ def validate(
         per_epoch: evaluate at every ``"epoch_end"``.
         at_end: evaluate once more at ``"end"`` (when training did not raise) unless the
             final weights were already evaluated, so the last result is always current.
-        key: the ``state.extras`` key of the result.
+        key: the name of the result in ``state.metrics`` and ``state.extras``.
         monitor: the metric whose best value is tracked.
         mode: ``"min"`` or ``"max"``: which direction is better for ``monitor``.
         model: a function ``state -> module`` choosing what to evaluate instead of
@@ -116,10 +97,10 @@ def validate(
     Raises:
         ValueError: none of ``every``, ``per_epoch`` and ``at_end``, ``every < 1``, a bad
             ``mode``, an empty ``key`` or ``plateau_metric``, a one-shot iterator as
-            ``data``; at ``"start"``, ``key`` kept by another plugin of the run,
-            ``plateau_metric`` without a ``ReduceLROnPlateau`` in ``state.scheduler``, or
-            with one whose ``mode`` contradicts ``mode``, or given to two ``validate``, or a
-            ``ReduceLROnPlateau`` that no ``validate`` steps;
+            ``data``; before training (see :func:`toolkit.run`), ``key`` kept by another
+            plugin of the run, ``plateau_metric`` without a ``ReduceLROnPlateau`` in
+            ``state.scheduler``, or with one whose ``mode`` contradicts ``mode``, or given
+            to two ``validate``, or a ``ReduceLROnPlateau`` that no ``validate`` steps;
             during the run, validation data without batches, a negative or non-finite
             count, or ranks returning different metric names.
         TypeError: ``eval_fn`` not callable; during the run, an ``eval_fn`` result that is
@@ -140,14 +121,14 @@ def validate(
         ...     return {"loss": m(b).square().mean()}
         >>> step = make_step(lambda m, b: m(b).square().mean())
         >>> state = run(step, state, train, max_steps=4, plugins=[validate(eval_fn, val, every=2)])
-        >>> entry = state.extras["val"]
-        >>> entry["step"], entry["best"] <= entry["metrics"]["loss"], model.training
+        >>> published, best = state.metrics["val"], state.extras["val"]["best"]
+        >>> published["step"], best <= published["values"]["loss"], model.training
         (4, True, True)
 
         Stepping a ``ReduceLROnPlateau`` with the validation loss:
 
         >>> plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(state.optimizer, patience=0)
-        >>> state = state.replace(scheduler=plateau, extras={})
+        >>> state = state.replace(scheduler=plateau, metrics={}, extras={})
         >>> frozen = lambda m, b: {"loss": 1.0}  # never improves after the first evaluation
         >>> plugins = [validate(frozen, val, every=2, plateau_metric="loss")]
         >>> state = run(step, state, train, max_steps=8, plugins=plugins)
@@ -168,25 +149,19 @@ def validate(
     named = plateau_metric is None or (isinstance(plateau_metric, str) and bool(plateau_metric))
     metric = "the name of a metric eval_fn returns, e.g. 'loss', or None"
     check(named, "validate", "plateau_metric", metric, plateau_metric)
-    me = f"validate(key={key!r}, plateau_metric={plateau_metric!r})"
 
     def plugin(event: Event) -> TrainState | None:
         kind, state = event.kind, event.state
-        if kind == "restore" and plateau_metric is not None:
-            # Claimed before any "start", so that each validate knows there whether one of
-            # the run steps the scheduler (the first to claim it does).
-            event.loop.claimed.setdefault(_PLATEAU, me)
-        elif kind == "start":
-            claim(event, key, "validate")
-            _check_plateau(event, plateau_metric, monitor, mode, me)
+        if kind == "start" and plateau_metric is not None:
+            _check_plateau(event, plateau_metric, monitor, mode)
         due_now = (
             (kind == "step" and every is not None and due(event, every))
             or (kind == "epoch_end" and per_epoch)
             or (kind == "end" and at_end and event.error is None)
         )
-        previous: ValidationEntry | None = state.extras.get(key)
+        last = state.metrics.get(key)
         # Not twice for one step: the weights have not changed (an epoch ending on `every`).
-        if not due_now or (previous is not None and previous["step"] == state.step):
+        if not due_now or (last is not None and last["step"] == state.step):
             return None
         module = model(state) if model is not None else state.model
         metrics = _evaluate(eval_fn, module, data, f" at step {state.step}")
@@ -197,12 +172,14 @@ def validate(
             check(ok, "validate", option, returned, wanted, fix, KeyError)
         if plateau_metric is not None:
             state.scheduler.step(metrics[plateau_metric])  # a ReduceLROnPlateau: see start
+        previous: ValidationEntry | None = state.extras.get(key)
         best, best_step = (previous["best"], previous["best_step"]) if previous else (None, None)
         if better(metrics[monitor], best, mode):
             best, best_step = metrics[monitor], state.step
-        entry = ValidationEntry(
-            step=state.step, epoch=state.epoch, metrics=metrics, best=best, best_step=best_step
+        entry = ValidationEntry(epoch=state.epoch, best=best, best_step=best_step)
+        return state.replace(
+            metrics={**state.metrics, key: Metrics(step=state.step, values=metrics)},
+            extras={**state.extras, key: entry},
         )
-        return state.replace(extras={**state.extras, key: entry})
 
-    return plugin
+    return declare(plugin, key, steps_plateau=plateau_metric is not None)

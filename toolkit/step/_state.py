@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Collection, Mapping
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple, TypedDict
 
 import optree
 import torch
@@ -12,7 +12,7 @@ import torch
 from toolkit._checks import check
 from toolkit.step._multi import MultiOptimizer, MultiScheduler
 
-__all__ = ["GuardState", "TrainState", "WindowState"]
+__all__ = ["GuardState", "Metrics", "TrainState", "WindowState"]
 
 
 class WindowState(NamedTuple):
@@ -73,6 +73,28 @@ class GuardState(NamedTuple):
     total_overflow: int = 0
 
 
+class Metrics(TypedDict):
+    """What a plugin published at one update: an entry of ``TrainState.metrics``.
+
+    A plain dict, so checkpoints save it as it is.
+
+    Attributes:
+        step: the ``state.step`` it was measured at.
+        values: each metric's number, by name.
+
+    Example:
+        >>> import torch
+        >>> from toolkit import Metrics, TrainState
+        >>> state = TrainState(model=torch.nn.Linear(1, 1))
+        >>> state = state.replace(metrics={"val": Metrics(step=0, values={"loss": 0.5})})
+        >>> state.metrics["val"]["values"]["loss"]
+        0.5
+    """
+
+    step: int
+    values: dict[str, float]
+
+
 @optree.dataclasses.dataclass(frozen=True, namespace="toolkit")  # type: ignore[call-overload]
 class TrainState:
     """The explicit state a train step threads through: handles plus immutable bookkeeping.
@@ -107,7 +129,11 @@ class TrainState:
         epoch: passes over the data completed by :func:`toolkit.run`.
         batches_seen: batches drawn in the current epoch (data position for resume).
         stop: a reason string once a plugin has asked the loop to stop, else ``None``.
-        extras: plugin state (EMA weights, best score, ...); replace it, do not mutate it.
+        metrics: what plugins published for the others, name -> :class:`Metrics` (e.g.
+            ``validate``'s under ``"val"``, read by ``log_metrics``, ``early_stop``,
+            ``checkpoints``); replace it, do not mutate it.
+        extras: the plugins' own memory, which checkpoints persist (EMA weights, best
+            score, counters); replace it, do not mutate it.
         data_state: where the current pass over the data started, recorded by
             :func:`toolkit.run` so that a resumed pass draws the same batches (the RNG
             states the pass drew its order from; a stateful loader's own position).
@@ -120,7 +146,7 @@ class TrainState:
             ``optimizer`` not a ``torch.optim.Optimizer`` (or a list with another element),
             ``scheduler`` not an LR scheduler (or a list with another element),
             ``scaler`` not a ``torch.amp.GradScaler``, a counter not an int, ``stop`` not a
-            str, ``extras`` not a mapping.
+            str, ``extras`` not a mapping, ``metrics`` not a mapping of :class:`Metrics`.
         ValueError: a negative counter; an optimizer that shares no parameter with the
             model; a scheduler over another optimizer, or without one; a parameter held
             by two optimizers of a list.
@@ -148,6 +174,7 @@ class TrainState:
     epoch: int = 0
     batches_seen: int = 0
     stop: str | None = None
+    metrics: Mapping[str, Metrics] = dataclasses.field(default_factory=dict)
     extras: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     data_state: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -288,6 +315,7 @@ _KINDS: dict[str, tuple[Any, str]] = {
     "window": (WindowState, "a WindowState"),
     "guard": (GuardState, "a GuardState"),
     "stop": ((str, type(None)), "None or a reason string"),
+    "metrics": (Mapping, "a mapping"),
     "extras": (Mapping, "a mapping"),
     "data_state": (Mapping, "a mapping"),
 }
@@ -300,6 +328,14 @@ def _kinds(state: TrainState) -> None:
             raise TypeError(f"TrainState.{name}: expected {expected}; got {got}.")
 
 
+def _metrics(state: TrainState) -> None:
+    for name, entry in state.metrics.items():
+        ok = isinstance(entry, Mapping) and type(entry.get("step")) is int
+        ok = ok and isinstance(entry.get("values"), Mapping)
+        shape = "a Metrics, {'step': int, 'values': {name: float}}"
+        check(ok, "TrainState", f"metrics[{name!r}]", shape, entry, error=TypeError)
+
+
 # Each check and the fields it reads: replace() runs it when one of them changes (in order:
 # the kinds first, which the other checks rely on).
 _FIELD_CHECKS = {
@@ -307,4 +343,5 @@ _FIELD_CHECKS = {
     _optimizer: {"model", "optimizer"},
     _scheduler: {"optimizer", "scheduler"},
     _counters: {"step", "epoch", "batches_seen"},
+    _metrics: {"metrics"},
 }
