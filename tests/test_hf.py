@@ -244,7 +244,7 @@ def test_export_pretrained_refuses_what_it_cannot_write(tmp_path) -> None:
     with pytest.raises(TypeError, match="model must be a transformers or peft model.*export_model"):
         export_pretrained(torch.nn.Linear(2, 2), tmp_path / "a")
     checkpoint = save_checkpoint(_train(_gpt2(), 1), tmp_path / "ckpt")
-    with pytest.raises(TypeError, match=r"got None\. pass model=AutoModelForCausalLM"):
+    with pytest.raises(TypeError, match=r"got a NoneType\. pass model=AutoModelForCausalLM"):
         export_pretrained(checkpoint, tmp_path / "b")
     with pytest.raises(ValueError, match=r"do not fit the model: missing \['base_model"):
         export_pretrained(checkpoint, tmp_path / "c", model=_lora())
