@@ -19,8 +19,9 @@ def to_device(batch: T, device: torch.device | str | int, *, non_blocking: bool 
 
     The batch may nest dicts (any mapping), lists, tuples, namedtuples and dataclasses, as
     :func:`map_nested_tensor` walks them; strings, numbers and ``None`` stay as they are.
-    An object with a ``.to`` method that is not a container (a Hugging Face ``Cache``) is
-    moved by its own ``.to(device, non_blocking=...)``; a module is left as it is.
+    An object with a ``.to`` method that is not a container (a torch_geometric ``Data``) is
+    moved by its own ``.to(device, non_blocking=...)``; a module is left as it is, and so
+    is a transformers ``Cache``: it has no ``.to`` (see :func:`map_nested_tensor`).
     A tensor already on ``device`` is returned as it is (no copy).
 
     ``non_blocking=True`` lets a host-to-accelerator copy overlap with work already queued,

@@ -29,12 +29,14 @@ def map_nested_tensor(fn: Callable[[torch.Tensor], Any], tree: T) -> T:
     namedtuples and ``torch.return_types``, and dataclass instances (frozen ones too, rebuilt
     through ``dataclasses.replace`` so their ``__post_init__`` runs; fields declared with
     ``init=False`` are left to the dataclass to recompute). Key order is kept. An object that
-    is none of these but has a ``.to`` method (a Hugging Face ``Cache``, a torch_geometric
-    ``Data``: tensors the walk cannot see) is given to ``fn`` whole, so that
-    ``fn = lambda t: t.to(device)`` moves it too (a ``BatchEncoding`` is a mapping: rebuilt,
-    its tensors mapped). Modules have ``.to`` too but are not data: a model moved from inside
-    a batch would move the training model's own weights; they stay, as everything else
-    (numbers, strings, ``None``, arrays), unchanged, as the same object. ``fn`` is called
+    is none of these but has a ``.to`` method (a torch_geometric ``Data``: tensors the walk
+    cannot see) is given to ``fn`` whole, so that ``fn = lambda t: t.to(device)`` moves it
+    too (a ``BatchEncoding`` is a mapping: rebuilt, its tensors mapped). Modules have ``.to``
+    too but are not data: a model moved from inside a batch would move the training model's
+    own weights; they stay, as everything else (numbers, strings, ``None``, arrays),
+    unchanged, as the same object. So does a transformers ``Cache`` (``DynamicCache``): it
+    has no ``.to`` (transformers 5) and its tensors sit in its layers, which the model
+    updates in place; build it on its device (the model's forward there). ``fn`` is called
     exactly once per tensor (or ``.to`` object) occurrence, in depth-first order.
 
     Args:

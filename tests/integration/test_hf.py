@@ -126,6 +126,17 @@ def test_to_device_moves_a_batch_encoding_and_keeps_its_type() -> None:
     assert moved["input_ids"].device.type == "meta" and moved.input_ids.shape == (2, 3)
 
 
+def test_to_device_leaves_a_dynamic_cache_where_it_is_as_documented() -> None:
+    # transformers 5's DynamicCache has no .to: it stays, the same object, its tensors unmoved
+    # (the docs of to_device and map_nested_tensor say so; they used to say it moved).
+    cache = transformers.DynamicCache()
+    cache.update(torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4), layer_idx=0)
+    moved = to_device({"past_key_values": cache, "ids": torch.ones(2)}, "meta")
+    assert moved["past_key_values"] is cache and moved["ids"].device.type == "meta"
+    assert cache.layers[0].keys.device.type == "cpu" and not hasattr(cache, "to")
+    assert "has no ``.to``" in (to_device.__doc__ or "")
+
+
 def _peft():
     return pytest.importorskip("peft", reason="needs the `hf` extra")
 
@@ -244,7 +255,7 @@ def test_export_pretrained_refuses_what_it_cannot_write(tmp_path) -> None:
     with pytest.raises(TypeError, match="model must be a transformers or peft model.*export_model"):
         export_pretrained(torch.nn.Linear(2, 2), tmp_path / "a")
     checkpoint = save_checkpoint(_train(_gpt2(), 1), tmp_path / "ckpt")
-    with pytest.raises(TypeError, match=r"got None\. pass model=AutoModelForCausalLM"):
+    with pytest.raises(TypeError, match=r"got a NoneType\. pass model=AutoModelForCausalLM"):
         export_pretrained(checkpoint, tmp_path / "b")
     with pytest.raises(ValueError, match=r"do not fit the model: missing \['base_model"):
         export_pretrained(checkpoint, tmp_path / "c", model=_lora())

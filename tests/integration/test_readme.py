@@ -104,3 +104,48 @@ def test_a_broken_link_would_be_reported() -> None:
     assert _anchor('What "exact" covers') == "what-exact-covers"
     assert _anchor("Quick start") == "quick-start"
     assert not (ROOT / "docs" / "no-such-page.md").exists()
+
+
+_HF_PAGE_CHECKS = """
+# The test's checks, after the page's blocks.
+import os
+batch = next(iter(loader))
+padding = batch["attention_mask"] == 0
+assert padding.any() and torch.equal(batch["labels"] == -100, padding), batch
+assert [g["weight_decay"] for g in optimizer.param_groups] == [0.01, 0.0]
+assert scheduler.last_epoch == 8 and scheduler.get_last_lr()[0] == 0.0  # warmed up, decayed
+assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir("runs/a/hf"))
+probe = batch["input_ids"]
+with torch.no_grad():
+    live = AutoModelForCausalLM.from_pretrained("runs/a/hf")(input_ids=probe).logits
+    saved = AutoModelForCausalLM.from_pretrained("runs/a/hf_from_checkpoint")(input_ids=probe)
+    assert torch.equal(live, saved.logits)
+    trained = state.model.eval()(input_ids=probe).logits
+    assert torch.equal(loaded.eval()(input_ids=probe).logits, trained)
+    merged = AutoModelForCausalLM.from_pretrained("runs/lora/merged")(input_ids=probe).logits
+    assert (merged - trained).abs().max() < 1e-4
+print("the page ran")
+"""
+
+
+@pytest.mark.slow
+def test_the_hugging_face_page_runs_in_order_and_exports_what_it_says(tmp_path: Path) -> None:
+    # Issue 27, item 3: the LoRA path (trainable_only checkpoints, then export) works as
+    # written, and so do the collator, parameter groups, warm-up and gradient checkpointing.
+    pytest.importorskip("transformers", reason="needs the `hf` extra")
+    pytest.importorskip("peft", reason="needs the `hf` extra")
+    blocks = _python_blocks((ROOT / "docs" / "hugging-face.md").read_text())
+    script = tmp_path / "page.py"
+    script.write_text("\n".join(blocks) + _HF_PAGE_CHECKS)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    peft_warning = "ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"  # peft's
+    done = subprocess.run(
+        [sys.executable, "-W", "error", "-W", peft_warning, str(script)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "the page ran" in done.stdout

@@ -10,13 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from toolkit._checks import check, check_one_of
+from toolkit._checks import check, check_one_of, check_type
 from toolkit._unwrap import unwrap
 from toolkit.checkpoints._codec import host_tensor, separate_shared
 from toolkit.checkpoints._files import replace_file, write_tensors
 from toolkit.checkpoints._load import full_model, full_tree, verified_manifest
-from toolkit.checkpoints._model_state import model_state, split_aliases
+from toolkit.checkpoints._model_state import is_sharded, split_aliases
 from toolkit.step._state import TrainState
 
 
@@ -42,6 +43,9 @@ def export_model(
         source: a module, a TrainState (its model), or a checkpoint folder written by
             :func:`save_checkpoint` (verified before reading; a sharded FSDP2 checkpoint
             is put together in this process, whatever the number of ranks that wrote it).
+            A module may be wrapped (``torch.compile``, DDP: :func:`unwrap` peels them). In
+            a process group rank 0 writes; an FSDP2 model is gathered (a collective): call
+            it on every rank.
         path: the file to write, e.g. ``"runs/a/model.safetensors"``.
         weights: ``"model"`` for the trained weights, ``"ema"`` for the exponential moving
             average kept by :func:`toolkit.plugins.ema` in ``extras[key]`` (buffers it does
@@ -53,8 +57,8 @@ def export_model(
         The path written.
 
     Raises:
-        ValueError: ``weights`` is not ``"model"``/``"ema"``, ``"ema"`` with a bare module,
-            or an EMA whose names the model lacks.
+        ValueError: ``weights`` is not ``"model"``/``"ema"``, ``"ema"`` with a bare module
+            or a live FSDP2 one, or an EMA whose names the model lacks.
         KeyError: ``weights="ema"`` and no EMA under ``extras[key]``.
         TypeError: ``source`` is none of the accepted kinds.
         DamagedCheckpointError: a checkpoint folder whose files are damaged.
@@ -69,6 +73,8 @@ def export_model(
         <All keys matched successfully>
     """
     full = _read(source, weights, key, "export_model")[0]
+    if full is None:  # another rank writes
+        return Path(path)
     if dtype is not None:
         full = {n: v.to(dtype) if v.is_floating_point() else v for n, v in full.items()}
     tensors = {name: host_tensor(value) for name, value in full.items()}
@@ -88,6 +94,7 @@ def export_pretrained(
     key: str = "ema",
     merge: bool = False,
     max_shard_size: int | str = "5GB",
+    tokenizer: Any = None,
 ) -> Path:
     """Write a folder that ``from_pretrained`` loads: a transformers model or a peft adapter.
 
@@ -109,8 +116,8 @@ def export_pretrained(
     (not atomically as :func:`export_model` writes its file): export to a fresh folder.
 
     Args:
-        source: a module, a TrainState (its model) or a checkpoint folder written by
-            :func:`save_checkpoint`.
+        source: a module (wrapped or FSDP2, as in :func:`export_model`), a TrainState (its
+            model) or a checkpoint folder written by :func:`save_checkpoint`.
         folder: the folder to write, e.g. ``"runs/a/hf"``.
         model: the model whose ``save_pretrained`` writes the folder (its config and class);
             needed for a checkpoint folder, e.g. ``AutoModelForCausalLM.from_config(config)``
@@ -120,6 +127,7 @@ def export_pretrained(
         key: the ``extras`` key of the EMA.
         merge: merge a peft adapter into the base weights instead of exporting the adapter.
         max_shard_size: the largest shard, bytes or a string such as ``"5GB"``.
+        tokenizer: a tokenizer whose ``save_pretrained`` writes its files into the folder too.
 
     Returns:
         ``folder``, as a Path.
@@ -143,11 +151,14 @@ def export_pretrained(
     """
     who = "export_pretrained"
     full, own = _read(source, weights, key, who)
-    target: Any = unwrap(model) if isinstance(model, torch.nn.Module) else (model or own)
+    target: Any = own if model is None else model
+    target = unwrap(target) if isinstance(target, torch.nn.Module) else target
     fix = "pass model=AutoModelForCausalLM.from_config(config) (or your PeftModel); for any "
-    fix += "other module, export_model writes a file"
+    fix += "other module, export_model writes a file."
     ok = callable(getattr(target, "save_pretrained", None))
-    check(ok, who, "model", "a transformers or peft model", target, fix, TypeError)
+    check_type(ok, who, "model", "a transformers or peft model", target, fix)
+    if full is None:  # another rank writes
+        return Path(folder)
     names = target.state_dict().keys()
     if full.keys() != names:
         raise ValueError(
@@ -163,12 +174,15 @@ def export_pretrained(
     target.save_pretrained(
         folder, state_dict=None if merge else full, max_shard_size=max_shard_size
     )
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
     return Path(folder)
 
 
-def _read(source: Any, weights: str, key: str, who: str) -> tuple[dict[str, torch.Tensor], Any]:
+def _read(source: Any, weights: str, key: str, who: str) -> tuple[dict[str, Any] | None, Any]:
     """The full state dict, with the EMA's parameters and buffers (``extras[key]``) for the
-    live ones with ``weights="ema"``, and the source's module (None for a checkpoint folder)."""
+    live ones with ``weights="ema"`` (None on ranks other than 0), and the source's module
+    (None for a checkpoint folder)."""
     check_one_of(who, "weights", weights, ("model", "ema"))
     model, ema = None, weights == "ema"
     if isinstance(source, (str, os.PathLike)):
@@ -178,10 +192,16 @@ def _read(source: Any, weights: str, key: str, who: str) -> tuple[dict[str, torc
     else:
         model = source.model if isinstance(source, TrainState) else source
         kinds = "a module, a TrainState or a checkpoint folder"
-        check(isinstance(model, torch.nn.Module), who, "source", kinds, source, "", TypeError)
-        full, where = model_state(model), "the state"
+        check_type(isinstance(model, torch.nn.Module), who, "source", kinds, source)
+        sharded = is_sharded(model)  # FSDP2: gathered (a collective), whole on rank 0's CPU
+        fix = "export the folder save_checkpoint writes (it puts the EMA together)."
+        check(not (ema and sharded), who, "weights", "'model' for an FSDP2 model", weights, fix)
+        options = StateDictOptions(full_state_dict=sharded, cpu_offload=sharded)
+        full, where = get_model_state_dict(unwrap(model), options=options), "the state"  # type: ignore[assignment]
         aliases = split_aliases(full, who)[1]  # and a clear error for a non-tensor entry
         extras = source.extras if isinstance(source, TrainState) else None
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return None, model  # in a process group rank 0 writes
     # A sharded checkpoint's pieces hold each tied tensor once: every name, one object.
     full.update({alias: full[name] for alias, name in aliases.items()})
     if not ema:
