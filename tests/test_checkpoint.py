@@ -9,6 +9,7 @@ import json
 import os
 import pickle
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from toolkit import (
     save_checkpoint,
 )
 from toolkit.checkpoints import DamagedCheckpointError, verify_checkpoint
+from toolkit.checkpoints._components import COMPONENTS
 from toolkit.checkpoints._files import checksum
 from toolkit.checkpoints._manifest import manifest_document, read_manifest
 from toolkit.plugins import ema, ema_model
@@ -673,11 +675,14 @@ def test_an_unknown_trainstate_field_is_refused_and_a_missing_one_keeps_the_temp
     # Forward compatibility: a field added to TrainState later is missing from older
     # checkpoints (the template's value stays); a field this version lacks is refused.
     original = components_module.fields_of
-    monkeypatch.setattr(
-        save_module, "fields_of", lambda s: {**original(s), "future": 1, "guard": {"x": 1}}
-    )
+
+    def saving_state(take: Any) -> None:  # the table, with another "state" entry
+        table = [replace(c, take=take) if c.name == "state" else c for c in COMPONENTS]
+        monkeypatch.setattr(save_module, "COMPONENTS", tuple(table))
+
+    saving_state(lambda s, objects: {**original(s), "future": 1, "guard": {"x": 1}})
     path = save_checkpoint(TrainState(model=nn.Linear(1, 1)), tmp_path / "c")
-    monkeypatch.setattr(save_module, "fields_of", lambda s: {"step": original(s)["step"]})
+    saving_state(lambda s, objects: {"step": original(s)["step"]})
     older = save_checkpoint(
         TrainState(model=nn.Linear(1, 1), epoch=0).replace(step=4), tmp_path / "old"
     )
