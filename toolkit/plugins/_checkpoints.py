@@ -49,7 +49,7 @@ from toolkit.step._state import TrainState
 __all__ = ["SIGNAL_EVERY", "checkpoints"]
 
 _SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-_PLAIN = (int, float, str, type(None))  # a setting's value, or the items of a tuple of them
+_SETTING_TYPES = (int, float, str, type(None))  # a setting, or the items of a tuple of them
 # In state dicts, not settings: parameters, their lr (compared as the optimizer's), what moves.
 _NOT_SETTINGS = {"params", "initial_lr", "base_lrs", "verbose", "last_epoch", "_step_count",
                  "_last_lr", "_is_initial", "_get_lr_called_within_step", "best", "T_cur", "T_i",
@@ -84,7 +84,6 @@ class _Resuming:
 
     resume: str | os.PathLike[str] | None
     on_change: str
-    objects: Mapping[str, Any] | None
 
     def __post_init__(self) -> None:
         ok = self.resume is None or isinstance(self.resume, (str, os.PathLike))
@@ -126,6 +125,7 @@ class _Config:
     """The plugin's arguments, in pieces."""
 
     folder: Path
+    objects: Mapping[str, Any] | None  # saved with the state, loaded into on resume
     saving: _Saving
     rules: Retention
     restore_best: bool
@@ -201,32 +201,26 @@ def _save(config: _Config, run_: _Run, state: TrainState, loop: LoopInfo) -> Non
         return
     metrics = _metrics(state, config.rules.metric)  # a keep_best typo raises before a write
     _finish(config, run_)
-    path = config.folder / f"step_{state.step:06d}"
     state = state.replace(data_state=position(loop.data, state.data_state, not state.batches_seen))
     save = save_in_background if config.saving.background else save_checkpoint
-    extra: dict[str, Any] = {"metrics": metrics, "rules": config.rules, "settings": run_.settings}
+    options: dict[str, Any] = {"objects": config.objects, "rules": config.rules}
+    options.update(
+        metrics=metrics, settings=run_.settings, trainable_only=config.saving.trainable_only
+    )
     with _saving(config):
-        run_.writing = save(
-            state,
-            path,
-            objects=config.resuming.objects,
-            trainable_only=config.saving.trainable_only,
-            **extra,
-        )
+        run_.writing = save(state, config.folder / f"step_{state.step:06d}", **options)
         run_.saved_step = state.step
     if not config.saving.background:
         _finish(config, run_)
 
 
-def _install(config: _Config, run_: _Run) -> None:
+def _install(signals: Sequence[int], run_: _Run) -> None:
     def handler(signum: int, frame: Any) -> None:
         run_.signum = signum  # only a flag: the loop acts on it between updates
 
     if threading.current_thread() is threading.main_thread():  # Python allows no other
-        run_.handlers = {
-            signum: signal.signal(signum, handler) for signum in config.stopping.signals
-        }
-    elif names := [signal.Signals(s).name for s in config.stopping.signals]:
+        run_.handlers = {signum: signal.signal(signum, handler) for signum in signals}
+    elif names := [signal.Signals(s).name for s in signals]:
         message = "checkpoints: run() is not on the main thread, where Python delivers signals"
         warnings.warn(f"{message}; {names} keep their handlers.", RuntimeWarning, stacklevel=5)
 
@@ -262,27 +256,28 @@ def _settings(state: TrainState, loop: LoopInfo) -> dict[str, Any]:
     the scheduler's class and fresh state dict flattened (its arguments, and those of the
     schedulers inside it), micro-batches, the data's pass and data ranks, the mesh's sizes."""
     groups = getattr(state.optimizer, "param_groups", [])
-    optimizer = [_plain({**g, "lr": g.get("initial_lr", g.get("lr"))}) for g in groups]
+    optimizer = [_setting_values({**g, "lr": g.get("initial_lr", g.get("lr"))}) for g in groups]
     sched = state.scheduler
     fresh = _flat(sched.state_dict()) if callable(getattr(sched, "state_dict", None)) else {}
-    kind = None if sched is None else {"class": type(sched).__name__, **_plain(fresh)}
+    kind = None if sched is None else {"class": type(sched).__name__, **_setting_values(fresh)}
     data = {**pass_settings(loop.data), "world_size": rank_of(groups_of(state.model).data)[1]}
     made = dict(optimizer=optimizer, scheduler=kind, micro_batches=loop.micro_batches, data=data)
     layout = current_layout()
     return made if layout is None else {**made, "mesh": layout.sizes()}
 
 
-def _plain(values: Mapping[str, Any]) -> dict[str, Any]:
+def _setting_values(values: Mapping[str, Any]) -> dict[str, Any]:
     """The settings among ``values`` (by name or path ``a.0.b``): numbers, strings and tuples
     of them (0-d tensors too)."""
-    plain = {}
+    found = {}
     for key, value in values.items():
         value = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
         value = tuple(value) if isinstance(value, list) else value
         items = value if isinstance(value, tuple) else (value,)
-        if key.rsplit(".")[-1] not in _NOT_SETTINGS and all(isinstance(v, _PLAIN) for v in items):
-            plain[key] = value
-    return plain
+        plain = all(isinstance(v, _SETTING_TYPES) for v in items)
+        if plain and key.rsplit(".")[-1] not in _NOT_SETTINGS:
+            found[key] = value
+    return found
 
 
 def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -333,30 +328,26 @@ def _report(config: _Config, run_: _Run, state: TrainState, loop: LoopInfo, path
 
 
 def _resumed(config: _Config, run_: _Run, event: Event) -> TrainState:
-    root, state, loop = config.folder, event.state, event.loop
-    run_.settings = _settings(state, loop)  # the user's, before any load
-    path = None
-    if config.resuming.resume == "latest":
-        state, path = load_latest(root, like=state, objects=config.resuming.objects) or (
-            state,
-            None,
-        )
-        run_.saved_step = None if path is None else state.step
-    elif config.resuming.resume is not None:
-        path = Path(config.resuming.resume)
-        state = load_checkpoint(path, like=state, objects=config.resuming.objects)
-    elif found := list_checkpoints(root):
+    root, state, resume = config.folder, event.state, config.resuming.resume
+    run_.settings = _settings(state, event.loop)  # the user's, before any load
+    if resume is None and (found := list_checkpoints(root)):
         raise ValueError(
             f"checkpoints: {str(root)!r} already holds checkpoints "
             f"({', '.join(i.path.name for i in found[-3:])}) and resume=None; "
             "pass resume='latest' to continue from them, or use an empty folder."
         )
+    path = None if resume in (None, "latest") else Path(resume)  # type: ignore[arg-type]
+    if resume == "latest":
+        state, path = load_latest(root, like=state, objects=config.objects) or (state, None)
+        run_.saved_step = None if path is None else state.step
+    elif path is not None:
+        state = load_checkpoint(path, like=state, objects=config.objects)
     if path is None:
         return state
-    seen = on_rank0(run_.group, "checkpoints", _report, config, run_, state, loop, path)
+    seen = on_rank0(run_.group, "checkpoints", _report, config, run_, state, event.loop, path)
     state = state._evolve({"batches_seen": max_over_ranks(seen or 0, run_.group)})  # rank 0's
     if not state.batches_seen:  # between passes: the next one draws from the saved generators
-        restore_generators(loop.data, state.data_state)
+        restore_generators(event.loop.data, state.data_state)
     return state
 
 
@@ -364,15 +355,10 @@ def _start(config: _Config, event: Event) -> tuple[_Run, TrainState]:
     if event.state.optimizer is not None:  # refuse what no save could name, before training
         parameter_names(event.state.model, event.state.optimizer)
     run_ = _Run(checkpoint_group(event.state.model))
-    expected = "False with a data-parallel model (DDP or FSDP2), whose ranks save together"
-    check(
-        run_.group is None or not config.saving.background,
-        "checkpoints",
-        "background",
-        expected,
-        True,
-    )
-    _install(config, run_)
+    ok, expected = run_.group is None or not config.saving.background, "False with a data-"
+    expected += "parallel model (DDP or FSDP2), whose ranks save together"
+    check(ok, "checkpoints", "background", expected, True)
+    _install(config.stopping.signals, run_)
     try:
         on_rank0(run_.group, "checkpoints", _own, config.folder, run_)  # the others wait
         state = _resumed(config, run_, event)
@@ -525,6 +511,18 @@ def checkpoints(
     exits with ``exit_code`` (``None``: 128 + the signal). Under data parallelism the
     ranks agree on a signal every ``SIGNAL_EVERY`` (10) updates.
 
+    Args:
+        folder: the folder of checkpoints, e.g. ``"runs/a/ckpt"``.
+        every, per_epoch, at_end, background, on_error, trainable_only: saving (above);
+            ``every``: applied updates between saves (>= 1) or ``None``; ``on_error``:
+            ``"raise"`` or ``"warn"``.
+        keep_last, keep_every, keep_steps, keep_best, keep_full, restore_best: retention,
+            as :class:`toolkit.checkpoints.Retention` (``keep_best``: a triple).
+        resume, on_change, objects: resuming; ``resume``: ``"latest"``, a checkpoint
+            folder or ``None``; ``on_change``: ``"warn"`` or ``"error"``; ``objects``:
+            extra stateful objects (``state_dict``/``load_state_dict``) saved and loaded.
+        signals, exit_code: preemption.
+
     Returns:
         The plugin, ``plugin(event) -> TrainState | None``.
 
@@ -557,10 +555,11 @@ def checkpoints(
     keep = dict(keep_last=keep_last, keep_every=keep_every, keep_steps=keep_steps)
     config = _Config(
         check_path("checkpoints", "folder", folder),
+        objects,
         _Saving(every, per_epoch, at_end, background, on_error, trainable_only),
         _retention(keep_best, restore_best, **keep, keep_full=keep_full),
         restore_best,
-        _Resuming(resume, on_change, objects),
+        _Resuming(resume, on_change),
         _Stopping(signals if isinstance(signals, str) else tuple(signals), exit_code),  # type: ignore[arg-type]
     )
     live: dict[str, _Run] = {}  # one run at a time
