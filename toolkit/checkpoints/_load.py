@@ -124,7 +124,9 @@ def _differences(
     live = {c.name: kind for c in COMPONENTS if c.kind and (kind := c.kind(like, objects))}
     if like.scaler is None and "scaler" in saved:  # one is built for the saved state
         live["scaler"] = saved["scaler"]
-    out = compare("objects", saved.pop("objects", None) or {}, live.pop("objects", None) or {})
+    recorded = saved.pop("objects", None) or {}  # of the objects the tree holds (it decides)
+    saved_objects = {name: recorded.get(name) for name in trees.get("objects") or {}}
+    out = compare("objects", saved_objects, live.pop("objects", None) or {})
     out += compare("components", saved, live)
     for c in COMPONENTS:
         saved_tree, template = trees.get(c.name), templates.get(c.name)
