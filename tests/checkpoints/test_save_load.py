@@ -9,6 +9,7 @@ import json
 import os
 import pickle
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,8 @@ from torch import nn
 from torch.optim import lr_scheduler as lrs
 
 import toolkit.checkpoints._components as components_module
+import toolkit.checkpoints._load as load_module
+import toolkit.checkpoints._manifest as manifest_module
 import toolkit.checkpoints._save as save_module
 from toolkit import (
     TrainState,
@@ -32,6 +35,7 @@ from toolkit import (
     save_checkpoint,
 )
 from toolkit.checkpoints import DamagedCheckpointError, verify_checkpoint
+from toolkit.checkpoints._components import COMPONENTS, Component
 from toolkit.checkpoints._files import checksum
 from toolkit.checkpoints._manifest import manifest_document, read_manifest
 from toolkit.plugins import ema, ema_model
@@ -673,11 +677,14 @@ def test_an_unknown_trainstate_field_is_refused_and_a_missing_one_keeps_the_temp
     # Forward compatibility: a field added to TrainState later is missing from older
     # checkpoints (the template's value stays); a field this version lacks is refused.
     original = components_module.fields_of
-    monkeypatch.setattr(
-        save_module, "fields_of", lambda s: {**original(s), "future": 1, "guard": {"x": 1}}
-    )
+
+    def saving_state(take: Any) -> None:  # the table, with another "state" entry
+        table = [replace(c, take=take) if c.name == "state" else c for c in COMPONENTS]
+        monkeypatch.setattr(save_module, "COMPONENTS", tuple(table))
+
+    saving_state(lambda s, objects: {**original(s), "future": 1, "guard": {"x": 1}})
     path = save_checkpoint(TrainState(model=nn.Linear(1, 1)), tmp_path / "c")
-    monkeypatch.setattr(save_module, "fields_of", lambda s: {"step": original(s)["step"]})
+    saving_state(lambda s, objects: {"step": original(s)["step"]})
     older = save_checkpoint(
         TrainState(model=nn.Linear(1, 1), epoch=0).replace(step=4), tmp_path / "old"
     )
@@ -689,6 +696,25 @@ def test_an_unknown_trainstate_field_is_refused_and_a_missing_one_keeps_the_temp
     )
     loaded = load_checkpoint(older, like=TrainState(model=nn.Linear(1, 1), epoch=3))
     assert (loaded.step, loaded.epoch) == (4, 3)
+
+
+def test_a_new_component_is_one_entry_of_the_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Issue 25: a part added to COMPONENTS is saved, listed, kept model-only and restored
+    # with no other change (once it took six places in four files).
+    box = {"n": 3}
+    entry = Component(
+        "box", lambda s, objects: dict(box), lambda s, tree, _: box.update(tree), model_only=True
+    )
+    for module in (save_module, load_module, manifest_module, components_module):
+        monkeypatch.setattr(module, "COMPONENTS", (*COMPONENTS, entry))
+    path = save_checkpoint(TrainState(model=nn.Linear(1, 1)), tmp_path / "c")
+    assert {"box.json", "state.json"} <= read_manifest(path).files.keys()
+    box["n"] = 0
+    load_checkpoint(path, like=TrainState(model=nn.Linear(1, 1)))
+    assert box == {"n": 3}
+    assert manifest_module.reduce_to_model(path) and read_manifest(path).has("box")
 
 
 # ----------------------------------------------------------------------------------------

@@ -2,8 +2,8 @@
 
 Only JSON and safetensors are read, and only the files the manifest lists, after their
 sizes and checksums were checked. Every check runs before anything is touched (the
-content a save writes, then every difference from the template); then the objects are
-restored: extra objects, model, scheduler, optimizer, scaler, RNG states. A data-parallel
+content a save writes, then every difference from the template: :mod:`._fit`); then the
+components are restored in the order of :data:`._components.COMPONENTS`. A data-parallel
 template is loaded by every rank of its group together: the ranks agree on the outcome of
 the checks before any rank restores.
 """
@@ -11,7 +11,6 @@ the checks before any rank restores.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import os
 import warnings
@@ -26,22 +25,11 @@ from safetensors.torch import load_file
 from toolkit._checks import check_type
 from toolkit._rng import restore_rng
 from toolkit.checkpoints._codec import TreeError, decode
-from toolkit.checkpoints._components import check_objects, fields_of, is_namedtuple
+from toolkit.checkpoints._components import COMPONENTS, Restoring, check_objects, fields_of
 from toolkit.checkpoints._files import read_json
+from toolkit.checkpoints._fit import compare, field_values, model_fit
 from toolkit.checkpoints._manifest import DamagedCheckpointError, Manifest, verified_manifest
-from toolkit.checkpoints._model_state import (
-    SHARDS,
-    expand,
-    few,
-    load_shards,
-    model_part,
-    model_state,
-    optimizer_state,
-    put_model,
-    put_optimizer,
-    saved_shapes,
-    split_aliases,
-)
+from toolkit.checkpoints._model_state import SHARDS, expand, load_shards, model_state, saved_shapes
 from toolkit.checkpoints._save import rank_component
 from toolkit.distributed._collectives import Group, agree, checkpoint_group, rank_of
 from toolkit.step._state import TrainState, WindowState
@@ -125,190 +113,27 @@ def full_tree(manifest: Manifest, name: str) -> Any:
     return tree
 
 
-def _compare(what: str, saved: Mapping[str, Any], live: Mapping[str, Any]) -> list[str]:
-    """How ``saved`` (key -> what it holds) differs from the template's ``live``.
-
-    The keys one of them lacks, and the keys whose values differ (a class, a shape, a group).
-    """
-    lacking = {
-        "in the template, not the checkpoint": live.keys() - saved.keys(),
-        "in the checkpoint, not the template": saved.keys() - live.keys(),
-    }
-    out = [f"{what}: {where}: {few(keys)}" for where, keys in lacking.items() if keys]
-    diff = [key for key in sorted(saved.keys() & live.keys()) if saved[key] != live[key]]
-    out += [f"{what}: {k!r}: {saved[k]} in the checkpoint, {live[k]} in the template" for k in diff]
-    return out
-
-
-def _model_differences(
-    model: torch.nn.Module, shapes: Mapping[str, Any], aliases: Mapping[str, str], frozen: Any
-) -> list[str]:
-    """How a saved model (names -> shapes, aliases) differs from ``model``; empty if none.
-
-    With ``frozen`` (the fingerprint of a trainable-only save) the saved names are compared
-    with ``model``'s trainable part and ``frozen`` with the fingerprint of the rest.
-    """
-    live, fingerprint = model_part(model, frozen is not None, "load_checkpoint")
-    out = [] if fingerprint == frozen else [
-        f"model: its frozen parameters ({fingerprint}) are not those the trainable-only "
-        f"checkpoint was saved with ({frozen}); build the template on the same base model "
-        "(the same pretrained weights, the same parameters frozen)."
-    ]  # fmt: skip
-    live, live_aliases = split_aliases(live, "load_checkpoint")
-    saved = {n: f"shape {list(shapes[aliases.get(n, n)])}" for n in [*shapes, *aliases]}
-    full = {n: f"shape {list(t.shape)}" for n, t in expand(live, live_aliases).items()}
-    out += _compare("model", saved, full)
-    common = saved.keys() & full.keys()
-    saved_ties, live_ties = _ties(aliases, common), _ties(live_aliases, common)
-    differ = {(saved_ties[n], live_ties[n]) for n in common if saved_ties[n] != live_ties[n]}
-    return out + [
-        f"model: tied weights differ: the checkpoint shares one tensor among {sorted(theirs)}, "
-        f"the model among {sorted(ours)} (tie the weights as in the saved model)"
-        for theirs, ours in sorted(differ, key=str)
-    ]
-
-
-def _ties(aliases: Mapping[str, str], names: set[str]) -> dict[str, frozenset[str]]:
-    """For each name, the names (among ``names``) that share its tensor."""
-    groups: dict[str, set[str]] = {}
-    for name in names:
-        groups.setdefault(aliases.get(name, name), set()).add(name)
-    return {name: frozenset(groups[aliases.get(name, name)]) for name in names}
-
-
-def _kind(value: Any) -> str:
-    tensor = isinstance(value, torch.Tensor)
-    return f"shape {list(value.shape)} {value.dtype}" if tensor else repr(value)[:40]
-
-
-def _fits(saved: Any, live: Any, strict: bool) -> bool:
-    if isinstance(live, torch.Tensor):
-        return isinstance(saved, torch.Tensor) and _kind(saved) == _kind(live)
-    if isinstance(live, bool):
-        return isinstance(saved, bool)
-    if isinstance(live, (int, float)):
-        if type(saved) not in (int, float) or saved != saved:  # a number, not NaN
-            return False
-        finite = abs(saved) < math.inf or abs(live) == math.inf
-        return not strict or (finite and (saved > 0 or not (type(live) is int and live > 0)))
-    return not isinstance(live, (dict, list, tuple))
-
-
-def _mismatches(where: str, saved: Any, live: Any, settings: Any, strict: bool) -> list[str]:
-    """Where ``saved`` holds what could not replace the template's ``live`` value.
-
-    Tensors of the same shape and dtype, a bool for a bool, a number (not NaN) for a
-    number, lists of the same length, a dict for a dict. A setting (under a key of
-    ``settings``: a constructor argument) is also finite where the template's is (no
-    infinite learning rate) and > 0 where the template's is an int > 0 (``StepLR``'s
-    ``step_size``); a counter or a best value is not held to that (``strict``: this value
-    is a setting). No ``settings`` (an optimizer's state, an EMA's): every key of the
-    template that holds more than a flag must be there.
-    """
-    out: list[str] = []
-    if isinstance(live, dict) and isinstance(saved, dict):
-        required = [k for k, v in live.items() if v is not None and not isinstance(v, (bool, str))]
-        out = [f"{where}[{k!r}]: missing" for k in required if k not in saved and not settings]
-        children = [(k, saved[k], live[k], strict or k in settings) for k in live if k in saved]
-    elif isinstance(live, (list, tuple)) and isinstance(saved, (list, tuple)):
-        children = [(i, s, v, strict) for i, (s, v) in enumerate(zip(saved, live))]
-        if len(saved) != len(live):
-            return [f"{where}: {len(saved)} items in the checkpoint, {len(live)} in the template"]
-    else:
-        differ = f"{where}: {_kind(saved)} in the checkpoint, {_kind(live)} in the template"
-        return [] if _fits(saved, live, strict) else [differ]
-    nested = (_mismatches(f"{where}[{k!r}]", s, v, settings, q) for k, s, v, q in children)
-    return out + [m for found in nested for m in found]
-
-
-def _holds_tensor(tree: Any) -> bool:
-    return any(isinstance(leaf, torch.Tensor) for leaf in optree.tree_leaves(tree))
-
-
-def _settings(obj: Any) -> set[str]:
-    """A scheduler's (or scaler's) settings: the arguments of its constructor and of the
-    schedulers it chains, its base learning rates and scale; not ``last_epoch``, a counter."""
-    kinds = [type(o) for o in (obj, *getattr(obj, "_schedulers", ()))]
-    found = {name for kind in kinds for name in inspect.signature(kind).parameters}
-    return found - {"last_epoch"} | {"base_lrs", "scale"}
-
-
-def _hyperparameters(folder: Path, optimizer: Any, groups: list[Any]) -> list[str]:
-    """Each saved parameter group through its optimizer's own checks (Adam's betas in
-    [0, 1), lr >= 0, ...): a new optimizer of the same class over one new tensor."""
-    out, members = [], getattr(optimizer, "optimizers", [optimizer])
-    kinds = [(type(o), [*g["params"], torch.empty(0)][0]) for o in members for g in o.param_groups]
-    for i, ((kind, param), group) in enumerate(zip(kinds, groups)):
-        names = inspect.signature(kind).parameters.keys() - {"params"}
-        # As many dimensions as the parameter (Muon takes 2-D ones only).
-        scratch = param.new_zeros((1,) * param.dim(), requires_grad=True)
-        try:
-            kind([scratch], **{name: group[name] for name in names & group.keys()})
-        except TypeError:  # a constructor of other arguments: its checks cannot be run
-            pass
-        except (ValueError, RuntimeError) as error:
-            out.append(f"{folder}/optimizer.json: param_groups[{i}]: {error}")
-    return out
-
-
-def _groups(optimizer: Mapping[str, Any]) -> dict[str, str]:
-    """Each parameter name of an optimizer state dict (DCP's) -> "group N"."""
-    groups = enumerate(optimizer["param_groups"])
-    return {name: f"group {g}" for g, group in groups for name in group["params"]}
-
-
 def _differences(
     manifest: Manifest, like: TrainState, objects: dict[str, Any], trees: dict[str, Any],
-    optimizer_like: Any,
+    templates: dict[str, Any],
 ) -> list[str]:  # fmt: skip
-    """How the decoded components differ from the template (the model aside)."""
-    folder, handles = manifest.path, ("optimizer", "scheduler", "scaler")
-    saved: dict[str, Any] = {n: manifest.classes.get(n) for n in handles if trees[n] is not None}
-    live = {n: type(getattr(like, n)).__name__ for n in handles if getattr(like, n) is not None}
+    """How the decoded components differ from the template (the model aside): first the
+    recorded classes (the objects' one by one), then each component's ``fit``."""
+    kinds = [c.name for c in COMPONENTS if c.kind is not None]
+    saved = {n: manifest.classes.get(n) for n in kinds if trees.get(n) is not None}
+    live = {c.name: kind for c in COMPONENTS if c.kind and (kind := c.kind(like, objects))}
     if like.scaler is None and "scaler" in saved:  # one is built for the saved state
         live["scaler"] = saved["scaler"]
-    elif like.scaler is not None and not like.scaler.is_enabled():
-        del live["scaler"]
-    out = _compare("components", saved, live)
-    if "optimizer" in saved and "optimizer" in live:  # both named by DCP
-        stateless = dict.fromkeys(trees["optimizer"]["state"], "state without a group")
-        grouped = {**stateless, **_groups(trees["optimizer"])}
-        out += _compare("optimizer parameters", grouped, _groups(optimizer_like))
-    for name in handles:  # their values, once they are of the same kind
-        template = optimizer_like if name == "optimizer" else getattr(like, name)
-        if name in saved and template is not None and not out:
-            settings = None if name == "optimizer" else _settings(template)
-            found = template if settings is None else template.state_dict()
-            where = f"{folder}/{name}.json"
-            out += _mismatches(where, trees[name], found, settings, settings is None)
-    if "optimizer" in saved and optimizer_like is not None and not out:
-        out += _hyperparameters(folder, like.optimizer, trees["optimizer"]["param_groups"])
-    # Of extras the entries holding tensors (an EMA's) are compared; the rest is the user's.
-    extras = {**like.extras, **(trees["extras"] or {})}  # the load's: template keys kept
-    live = {k: v for k, v in like.extras.items() if _holds_tensor(v)}
-    out += _mismatches(f"{folder}/extras.json", extras, live, (), False)
-    saved_objects = {n: manifest.classes.get("objects", {}).get(n) for n in trees["objects"] or {}}
-    return out + _compare(
-        "objects", saved_objects, {n: type(o).__name__ for n, o in objects.items()}
-    )
-
-
-def _field_values(
-    like: TrainState, saved: Mapping[str, Any], differences: list[str]
-) -> dict[str, Any]:
-    """The saved fields as TrainState values; NamedTuples rebuilt with the template's type.
-
-    Fields the checkpoint lacks (added to TrainState later) keep the template's values.
-    """
-    live = {name: getattr(like, name) for name in fields_of(like)}
-    tuples = {n: v for n, v in saved.items() if is_namedtuple(live.get(n)) and isinstance(v, dict)}
-    # A NamedTuple's fields count as keys of their own ("guard.x").
-    known = [*live, *(f"{n}.{f}" for n, v in live.items() if is_namedtuple(v) for f in v._fields)]
-    found = [n for n in saved if n not in tuples] + [f"{n}.{k}" for n in tuples for k in tuples[n]]
-    if unknown := set(found) - set(known):  # a field the checkpoint lacks keeps its value
-        differences.append(f"state fields: in the checkpoint, not the template: {few(unknown)}")
-        return {}
-    return {**saved, **{n: type(live[n])(**{**live[n]._asdict(), **v}) for n, v in tuples.items()}}
+    recorded = saved.pop("objects", None) or {}  # of the objects the tree holds (it decides)
+    saved_objects = {name: recorded.get(name) for name in trees.get("objects") or {}}
+    out = compare("objects", saved_objects, live.pop("objects", None) or {})
+    out += compare("components", saved, live)
+    for c in COMPONENTS:
+        saved_tree, template = trees.get(c.name), templates.get(c.name)
+        if c.fit and saved_tree is not None and template is not None:
+            alike = saved.get(c.name) == live.get(c.name)  # of the same class, or of none
+            out += c.fit(f"{manifest.path}/{c.name}.json", saved_tree, template, like, alike)
+    return out
 
 
 def load_checkpoint(
@@ -403,19 +228,21 @@ def load_checkpoint(
     return restore()
 
 
-def _rank_state(manifest: Manifest, rank: int, rng: bool) -> tuple[Any, dict[str, Any]]:
-    """``(the RNG states this rank restores or None, the fields this rank has of its own)``.
+def _rank_state(manifest: Manifest, rank: int, trees: dict[str, Any]) -> dict[str, Any]:
+    """The fields rank ``rank`` has of its own; its RNG states go into ``trees["rng"]``.
 
     A rank the checkpoint has no state for (it was written by fewer ranks) is warned
     about and keeps its seeding and rank 0's data position.
     """
     if rank == 0:
-        return (read_tree(manifest, "rng") if rng and manifest.has("rng") else None), {}
+        return {}
+    trees["rng"] = None
     if manifest.has(name := rank_component(rank)):
         own = read_tree(manifest, name)
         if own.keys() != {"rng", "data_state"}:
             raise DamagedCheckpointError(manifest.path, [f"{manifest.path / name}.json: malformed"])
-        return (own["rng"] if rng else None), {"data_state": own["data_state"]}
+        trees["rng"] = own["rng"]
+        return {"data_state": own["data_state"]}
     warnings.warn(
         f"load_checkpoint: {manifest.path} holds no RNG states or data position for rank "
         f"{rank} (it was written by {manifest.world_size} rank(s)); this rank keeps its own "
@@ -423,16 +250,16 @@ def _rank_state(manifest: Manifest, rank: int, rng: bool) -> tuple[Any, dict[str
         RuntimeWarning,
         stacklevel=4,
     )
-    return None, {}
+    return {}
 
 
 def _trees(
     manifest: Manifest, like: TrainState, shapes: Mapping[str, Any], differences: list[str]
-) -> tuple[dict[str, Any], Any, dict[str, Any], dict[str, torch.Tensor]]:
-    """``(trees, optimizer_like, model, shards)``: every tree component decoded against the
-    template (``None`` when absent); the template's optimizer state (zero state when it
-    has none); the saved model state dict, or (sharded) the template's; and what DCP fills
-    in place: each sharded tensor (the template's, once its saved shape matches)."""
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, torch.Tensor]]:
+    """``(trees, templates, shards)``: each component the checkpoint holds, decoded against
+    its template (``trees["model"]``: the saved model state dict, or (sharded) the
+    template's); the templates; and what DCP fills in place: each sharded tensor (the
+    template's, once its saved shape matches)."""
     shards: dict[str, torch.Tensor] = {}
 
     def take(key: str, template: Any) -> torch.Tensor:
@@ -453,21 +280,17 @@ def _trees(
         shards.update({f"model/{name}": value for name, value in model.items()})
         found = {k: size for k, (size, _) in shapes.items() if k.startswith("model/")}
         saved = {key.removeprefix("model/"): size for key, size in found.items()}
-        differences += _model_differences(like.model, saved, {}, None)
+        differences += model_fit(like.model, saved, {}, None)
     else:
         tensors = _tensors(manifest, "model.safetensors")
         saved = {name: tensor.shape for name, tensor in tensors.items()}
-        differences += _model_differences(like.model, saved, manifest.aliases, manifest.frozen)
+        differences += model_fit(like.model, saved, manifest.aliases, manifest.frozen)
         model = expand(tensors, manifest.aliases)
-    has = like.optimizer is not None and manifest.has("optimizer")  # sharded: DCP fills its own
-    optimizer_like = optimizer_state(like.model, like.optimizer, manifest.sharded) if has else None
-    lives = {"optimizer": optimizer_like, "extras": dict(like.extras), "state": fields_of(like)}
-    names = ("optimizer", "scheduler", "scaler", "extras", "state", "objects")
-    trees = {
-        n: read_tree(manifest, n, like=lives.get(n), sharded=take) if manifest.has(n) else None
-        for n in names
+    templates = {
+        c.name: c.template(like, manifest.sharded) for c in COMPONENTS if manifest.has(c.name)
     }
-    return trees, optimizer_like, model, shards
+    trees = {n: read_tree(manifest, n, like=t, sharded=take) for n, t in templates.items()}
+    return {**trees, "model": model}, templates, shards
 
 
 def _content_problems(
@@ -519,7 +342,8 @@ def content_problems(manifest: Manifest) -> list[str]:
         trees = {n: read_tree(manifest, n, sharded=take) for n in names}
     except DamagedCheckpointError as error:
         return list(error.problems)
-    fields = _field_values(TrainState(model=torch.nn.Module()), trees.get("state", {}), differences)
+    live = fields_of(TrainState(model=torch.nn.Module()), plain=False)
+    fields = field_values(trees.get("state", {}), live, differences)
     return _content_problems(manifest.path, trees, fields) + differences
 
 
@@ -536,12 +360,14 @@ def _plan(
             " state); pass a template without optimizer, or resume from a full checkpoint."
         )
     differences: list[str] = []
-    trees, optimizer_like, model, shards = _trees(manifest, like, _shapes(manifest), differences)
-    rng_state, own = _rank_state(manifest, rank_of(group)[0], rng)
-    fields = {**_field_values(like, trees["state"] or {}, differences), **own}
-    if damage := _content_problems(manifest.path, {**trees, "rng": rng_state}, fields):
+    trees, templates, shards = _trees(manifest, like, _shapes(manifest), differences)
+    own = _rank_state(manifest, rank_of(group)[0], trees)
+    trees["rng"] = trees.get("rng") if rng else None
+    live = fields_of(like, plain=False)
+    fields = {**field_values(trees.get("state") or {}, live, differences), **own}
+    if damage := _content_problems(manifest.path, trees, fields):
         raise DamagedCheckpointError(manifest.path, damage)
-    differences += _differences(manifest, like, objects, trees, optimizer_like)
+    differences += _differences(manifest, like, objects, trees, templates)
     if differences:
         raise ValueError(
             f"load_checkpoint: {manifest.path} does not fit the template state ({len(differences)}"
@@ -550,29 +376,20 @@ def _plan(
             "with safetensors.torch.load_file."
         )
     scaler = like.scaler
-    if trees["scaler"] is not None and scaler is None:  # one is built for the saved state
+    if trees.get("scaler") is not None and scaler is None:  # one is built for the saved state
         scaler = torch.amp.GradScaler(next((p.device.type for p in like.model.parameters()), "cpu"))
     # A new state, not like.replace(): the template may carry a train step's "consumed" mark.
     values = {field.name: getattr(like, field.name) for field in dataclasses.fields(like)}
-    values.update(fields, extras={**like.extras, **(trees["extras"] or {})}, scaler=scaler)
+    values.update(fields, extras={**like.extras, **(trees.get("extras") or {})}, scaler=scaler)
     state = TrainState(**values)
+    partial = manifest.frozen is not None
+    restoring = Restoring(manifest.path, objects, manifest.sharded, partial, shards, group)
 
     def restore() -> TrainState:
-        """Restore, in the order that keeps each object's saved values (see load_checkpoint)."""
-        for name, obj in objects.items():  # first: only the object itself can check its state
-            obj.load_state_dict(trees["objects"][name])
-        if shards:
-            load_shards(shards, manifest.path, group)  # every sharded tensor, in place
-        put_model(state.model, model, not manifest.sharded, not manifest.frozen)
-        model.clear()  # drop the file mapping
-        if trees["scheduler"] is not None:
-            state.scheduler.load_state_dict(trees["scheduler"])
-        if trees["optimizer"] is not None:
-            put_optimizer(state.model, state.optimizer, trees["optimizer"], not manifest.sharded)
-        if trees["scaler"] is not None and state.scaler is not None:  # built when none
-            state.scaler.load_state_dict(trees["scaler"])
-        if rng_state is not None:
-            restore_rng(rng_state)
+        """Restore in the table's order, which keeps each object's saved values."""
+        for component in COMPONENTS:
+            if component.put is not None and trees.get(component.name) is not None:
+                component.put(state, trees[component.name], restoring)
         return state
 
     return restore

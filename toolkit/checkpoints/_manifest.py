@@ -26,6 +26,7 @@ import xxhash
 
 from toolkit._checks import check
 from toolkit.checkpoints._codec import TreeError, decode, encode
+from toolkit.checkpoints._components import COMPONENTS
 from toolkit.checkpoints._files import (
     CHECKSUM,
     checksum,
@@ -256,7 +257,7 @@ def reduce_to_model(folder: Path) -> bool:
     document = _parsed(folder)
     if document.get("sharded") or document.get("model_only"):
         return False
-    files, kept = document["files"], ("model", "state", "extras")  # extras: the EMA
+    files, kept = document["files"], [c.name for c in COMPONENTS if c.model_only]
     document["files"] = {n: e for n, e in files.items() if n.split(".")[0] in kept}
     document["model_only"] = True
     document[_SELF] = _digest(document)

@@ -1,24 +1,13 @@
 """save_checkpoint and save_in_background: a TrainState as a folder of safetensors and JSON.
 
-Layout of one checkpoint folder (every file listed, with size and checksum, in
-``manifest.json``; see :mod:`toolkit.checkpoints._manifest`)::
-
-    manifest.json
-    model.safetensors                       unwrapped state dict, tied tensors stored once
-                                            (trainable_only: no frozen parameters)
-    optimizer.json  [optimizer.safetensors] state keyed by parameter name, param groups
-    scheduler.json  [scheduler.safetensors]
-    scaler.json                             GradScaler state, when there is an enabled one
-    state.json      [state.safetensors]     TrainState's other fields (step, window, ...)
-    extras.json     [extras.safetensors]    state.extras (EMA weights, best scores, ...)
-    rng.json         rng.safetensors        python, numpy, torch (and CUDA) RNG states
-    objects.json    [objects.safetensors]   extra stateful objects given as objects=
-    rank_0000N.json [...safetensors]        rank N's RNG states and data position (N > 0)
-
-A ``.safetensors`` file in brackets exists only when its tree holds tensors (JSON documents
-follow :mod:`._codec`). FSDP2 (DTensor parameters): the model, the optimizer's tensors and
-DTensors in the trees go to ``sharded/`` instead (:mod:`._model_state`), one file per rank.
-One path saves a single process and the ranks of a data-parallel group alike.
+A checkpoint folder holds ``manifest.json`` (every file with its size and checksum: see
+:mod:`._manifest`), ``model.safetensors`` (the unwrapped state dict, tied tensors once;
+trainable_only: no frozen parameters), a ``NAME.json`` (plus ``NAME.safetensors`` when its
+tree holds tensors) for each component of :data:`._components.COMPONENTS` the run has, and
+``rank_0000N.json`` with rank N's RNG states and data position (N > 0). FSDP2 (DTensor
+parameters): the model, the optimizer's tensors and DTensors in the trees go to
+``sharded/`` instead (:mod:`._model_state`), one file per rank. One path saves a single
+process and the ranks of a data-parallel group alike.
 """
 
 from __future__ import annotations
@@ -38,17 +27,10 @@ import torch
 from toolkit._checks import check
 from toolkit._rng import capture_rng
 from toolkit.checkpoints._codec import encode, host_tensor, separate_shared
-from toolkit.checkpoints._components import check_objects, fields_of
+from toolkit.checkpoints._components import COMPONENTS, check_objects
 from toolkit.checkpoints._files import fsync_dir, new_token, temp_name, write_json, write_tensors
 from toolkit.checkpoints._manifest import MANIFEST, check_metrics, listing, manifest_document
-from toolkit.checkpoints._model_state import (
-    is_dtensor,
-    is_sharded,
-    model_part,
-    optimizer_state,
-    save_shards,
-    split_aliases,
-)
+from toolkit.checkpoints._model_state import is_sharded, model_part, save_shards, split_aliases
 from toolkit.checkpoints._retention import Retention
 from toolkit.distributed._collectives import Group, agree, broadcast_int, checkpoint_group, rank_of
 from toolkit.distributed._layout import current_layout
@@ -75,40 +57,24 @@ def _snapshot(
 ) -> _Snapshot:
     """Everything to write; ``recorded``: manifest fields (metrics, rules, settings)."""
     sharded = is_sharded(state.model)
-    shards: dict[str, torch.Tensor] = {}
-    external = is_dtensor if sharded else None
-    trees: dict[str, Any] = {}
-    classes: dict[str, Any] = {}
-
-    def add(name: str, tree: Any, owner: Any = None, outside: Any = external) -> None:
-        document, tensors = encode(tree, name, copy=copy, external=outside)
-        shards.update({n: tensors.pop(n) for n in list(tensors) if outside and outside(tensors[n])})
-        trees[name] = (document, tensors)
-        if owner is not None:
-            classes[name] = type(owner).__name__
-
     whole, frozen = model_part(state.model, trainable, "save_checkpoint")
     model, aliases = split_aliases(whole, "save_checkpoint")
-    if sharded:
-        shards.update({f"model/{name}": value for name, value in model.items()})
-    else:
+    shards = {f"model/{name}": value for name, value in model.items()} if sharded else {}
+    trees: dict[str, Any] = {}
+    if not sharded:
         trees["model"] = (None, {name: host_tensor(value, copy) for name, value in model.items()})
         separate_shared(trees["model"][1])  # distinct views of one buffer
-    if state.optimizer is not None:
-        optimizer = optimizer_state(state.model, state.optimizer)
-        add("optimizer", optimizer, state.optimizer, (lambda t: True) if sharded else None)
-    if state.scheduler is not None:
-        add("scheduler", state.scheduler.state_dict(), state.scheduler)
-    if state.scaler is not None and state.scaler.is_enabled():
-        add("scaler", state.scaler.state_dict(), state.scaler)
-    add("state", fields_of(state))
-    add("extras", dict(state.extras))
-    rng = capture_rng()
-    add("rng", rng)
-    if objects:
-        add("objects", {name: obj.state_dict() for name, obj in objects.items()})
-        classes["objects"] = {name: type(obj).__name__ for name, obj in objects.items()}
-    own = encode({"rng": rng, "data_state": dict(state.data_state)}, "rank", copy=copy)
+    classes: dict[str, Any] = {}
+    for component in COMPONENTS:
+        if (tree := component.take(state, objects)) is None:
+            continue
+        outside = component.shard if sharded else None
+        document, tensors = encode(tree, component.name, copy=copy, external=outside)
+        shards.update({n: tensors.pop(n) for n in list(tensors) if outside and outside(tensors[n])})
+        trees[component.name] = (document, tensors)
+        if component.kind is not None:
+            classes[component.name] = component.kind(state, objects)
+    own = encode({"rng": capture_rng(), "data_state": dict(state.data_state)}, "rank", copy=copy)
     fields = {"step": state.step, "classes": classes, "aliases": aliases, "sharded": sharded}
     return _Snapshot({**fields, "frozen": frozen, **recorded}, trees, shards, own)
 

@@ -48,7 +48,7 @@ from toolkit.step._state import TrainState
 __all__ = ["SIGNAL_EVERY", "checkpoints"]
 
 _SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-_PLAIN = (int, float, str, type(None))  # a setting's value, or the items of a tuple of them
+_SETTING_TYPES = (int, float, str, type(None))  # a setting, or the items of a tuple of them
 # In state dicts, not settings: parameters, their lr (compared as the optimizer's), what moves.
 _NOT_SETTINGS = {"params", "initial_lr", "base_lrs", "verbose", "last_epoch", "_step_count",
                  "_last_lr", "_is_initial", "_get_lr_called_within_step", "best", "T_cur", "T_i",
@@ -58,56 +58,78 @@ SIGNAL_EVERY = 10  # data-parallel ranks agree on a received signal every this m
 
 
 @dataclasses.dataclass(frozen=True)
-class _Config:
-    """The plugin's arguments (see :func:`checkpoints`), checked when made."""
+class _Saving:
+    """When and how to save (see :func:`checkpoints`), checked when made."""
 
-    folder: Path
     every: int | None
     per_epoch: bool
     at_end: bool
-    keep_last: int
-    keep_every: int | None
-    keep_steps: Sequence[int]
-    keep_best: Any
-    resume: Any
-    signals: Sequence[int]
-    exit_code: int | None
-    restore_best: bool
-    objects: Mapping[str, Any] | None
     background: bool
     on_error: str
-    keep_full: int | None
-    on_change: str
     trainable_only: bool
-    rules: Retention = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
-        who, resume, code = "checkpoints", self.resume, self.exit_code
-        object.__setattr__(self, "folder", check_path(who, "folder", self.folder))
         if self.every is not None:
-            check_count(who, "every", self.every, 1, "applied updates between saves, or None")
-        check_one_of(who, "on_error", self.on_error, ("raise", "warn"))
-        check_one_of(who, "on_change", self.on_change, ("warn", "error"))
-        ok = resume is None or isinstance(resume, (str, os.PathLike))
-        check(ok, who, "resume", "'latest', a checkpoint folder or None", resume, "", TypeError)
-        if not isinstance(self.signals, str):  # read once (a generator), as a tuple
-            object.__setattr__(self, "signals", tuple(self.signals))
+            meaning = "applied updates between saves, or None"
+            check_count("checkpoints", "every", self.every, 1, meaning)
+        check_one_of("checkpoints", "on_error", self.on_error, ("raise", "warn"))
+        for name in ("per_epoch", "at_end", "background", "trainable_only"):
+            check_bool("checkpoints", name, getattr(self, name))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Resuming:
+    """What to resume from, and what a changed configuration does."""
+
+    resume: str | os.PathLike[str] | None
+    on_change: str
+
+    def __post_init__(self) -> None:
+        ok = self.resume is None or isinstance(self.resume, (str, os.PathLike))
+        expected = "'latest', a checkpoint folder or None"
+        check(ok, "checkpoints", "resume", expected, self.resume, "", TypeError)
+        check_one_of("checkpoints", "on_change", self.on_change, ("warn", "error"))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stopping:
+    """Preemption: the signals that save and stop the run, and the exit status after one."""
+
+    signals: tuple[int, ...]
+    exit_code: int | None
+
+    def __post_init__(self) -> None:
         ok = all(isinstance(s, int) and not isinstance(s, bool) for s in self.signals)
         example = "a sequence of signal numbers, e.g. (signal.SIGTERM, signal.SIGUSR1)"
-        check(ok, who, "signals", example, self.signals, "", TypeError)
-        ok = code is None or type(code) is int
-        check(ok, who, "exit_code", "an int or None", code, "", TypeError)
-        for name in ("per_epoch", "at_end", "restore_best", "background", "trainable_only"):
-            check_bool(who, name, getattr(self, name))
-        best, triple = self.keep_best, isinstance(self.keep_best, (tuple, list))
-        if best is not None or self.restore_best:
-            example = "(metric, mode, count), e.g. ('val/loss', 'min', 3)"
-            fix = "restore_best=True picks the best checkpoint by it." if self.restore_best else ""
-            check(triple and len(best) == 3, who, "keep_best", example, best, fix, TypeError)
-        metric, mode, count = best or (None, "min", 0)
-        steps, full = tuple(self.keep_steps), self.keep_full
-        rules = Retention(self.keep_last, self.keep_every, steps, count, metric, mode, full)
-        object.__setattr__(self, "rules", rules)  # derived once; Retention checks its rules
+        check(ok, "checkpoints", "signals", example, self.signals, "", TypeError)
+        ok = self.exit_code is None or type(self.exit_code) is int
+        check(ok, "checkpoints", "exit_code", "an int or None", self.exit_code, "", TypeError)
+
+
+def _retention(keep_best: Any, restore_best: bool, **rules: Any) -> Retention:
+    """The plugin's keep_* arguments as a Retention (``keep_best``: (metric, mode, count))."""
+    check_bool("checkpoints", "restore_best", restore_best)
+    if keep_best is not None or restore_best:
+        ok = isinstance(keep_best, (tuple, list)) and len(keep_best) == 3
+        example = "(metric, mode, count), e.g. ('val/loss', 'min', 3)"
+        fix = "restore_best=True picks the best checkpoint by it." if restore_best else ""
+        check(ok, "checkpoints", "keep_best", example, keep_best, fix, TypeError)
+    metric, mode, count = keep_best or (None, "min", 0)
+    rules["keep_steps"] = tuple(rules["keep_steps"])
+    return Retention(**rules, keep_best=count, metric=metric, mode=mode)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """The plugin's arguments, in pieces."""
+
+    folder: Path
+    objects: Mapping[str, Any] | None  # saved with the state, loaded into on resume
+    saving: _Saving
+    rules: Retention
+    restore_best: bool
+    resuming: _Resuming
+    stopping: _Stopping
 
 
 @dataclasses.dataclass(slots=True)
@@ -127,7 +149,7 @@ class _Run:
 
 def _share_signal(config: _Config, run_: _Run) -> None:
     """Give every rank of the group the highest signal any rank received."""
-    if run_.group is not None and config.signals:
+    if run_.group is not None and config.stopping.signals:
         run_.signum = max_over_ranks(run_.signum or 0, run_.group) or None
 
 
@@ -152,7 +174,7 @@ def _saving(config: _Config) -> Iterator[None]:
     try:
         yield
     except Exception as error:
-        if config.on_error == "raise":
+        if config.saving.on_error == "raise":
             raise
         message = f"checkpoints: a save failed and training goes on (on_error='warn'): {error}"
         warnings.warn(message, RuntimeWarning, stacklevel=6)
@@ -178,26 +200,26 @@ def _save(config: _Config, run_: _Run, state: TrainState, loop: LoopInfo) -> Non
         return
     metrics = _metrics(state, config.rules.metric)  # a keep_best typo raises before a write
     _finish(config, run_)
-    path = config.folder / f"step_{state.step:06d}"
     state = state.replace(data_state=position(loop.data, state.data_state, not state.batches_seen))
-    save = save_in_background if config.background else save_checkpoint
-    extra: dict[str, Any] = {"metrics": metrics, "rules": config.rules, "settings": run_.settings}
+    save = save_in_background if config.saving.background else save_checkpoint
+    options: dict[str, Any] = {"objects": config.objects, "rules": config.rules}
+    options.update(
+        metrics=metrics, settings=run_.settings, trainable_only=config.saving.trainable_only
+    )
     with _saving(config):
-        run_.writing = save(
-            state, path, objects=config.objects, trainable_only=config.trainable_only, **extra
-        )
+        run_.writing = save(state, config.folder / f"step_{state.step:06d}", **options)
         run_.saved_step = state.step
-    if not config.background:
+    if not config.saving.background:
         _finish(config, run_)
 
 
-def _install(config: _Config, run_: _Run) -> None:
+def _install(signals: Sequence[int], run_: _Run) -> None:
     def handler(signum: int, frame: Any) -> None:
         run_.signum = signum  # only a flag: the loop acts on it between updates
 
     if threading.current_thread() is threading.main_thread():  # Python allows no other
-        run_.handlers = {signum: signal.signal(signum, handler) for signum in config.signals}
-    elif names := [signal.Signals(s).name for s in config.signals]:
+        run_.handlers = {signum: signal.signal(signum, handler) for signum in signals}
+    elif names := [signal.Signals(s).name for s in signals]:
         message = "checkpoints: run() is not on the main thread, where Python delivers signals"
         warnings.warn(f"{message}; {names} keep their handlers.", RuntimeWarning, stacklevel=5)
 
@@ -233,27 +255,28 @@ def _settings(state: TrainState, loop: LoopInfo) -> dict[str, Any]:
     the scheduler's class and fresh state dict flattened (its arguments, and those of the
     schedulers inside it), micro-batches, the data's pass and data ranks, the mesh's sizes."""
     groups = getattr(state.optimizer, "param_groups", [])
-    optimizer = [_plain({**g, "lr": g.get("initial_lr", g.get("lr"))}) for g in groups]
+    optimizer = [_setting_values({**g, "lr": g.get("initial_lr", g.get("lr"))}) for g in groups]
     sched = state.scheduler
     fresh = _flat(sched.state_dict()) if callable(getattr(sched, "state_dict", None)) else {}
-    kind = None if sched is None else {"class": type(sched).__name__, **_plain(fresh)}
+    kind = None if sched is None else {"class": type(sched).__name__, **_setting_values(fresh)}
     data = {**pass_settings(loop.data), "world_size": rank_of(groups_of(state.model).data)[1]}
     made = dict(optimizer=optimizer, scheduler=kind, micro_batches=loop.micro_batches, data=data)
     layout = current_layout()
     return made if layout is None else {**made, "mesh": layout.sizes()}
 
 
-def _plain(values: Mapping[str, Any]) -> dict[str, Any]:
+def _setting_values(values: Mapping[str, Any]) -> dict[str, Any]:
     """The settings among ``values`` (by name or path ``a.0.b``): numbers, strings and tuples
     of them (0-d tensors too)."""
-    plain = {}
+    found = {}
     for key, value in values.items():
         value = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
         value = tuple(value) if isinstance(value, list) else value
         items = value if isinstance(value, tuple) else (value,)
-        if key.rsplit(".")[-1] not in _NOT_SETTINGS and all(isinstance(v, _PLAIN) for v in items):
-            plain[key] = value
-    return plain
+        plain = all(isinstance(v, _SETTING_TYPES) for v in items)
+        if plain and key.rsplit(".")[-1] not in _NOT_SETTINGS:
+            found[key] = value
+    return found
 
 
 def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -278,7 +301,7 @@ def _report(config: _Config, run_: _Run, state: TrainState, loop: LoopInfo, path
     was, now = _flat(saved), _flat(run_.settings)
     pairs = {k: (was.get(k, "-"), now.get(k, "-")) for k in sorted(was.keys() | now.keys())}
     changes = [f"{k} {old} -> {new}" for k, (old, new) in pairs.items() if old != new]
-    if saved and changes and config.on_change == "error":
+    if saved and changes and config.resuming.on_change == "error":
         raise ValueError(
             f"checkpoints: the run in {str(config.folder)!r} started with other settings "
             f"(saved -> now): {'; '.join(changes)}, and on_change='error' refuses a change. "
@@ -304,27 +327,26 @@ def _report(config: _Config, run_: _Run, state: TrainState, loop: LoopInfo, path
 
 
 def _resumed(config: _Config, run_: _Run, event: Event) -> TrainState:
-    root, state, loop = config.folder, event.state, event.loop
-    run_.settings = _settings(state, loop)  # the user's, before any load
-    path = None
-    if config.resume == "latest":
-        state, path = load_latest(root, like=state, objects=config.objects) or (state, None)
-        run_.saved_step = None if path is None else state.step
-    elif config.resume is not None:
-        path = Path(config.resume)
-        state = load_checkpoint(path, like=state, objects=config.objects)
-    elif found := list_checkpoints(root):
+    root, state, resume = config.folder, event.state, config.resuming.resume
+    run_.settings = _settings(state, event.loop)  # the user's, before any load
+    if resume is None and (found := list_checkpoints(root)):
         raise ValueError(
             f"checkpoints: {str(root)!r} already holds checkpoints "
             f"({', '.join(i.path.name for i in found[-3:])}) and resume=None; "
             "pass resume='latest' to continue from them, or use an empty folder."
         )
+    path = None if resume in (None, "latest") else Path(resume)  # type: ignore[arg-type]
+    if resume == "latest":
+        state, path = load_latest(root, like=state, objects=config.objects) or (state, None)
+        run_.saved_step = None if path is None else state.step
+    elif path is not None:
+        state = load_checkpoint(path, like=state, objects=config.objects)
     if path is None:
         return state
-    seen = on_rank0(run_.group, "checkpoints", _report, config, run_, state, loop, path)
+    seen = on_rank0(run_.group, "checkpoints", _report, config, run_, state, event.loop, path)
     state = state._evolve({"batches_seen": max_over_ranks(seen or 0, run_.group)})  # rank 0's
     if not state.batches_seen:  # between passes: the next one draws from the saved generators
-        restore_generators(loop.data, state.data_state)
+        restore_generators(event.loop.data, state.data_state)
     return state
 
 
@@ -332,9 +354,10 @@ def _start(config: _Config, event: Event) -> tuple[_Run, TrainState]:
     if event.state.optimizer is not None:  # refuse what no save could name, before training
         parameter_names(event.state.model, event.state.optimizer)
     run_ = _Run(checkpoint_group(event.state.model))
-    expected = "False with a data-parallel model (DDP or FSDP2), whose ranks save together"
-    check(run_.group is None or not config.background, "checkpoints", "background", expected, True)
-    _install(config, run_)
+    ok, expected = run_.group is None or not config.saving.background, "False with a data-"
+    expected += "parallel model (DDP or FSDP2), whose ranks save together"
+    check(ok, "checkpoints", "background", expected, True)
+    _install(config.stopping.signals, run_)
     try:
         on_rank0(run_.group, "checkpoints", _own, config.folder, run_)  # the others wait
         state = _resumed(config, run_, event)
@@ -387,7 +410,7 @@ def _stop(config: _Config, run_: _Run, state: TrainState, loop: LoopInfo) -> Tra
 def _on_step(config: _Config, run_: _Run, event: Event) -> TrainState | None:
     state, out, rules = event.state, event.out, config.rules
     due = run_.epoch_due or state.step in rules.keep_steps
-    due = due or any(n and state.step % n == 0 for n in (config.every, rules.keep_every))
+    due = due or any(n and state.step % n == 0 for n in (config.saving.every, rules.keep_every))
     if out is not None and out.updated and due:
         run_.epoch_due = False
         _save(config, run_, state, event.loop)
@@ -409,7 +432,7 @@ def _end(config: _Config, run_: _Run, event: Event) -> None:
                 message = f"checkpoints: the run ended with {window}, which no checkpoint can "
                 message += f"hold; the newest checkpoint stays step {run_.saved_step}."
                 warnings.warn(message, RuntimeWarning, stacklevel=4)
-            elif run_.signum is not None or config.at_end:
+            elif run_.signum is not None or config.saving.at_end:
                 _save(config, run_, event.state, event.loop)
         _finish(config, run_)
         if error is None and run_.signum is None and config.rules.metric is not None:
@@ -428,7 +451,7 @@ def _end(config: _Config, run_: _Run, event: Event) -> None:
         return
     atexit.register(_ignore, tuple(run_.handlers))
     said = f"checkpoints: {signal.Signals(run_.signum).name} was received"
-    code = 128 + run_.signum if config.exit_code is None else config.exit_code
+    code = 128 + run_.signum if config.stopping.exit_code is None else config.stopping.exit_code
     if event.error is not None:  # the error that ended training propagates: no silent exit
         event.error.add_note(f"{said} too; this error replaces the exit with {code}")
     else:
@@ -459,147 +482,56 @@ def checkpoints(
 ) -> Plugin:
     """A plugin that saves checkpoints, keeps some, resumes from the newest, stops on a signal.
 
-    **Saving.** After every ``every``-th applied update, at every ``"epoch_end"``
-    (``per_epoch``; when the epoch ends inside an accumulation window, at the update that
-    closes it), at the steps retention keeps (multiples of ``keep_every``, ``keep_steps``),
-    once more at the end of a run that did not raise (``at_end``), and when a
-    configured signal arrived, the state is written with :func:`toolkit.save_checkpoint`
-    to ``folder/step_NNNNNN`` (atomically), with the
-    metrics other plugins made at that very step (``{"val/loss": ...}``, for ``keep_best``),
-    the data position (between passes: the states of the loader's own generators) and the
-    run's settings (below); then the pointer ``folder/latest`` is replaced and
-    retention prunes the folder. ``background=True`` writes in a thread and blocks the loop
-    only for a host copy of the tensors; the next save, the pointer and pruning wait for it.
+    docs/checkpoints.md tells the whole behaviour; the arguments come in four groups.
 
-    **Retention** is decided from what is on disk, so it holds across restarts: a checkpoint
-    stays when any rule keeps it: the ``keep_last`` newest, every ``keep_every`` updates,
-    ``keep_steps``, and the ``count`` best by ``keep_best=(metric, "min"|"max", count)``. The
-    newest is never deleted. ``python -m toolkit.checkpoints FOLDER`` lists them and why.
-    A ``keep_best`` metric missing from the metrics published under its prefix (``val/los``
-    where ``validate(key="val")`` published ``val/loss``: a typo) raises at that save. Under
-    a prefix nothing published yet (a plugin of your own that publishes later, or a typo
-    such as ``vall/loss``) no save can tell; a ``RuntimeWarning`` at the end of a run that
-    ended well says so when no checkpoint in the folder holds the metric. ``keep_full=N``
-    keeps optimizer, scheduler, RNG and data state in the ``N`` newest only; older kept
-    checkpoints keep the weights.
+    **Saving** (:func:`toolkit.save_checkpoint` to ``folder/step_NNNNNN``, then the pointer
+    ``folder/latest``, then pruning): after every ``every``-th applied update, at every
+    ``"epoch_end"`` (``per_epoch``; inside an accumulation window, at the update that
+    closes it), at the steps retention keeps, and at the end of a run that did not raise
+    (``at_end``). Each save records the metrics other plugins made at that step, the data
+    position and the run's settings. ``background=True`` writes in a thread (not under
+    data parallelism); ``on_error="warn"`` lets training go on after a failed save;
+    ``trainable_only`` saves the trainable parameters only (a LoRA adapter).
 
-    **One run per folder.** From ``"restore"`` to ``"end"`` the run holds an exclusive lock
-    (``flock``) on ``folder/.lock``, which names its process and host; a second run into the
-    same folder is refused at its start, naming the holder. The kernel frees the lock when
-    the holder dies, even by SIGKILL, so a restarted job is never blocked by a dead one;
-    forked children (DataLoader workers) close it, so none holds it after the run. A
-    ``.lock`` that is not a regular file (a symlink, a FIFO) is refused, never followed.
-    Under data parallelism rank 0 holds it for the job.
+    **Retention**, decided from the manifests on disk: the union of ``keep_last``,
+    ``keep_every``, ``keep_steps`` and ``keep_best=(metric, "min"|"max", count)``; the
+    newest is never deleted; ``keep_full=N`` reduces older kept checkpoints to the model.
+    ``restore_best=True`` loads the best one's weights into the model at the end.
 
-    **Resume.** At ``"restore"`` (before any plugin's ``"start"``), leftover temporary
-    folders of a killed save are removed, and with ``resume="latest"`` the newest intact
-    checkpoint (damaged ones are skipped with a warning) is loaded into the state (model,
-    scheduler, optimizer, scaler, RNG states, data position, extras), which is returned:
-    the same command starts and resumes a job. A checkpoint folder may be given instead;
-    with ``resume=None`` a folder that already holds checkpoints is refused rather than
-    mixed with a new run. Rank 0 prints one line to stderr:
-    ``checkpoints: resumed from FOLDER/step_N at update N, epoch E, batch B``, which ends with
-    ``the run had already reached its end`` when it had (nothing left to train).
+    **Resume** at ``"restore"``, before any plugin's ``"start"``: the folder is locked for
+    this run (``folder/.lock``; a second run is refused), leftovers of killed saves are
+    removed, and ``resume="latest"`` loads the newest intact checkpoint (damaged ones are
+    skipped with a warning) into the state and ``objects``; a checkpoint folder may be
+    given; ``resume=None`` refuses a folder that holds checkpoints. Settings that differ
+    from the saved ones are listed in one warning (``on_change="error"`` raises).
 
-    **Settings.** Every save records what the run was started with: each parameter group's
-    hyperparameters (the starting lr), the scheduler's class and its state dict as
-    constructed, flattened (``milestones``, a ``SequentialLR``'s schedulers' arguments;
-    counters such as ``last_epoch`` and callables left out), the step's micro-batches, and
-    the data's batch size, samples, batches per pass and the world size. A resume compares
-    them with the current ones and lists every difference in one ``RuntimeWarning``
-    (``on_change="error"`` raises ``ValueError`` instead). The
-    checkpoint's optimizer and scheduler values are used (the run goes on as saved); the data
-    and micro-batches are the current ones. A pass resumed with another batch size goes on
-    at its first unseen sample (a partly seen batch is read again); any other change of the
-    data inside a pass (samples, world size, batches of a source without a batch size, a
-    stateful loader) is refused, as no position would skip exactly the seen samples. To
-    train with new values from the start, use another folder.
-
-    **Signals.** For each of ``signals`` (SIGTERM and SIGUSR1 by default, as SLURM and
-    Kubernetes send them before preemption, and SIGINT: Ctrl-C saves and exits with 130;
-    pass ``signals=(signal.SIGTERM, signal.SIGUSR1)`` to let Ctrl-C raise
-    ``KeyboardInterrupt`` unsaved) the handler only sets a flag (Python delivers
-    signals to the main thread only: a run() on another thread installs none). The update in
-    progress finishes, the state is saved (unless this step already was), the loop stops,
-    every plugin's ``"end"`` runs, and the process exits with ``exit_code`` (default
-    ``128 + signal``: 143 for SIGTERM; 0 suits setups that requeue on success). A signal
-    during a save waits for it; one before the first update stops the run at once. After a
-    signal, SIGTERM's and SIGUSR1's flag-only handlers stay installed until the process
-    exits, so that a second one (torchrun stopping the other ranks) cannot cut short the
-    ``"end"`` of the plugins after this one, nor change the exit status; SIGINT's previous
-    handler is put back at this plugin's ``"end"``, so that Ctrl-C works again in a process
-    that catches the ``SystemExit`` and goes on (a notebook); a second Ctrl-C during the
-    later plugins' ``"end"`` may then raise ``KeyboardInterrupt``. Without a signal every
-    previous handler is put back at ``"end"``. A run that hangs after Ctrl-C still ends by
-    Ctrl-\\ (SIGQUIT) or SIGKILL, unsaved. When training raised after a signal (a DataLoader
-    worker killed by the same SIGTERM, the stop's save failing on a full disk), that error
-    propagates (exit status 1, its traceback printed) with a note naming the signal, rather
-    than the silent exit; a stop's save that fails at ``"end"`` (``background=True``)
-    exits with status 1 and a message naming the error.
-
-    **Data parallel (DDP, FSDP2).** Put the plugin on every rank, with the same arguments.
-    Saves are collective (see :func:`toolkit.save_checkpoint`: DDP's rank 0 writes, FSDP2's
-    ranks write their shards; every rank keeps its own RNG states); the pointer and pruning
-    are rank 0's; ``resume="latest"`` loads the checkpoint rank 0 picked, on every rank. A
-    resume compares rank 0's settings with the saved ones (rank 0's own, so ranks may hold
-    shards of different sizes): rank 0 warns, or every rank raises with it. A
-    signal delivered to one rank only stops every rank after the same update, with one
-    checkpoint: every ``SIGNAL_EVERY`` (10) updates the ranks all-reduce the flag (one small
-    all-reduce, only when ``signals`` is not empty; every rank checks at the same updates,
-    so all stop after the same one), and once more at ``"restore"`` and ``"end"``.
-    The folder must be on a file system every rank sees. ``background=True`` is refused
-    there.
-
-    **Order.** Wherever it is in the list, :func:`run` calls it after ``ema``,
-    ``validate``, ``early_stop``, your own plugins and ``log_metrics`` and before
-    ``progress``, so a checkpoint holds what they made of its step; it loads at the
-    ``"restore"`` event, before any plugin's ``"start"``, so every plugin starts from the
-    restored state.
-    ``restore_best=True`` loads the best checkpoint's weights (by ``keep_best``) into
-    the model at the end of a run that did not raise or stop on a signal.
+    **Preemption**: each of ``signals`` (SIGTERM, SIGUSR1, SIGINT) only sets a flag; the
+    update finishes, the state is saved, every plugin's ``"end"`` runs and the process
+    exits with ``exit_code`` (``None``: 128 + the signal). Under data parallelism the
+    ranks agree on a signal every ``SIGNAL_EVERY`` (10) updates.
 
     Args:
         folder: the folder of checkpoints, e.g. ``"runs/a/ckpt"``.
-        every: save after every this many applied updates (>= 1), or ``None``.
-        per_epoch: save at the end of every pass over the data, after the plugins before
-            it in the list (a ``validate(per_epoch=True)`` there gives ``keep_best`` its
-            score). A step already saved by ``every`` is not written again.
-        at_end: save when the run ends (not when training raised, nor with an accumulation
-            window still open: no checkpoint holds its gradients).
-        keep_last: keep the newest this many (>= 0; the newest is kept anyway).
-        keep_every: keep the checkpoints whose step is a multiple of this.
-        keep_steps: keep the checkpoints of these steps.
-        keep_best: ``(metric, mode, count)``: keep the best ``count`` by ``metric``.
-        resume: ``"latest"``, a checkpoint folder to load, or ``None``.
-        signals: the signal numbers that save and stop the run (SIGTERM, SIGUSR1, SIGINT).
-        exit_code: the exit status after a signal; ``None`` for ``128 + signal``.
-        restore_best: load the best checkpoint's weights into the model at the end.
-        objects: extra stateful objects (``state_dict``/``load_state_dict``) saved with the
-            state and loaded into on resume.
-        background: write in a background thread.
-        on_error: ``"raise"`` a failing save (earlier checkpoints stay intact) or ``"warn"``
-            and keep training.
-        keep_full: keep the full training state in this many newest checkpoints only
-            (``None``: in all); see :class:`toolkit.checkpoints.Retention`.
-        on_change: ``"warn"`` about settings that differ from the checkpoint's on resume,
-            or ``"error"`` (``ValueError``).
-        trainable_only: save only the trainable parameters (and buffers), with a fingerprint
-            of the frozen ones checked on resume (see :func:`toolkit.save_checkpoint`): a
-            LoRA run's checkpoints hold the adapter, not the base.
+        every, per_epoch, at_end, background, on_error, trainable_only: saving (above);
+            ``every``: applied updates between saves (>= 1) or ``None``; ``on_error``:
+            ``"raise"`` or ``"warn"``.
+        keep_last, keep_every, keep_steps, keep_best, keep_full, restore_best: retention,
+            as :class:`toolkit.checkpoints.Retention` (``keep_best``: a triple).
+        resume, on_change, objects: resuming; ``resume``: ``"latest"``, a checkpoint
+            folder or ``None``; ``on_change``: ``"warn"`` or ``"error"``; ``objects``:
+            extra stateful objects (``state_dict``/``load_state_dict``) saved and loaded.
+        signals, exit_code: preemption.
 
     Returns:
         The plugin, ``plugin(event) -> TrainState | None``.
 
     Raises:
-        TypeError, ValueError: bad arguments (named in the message); at ``"restore"``, a
-            checkpoint that does not fit the state, ``resume=None`` with checkpoints in
-            ``folder``, changed settings with ``on_change="error"``, a data position that
-            cannot be mapped; a failing save with ``on_error="raise"``; a ``keep_best``
-            metric no plugin publishes.
-        RuntimeError: at ``"restore"``, ``folder`` locked by another run, or its ``.lock``
-            not a regular file.
-        SystemExit: at ``"end"`` after a signal, with ``exit_code`` (status 1 and a message
-            when the stop's save failed there; an error of training propagates instead).
+        TypeError, ValueError: bad arguments; at ``"restore"``, a checkpoint that does not
+            fit the state, ``resume=None`` with checkpoints in ``folder``, changed settings
+            with ``on_change="error"``; a failing save with ``on_error="raise"``; a
+            ``keep_best`` metric its plugin does not publish.
+        RuntimeError: ``folder`` locked by another run, or its ``.lock`` not a regular file.
+        SystemExit: at ``"end"`` after a signal, with ``exit_code``.
 
     Example:
         >>> import torch
@@ -619,7 +551,16 @@ def checkpoints(
         >>> again.step  # resumed at 6, trained 2 more
         8
     """
-    config = _Config(**locals())  # the arguments, checked
+    keep = dict(keep_last=keep_last, keep_every=keep_every, keep_steps=keep_steps)
+    config = _Config(
+        check_path("checkpoints", "folder", folder),
+        objects,
+        _Saving(every, per_epoch, at_end, background, on_error, trainable_only),
+        _retention(keep_best, restore_best, **keep, keep_full=keep_full),
+        restore_best,
+        _Resuming(resume, on_change),
+        _Stopping(signals if isinstance(signals, str) else tuple(signals), exit_code),  # type: ignore[arg-type]
+    )
     live: dict[str, _Run] = {}  # one run at a time
 
     def plugin(event: Event) -> TrainState | None:
@@ -630,7 +571,7 @@ def checkpoints(
             return None
         if event.kind == "step":
             return _on_step(config, run_, event)
-        epoch_end = event.kind == "epoch_end" and config.per_epoch
+        epoch_end = event.kind == "epoch_end" and config.saving.per_epoch
         if epoch_end and event.state.window.micro_step:  # its gradients fit in no checkpoint
             run_.epoch_due = True  # saved at the update that closes the window
         elif epoch_end:
