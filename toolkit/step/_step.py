@@ -294,13 +294,15 @@ class Step:
                 flags.send(window.loss, window.skipped, first)
         (scaler.scale(objective) if scaler is not None else objective).backward()
         shown = loss.detach() if count is None else loss.detach() / count
-        return window, StepOutput(shown, records, count, _leading_dim(batch), False, False), loss
+        # The samples of (inputs, targets) or a tensor without the walk: 0.7% of the plain
+        # step's instructions per update (valgrind, benchmarks/instructions.py step).
+        first = batch[0] if type(batch) is tuple and batch else batch
+        samples = first.shape[0] if type(first) is torch.Tensor and first.ndim else None
+        samples = _leading_dim(batch) if samples is None else samples
+        return window, StepOutput(shown, records, count, samples, False, False), loss
 
     def _forward(self, state: TrainState, batch: Any) -> Any:
         """Phase 1: the loss function's result."""
-        if self.amp is None and not self._with_step:
-            # A plain positional call: worth about 0.8% of the two step bench rows.
-            return self.loss_fn(state.model, batch)
         keywords = {"step": state.step} if self._with_step else {}
         amp = self.amp
         with amp.autocast(state.optimizer) if amp is not None else contextlib.nullcontext():
