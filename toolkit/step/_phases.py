@@ -246,23 +246,17 @@ APPLY = Verdict()  # nothing against applying the window, as one object
 
 
 def verdict_of_window(
-    guard: GuardConfig | None,
-    scaler: torch.amp.GradScaler | None,
-    amp: AmpConfig | None,
-    optimizer: torch.optim.Optimizer,
-    window: WindowState,
-    grad_norm: torch.Tensor | None,
-    total: torch.Tensor | None,
-    group: Any,
-    carried: torch.Tensor | None,
-    replicated: bool = False,
-) -> Verdict:
+    window: WindowState, grad_norm: torch.Tensor | None, total: torch.Tensor | None, *,
+    guard: GuardConfig | None, scaler: torch.amp.GradScaler | None, amp: AmpConfig | None,
+    optimizer: torch.optim.Optimizer, group: Any, carried: torch.Tensor | None,
+    replicated: bool,
+) -> Verdict:  # fmt: skip
     """Phase 6: every decision about the closed window in one host sync, alike on all ranks.
 
     Each flag is a 0-d tensor; one read of them all is the update's host sync. ``total``
     is the window's count as a tensor (checked here since this sync exists anyway), or
-    None. Over the data-parallel ``group`` one MAX all-reduce agrees the flags, with each
-    rank's skipped micro-batches and their negation (``uneven`` when the most and the
+    None. Over ``group`` (every rank of the job) one MAX all-reduce agrees the flags, with
+    each rank's skipped micro-batches and their negation (``uneven`` when the most and the
     fewest differ), unless DDP has ``carried`` the ranks' summed window loss and skip sums
     with the gradients (see :class:`BucketFlags`): then every flag agrees without one.
     ``replicated``: ``group`` holds replicas of the token ranks (tensor parallelism), whose

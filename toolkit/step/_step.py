@@ -17,7 +17,6 @@ import torch
 import toolkit.step._phases as phases
 from toolkit._checks import check
 from toolkit.distributed._collectives import (
-    SYNC_KIND,
     all_reduce_,
     bucket_flags,
     groups_of,
@@ -115,8 +114,6 @@ _NOT_PER_UPDATE = (torch.optim.lr_scheduler.ReduceLROnPlateau, PerEpoch)
 Scaler = torch.amp.GradScaler | None
 _NO_RECORDS: Mapping[str, Any] = types.MappingProxyType({})  # shared, so read-only
 _NO_WINDOW = WindowState()
-_tuple_new = tuple.__new__  # skips a namedtuple's own __new__, a Python call: per micro-batch
-_OPEN = (False, False, False, False, False, False, None, None)  # StepOutput's flags, open
 _TWICE = (  # scheduler.step() outside the step: the schedule runs ahead (a fixed text: once)
     "the LR scheduler was stepped outside the train step (its last_epoch moved between the "
     "step's own steps). Remove your scheduler.step(), or mark it toolkit.per_epoch(scheduler)."
@@ -155,8 +152,9 @@ def _parse(result: Any) -> tuple[torch.Tensor, torch.Tensor | float | None, Mapp
             f"loss_fn returned {got}; expected a scalar tensor, (loss, records), "
             "LossSum(total, count[, records]), or None to skip the batch."
         )
-    fix = "The step reports the loss itself: return out.loss alone, or rename the record."
-    check("loss" not in records, "loss_fn", "records", "without a 'loss' key", type(records), fix)
+    if "loss" in records:
+        fix = "The step reports the loss itself: return out.loss alone, or rename the record."
+        check(False, "loss_fn", "records", "without a 'loss' key", type(records), fix)
     if loss.ndim != 0:
         raise ValueError(
             f"loss_fn must return a scalar loss (a 0-d tensor); got a tensor of shape "
@@ -246,201 +244,140 @@ class Step:
         instead of ``micro_batches`` (exactly, by the total count, for :class:`LossSum`).
         Under data parallelism give it on every rank alike.
         """
-        optimizer = getattr(state, "optimizer", None)
-        if optimizer is None:
-            given = f"a {type(state).__name__}, not a TrainState"
-            given = "None" if isinstance(state, TrainState) else given
-            raise TypeError(
-                f"a train step needs TrainState.optimizer; got {given}. Build the state with one: "
-                "TrainState(model=model, optimizer=torch.optim.AdamW(model.parameters()))."
-            )
-        if state._consumed:
-            raise ValueError(
-                f"this TrainState (step {state.step}) was already passed to a train step, so "
-                "its counters would fork; keep the one it returns: state, out = step(state, batch)."
-            )
-        k, opened = self._k, state.window
-        if opened.micro_step and opened.length != k:
-            raise ValueError(
-                f"the state's accumulation window was opened by a step of micro_batches="
-                f"{opened.length} and holds {opened.micro_step} micro-batch(es); this step has "
-                f"micro_batches={k}, so the window would never close as it should."
-            )
-        scaler = None  # a scaler left in the state by someone else is not ours to use
-        if self.amp is not None and self.amp.fp16:
-            if state.scaler is None:
-                state = state.replace(scaler=self.amp.make_scaler(optimizer))
-            scaler = state.scaler
-        # "none", "ddp" or "fsdp2"; the cache read inline: a call per micro-batch shows
-        sync = SYNC_KIND.get(type(state.model)) or sync_kind(state.model)
-        closes = close or opened.micro_step + 1 == k
+        _check_state(state, self._k)
+        state, scaler = self._with_scaler(state)
+        sync = sync_kind(state.model)  # "none", "ddp" or "fsdp2"
+        closes = close or state.window.micro_step + 1 == self._k
         if closes or sync == "none":
-            window, out, loss = self._micro_batch(state, batch, k, closes, scaler, sync)
-        else:
-            # (3) gradients are synced on the window's closing micro-batch only
-            with suppress_grad_sync(state.model, sync) or contextlib.nullcontext():
-                window, out, loss = self._micro_batch(state, batch, k, closes, scaler, sync)
+            window, out, loss = self._micro_batch(state, batch, closes, scaler, sync)
+        else:  # 3. gradients are synced on the window's closing micro-batch only
+            with suppress_grad_sync(state.model, sync):
+                window, out, loss = self._micro_batch(state, batch, closes, scaler, sync)
         if window is None:  # skipped: the window does not advance
             if sync == "none":
                 return state, out
             # Data parallel: counted, for the ranks to compare when the window closes.
-            window = opened._replace(skipped=opened.skipped + 1)
-            if sync == "ddp" and window.skipped >= k:  # a rank skipping on: it closes the
-                return self._close_skipped(state, window, scaler)  # window, or others hang
+            window = state.window._replace(skipped=state.window.skipped + 1)
+            if sync == "ddp" and window.skipped >= self._k:  # a rank skipping on: it closes
+                return self._close_skipped(state, window, scaler)  # the window, or others hang
         if out.skipped or not closes:
-            fields = state.__dict__.copy()  # TrainState._evolve inlined, as in _close
-            fields["window"], fields["_graph"] = window, loss
-            new = object.__new__(TrainState)
-            object.__setattr__(new, "__dict__", fields)
-            state.__dict__["_consumed"] = True  # past the frozen __setattr__
-            return new, out
+            return state._evolve({"window": window, "_graph": loss}, consume=True), out
         return self._close(state, window, out, loss, scaler, sync)
 
-    def _micro_batch(
-        self, state: TrainState, batch: Any, k: int, closes: bool, scaler: Scaler, sync: str
-    ) -> tuple[WindowState | None, StepOutput, torch.Tensor | None]:
-        """Phases 1-3: the advanced window (None when skipped), the output and the loss.
+    def _with_scaler(self, state: TrainState) -> tuple[TrainState, Scaler]:
+        """The state with the fp16 GradScaler this step uses (made on the first step), or
+        None: a scaler left in the state by someone else is not ours to use."""
+        if self.amp is None or not self.amp.fp16:
+            return state, None
+        if state.scaler is None:
+            state = state.replace(scaler=self.amp.make_scaler(state.optimizer))
+        return state, state.scaler
 
-        Run per micro-batch: on a small model every call and object made here shows.
-        """
-        model, optimizer, window = state.model, state.optimizer, state.window
+    def _micro_batch(
+        self, state: TrainState, batch: Any, closes: bool, scaler: Scaler, sync: str
+    ) -> tuple[WindowState | None, StepOutput, torch.Tensor | None]:
+        """Phases 1-3: the advanced window (None when skipped), the output and the loss."""
         # 1. forward, under autocast; loss_fn(model, batch, step=...) reads the update number
-        amp, with_step = self.amp, self._with_step
-        if amp is None and not with_step:
-            # A plain positional call: with the two inlines around it (the common result,
-            # the state of an open window) it was worth about 0.8% of the two step bench rows.
-            result = self.loss_fn(model, batch)
-        else:
-            keywords = {"step": state.step} if with_step else {}
-            with amp.autocast(optimizer) if amp is not None else contextlib.nullcontext():
-                result = self.loss_fn(model, batch, **keywords)
+        result = self._forward(state, batch)
         if result is None:
             return None, _SKIPPED, None
-        if type(result) is torch.Tensor and result.ndim == 0 and result.requires_grad:
-            loss, count, records = result, None, _NO_RECORDS  # the common case, no call
-        else:
-            loss, count, records = _parse(result)
+        loss, count, records = _parse(result)
         # 2. loss normalisation: 1/k, or a sum whose gradients phase 5 divides
-        window_count, window_loss = window.count, window.loss
-        if window.micro_step and (count is None) != (window_count is None):
-            detail = "this one reported none" if count is None else "earlier ones reported none"
-            raise ValueError(
-                "loss_fn reported a target count for some micro-batches of the window but not "
-                f"for others ({detail}). Return LossSum(total, count) from every call, or none."
-            )
-        objective = loss / k if count is None and k > 1 else loss
-        detached = shown = loss.detach()
-        if self.guard is not None:
-            # Summed so that one isfinite check covers the window; in float32 at least, so
-            # that a large fp16 sum cannot overflow into a false alarm.
-            summed = detached.float() if detached.dtype is torch.float16 else detached
-            window_loss = summed if window_loss is None else window_loss + summed
-        if count is not None:  # python counts stay python numbers: exact, checked sync-free
-            window_count = count if window_count is None else window_count + count
-            shown = detached / count
-        fields = (window.micro_step + 1, window_count, window_loss, k, window.skipped)
-        window = _tuple_new(WindowState, fields)
+        window = _added(state.window, loss, count, self._k, self.guard is not None)
+        objective = loss / self._k if count is None and self._k > 1 else loss
         # 3. backward, through the GradScaler under fp16
         if closes and sync == "ddp" and self.grad_transforms is None:
             # DDP: this rank's window loss and skips ride on the gradient all-reduce.
-            carrier = bucket_flags(model)
-            if carrier is not None:
-                carrier.send(window_loss, window.skipped, optimizer.param_groups[0]["params"][0])
+            flags = bucket_flags(state.model)
+            if flags is not None:
+                first = state.optimizer.param_groups[0]["params"][0]
+                flags.send(window.loss, window.skipped, first)
         (scaler.scale(objective) if scaler is not None else objective).backward()
-        first = batch[0] if type(batch) is tuple and batch else batch  # (inputs, targets)
+        shown = loss.detach() if count is None else loss.detach() / count
+        # The samples of (inputs, targets) or a tensor without the walk: 0.7% of the plain
+        # step's instructions per update (valgrind, benchmarks/instructions.py step).
+        first = batch[0] if type(batch) is tuple and batch else batch
         samples = first.shape[0] if type(first) is torch.Tensor and first.ndim else None
         samples = _leading_dim(batch) if samples is None else samples
-        return window, _tuple_new(StepOutput, (shown, records, count, samples, *_OPEN)), loss
+        return window, StepOutput(shown, records, count, samples, False, False), loss
+
+    def _forward(self, state: TrainState, batch: Any) -> Any:
+        """Phase 1: the loss function's result."""
+        keywords = {"step": state.step} if self._with_step else {}
+        amp = self.amp
+        with amp.autocast(state.optimizer) if amp is not None else contextlib.nullcontext():
+            return self.loss_fn(state.model, batch, **keywords)
 
     def _close(
         self, state: TrainState, window: WindowState, out: StepOutput, loss: Any, scaler: Scaler,
         sync: str,
     ) -> tuple[TrainState, StepOutput]:  # fmt: skip
-        """Phases 4-11, once per window, whose gradients are complete (and synced)."""
-        optimizer, transforms = state.optimizer, self.grad_transforms
-        clipping, guard = self.clipping, self.guard
-        k, short = window.length, window.micro_step != window.length  # short: close=True
-        # The ranks over which counts are summed, and those that agree on the verdict.
-        tokens = group = replicated = None  # type: Any
-        if sync != "none" or current_layout() is not None:
-            tokens, group = groups_of(state.model)[1:]
-            replicated = tokens is not group
-        needs_grads = window.count is not None or short or transforms or clipping or guard
-        params, grads = _with_grads(optimizer) if needs_grads else ([], [])
-        # 4. unscale, exactly once
-        if scaler is not None:
+        """Phases 4-11 (docs/architecture.md), once per window, whose gradients are complete
+        (and synced)."""
+        optimizer, clipping = state.optimizer, self.clipping
+        tokens, everyone = _groups(state.model, sync)
+        params, grads = _with_grads(optimizer) if self._reads_grads(window) else ([], [])
+        if scaler is not None:  # 4. unscale, exactly once
             scaler.unscale_(optimizer)
-        # 5. divide by the window's total target count, summed over ranks (or, for a short
-        # window of mean losses, turn the sum of m losses / k into their mean)
-        total, empty = None, not window.micro_step  # a window of skips: nothing to learn
-        if window.count is not None and grads:
-            total, empty = _divide_by_count(grads, window.count, tokens)
-        elif short and grads:
-            for part in phases.by_mesh(grads):
-                torch._foreach_mul_(part, k / window.micro_step)
-        # 5b. the user's gradient transforms (transform_grads)
-        if transforms is not None and grads:
-            grads = transforms.apply(params, grads)
-        # 6. finite check: one host sync (shared with the scaler's), the same on every rank
-        grad_norm = clip_norm = None  # type: Any
-        if clipping is not None or guard is not None:
-            norm_type = clipping.norm_type if clipping is not None else 2.0
-            grad_norm = clip_norm = phases.total_norm(grads, norm_type)
-        verdict = phases.APPLY
-        if guard is not None or scaler is not None or group is not None:
-            # DDP: the ranks' flags that rode on the gradient all-reduce, if they did.
-            carrier = bucket_flags(state.model) if sync == "ddp" and transforms is None else None
-            carried = carrier.receive() if carrier is not None else None
-            verdict = phases.verdict_of_window(
-                guard, scaler, self.amp, optimizer, window, grad_norm, total, group, carried,
-                replicated,
-            )  # fmt: skip
-        if verdict is phases.APPLY and not empty and not state.guard.notfinite_count:
-            apply, counters, failure = True, state.guard, None  # the common case, in short
-        else:
-            verdict, apply, counters, failure = self._outcome_of(
-                state, window, verdict, empty, grad_norm, group, total
-            )
+        total, empty = _normalise(grads, window, tokens)  # 5. by the count, or a short window
+        if self.grad_transforms is not None and grads:  # 5b. your gradient transforms
+            grads = self.grad_transforms.apply(params, grads)
+        norm = None  # 6. finite check: one host sync, the same decision on every rank
+        if clipping is not None or self.guard is not None:
+            norm = phases.total_norm(grads, clipping.norm_type if clipping else 2.0)
+        found = self._verdict(state, window, norm, total, everyone, tokens, scaler, sync)
+        outcome = self._outcome(state, window, found, empty, norm, everyone, total)
         lr = optimizer.param_groups[0]["lr"]
-        if apply:
-            # 7. clip, by norm (with the norm of phase 6) and/or by value
-            if clipping is not None:
-                clipping.apply(params, clip_norm)
+        if outcome.apply:
+            if clipping is not None:  # 7. clip, by the norm of phase 6 and/or by value
+                clipping.apply(params, norm)
             # 8. optimizer step; a fused one takes found_inf from the scaler (no host sync),
-            # an unfused one needs no scaler.step: we know there was no overflow.
+            # an unfused one needs no scaler.step: we know there was no overflow. On an
+            # overflow no optimizer is called (fused SGD would make unfilled momentum).
             if scaler is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
                 scaler.step(optimizer)
             else:
                 optimizer.step()
-        # On an overflow the optimizer is not called at all, not even a fused one (which
-        # would skip on found_inf): fused SGD would create momentum buffers left unfilled.
-        # 9. scaler update, zero_grad
-        if scaler is not None:
+        if scaler is not None:  # 9. scaler update, zero_grad
             scaler.update()
-            if verdict.collapsed and not verdict.nonfinite:
-                assert self.amp is not None
-                raise self.amp.collapsed(scaler)
+            if found.collapsed and not found.nonfinite:
+                raise self.amp.collapsed(scaler)  # type: ignore[union-attr]
         optimizer.zero_grad(set_to_none=True)
-        if failure is not None:
-            raise failure  # the window is thrown away (scaler updated, grads cleared) first
-        # 11. counters, in a copy of the state's fields (TrainState._evolve inlined)
-        fields = state.__dict__.copy()
-        fields["step"] = state.step + 1 if apply else state.step
-        fields["window"], fields["guard"], fields["_graph"] = _NO_WINDOW, counters, loss
-        # 10. scheduler step, only after an applied update
-        scheduler = state.scheduler
-        if apply and scheduler is not None and not isinstance(scheduler, _NOT_PER_UPDATE):
-            done = state._scheduled  # (scheduler, its last_epoch after the step stepped it)
-            if done[0] is scheduler and getattr(scheduler, "last_epoch", 0) > done[1]:
-                warnings.warn(_TWICE, stacklevel=3)
-            scheduler.step()
-            fields["_scheduled"] = (scheduler, getattr(scheduler, "last_epoch", 0))
-        v = verdict
-        flags = (apply, True, False, v.nonfinite, v.overflow, v.empty, grad_norm, lr)
-        new = object.__new__(TrainState)
-        object.__setattr__(new, "__dict__", fields)
-        state.__dict__["_consumed"] = True  # past the frozen __setattr__
-        return new, _tuple_new(StepOutput, (*out[:4], *flags))
+        if outcome.failure is not None:
+            raise outcome.failure  # the window is thrown away (scaler updated, grads cleared)
+        scheduled = _step_scheduler(state) if outcome.apply else state._scheduled  # 10.
+        new = state._evolve(  # 11. counters
+            {"step": state.step + 1 if outcome.apply else state.step, "window": _NO_WINDOW,
+             "guard": outcome.guard, "_graph": loss, "_scheduled": scheduled},
+            consume=True,
+        )  # fmt: skip
+        v = outcome.verdict
+        return new, StepOutput(out.loss, out.records, out.count, out.samples, outcome.apply, True,
+                               False, v.nonfinite, v.overflow, v.empty, norm, lr)  # fmt: skip
+
+    def _reads_grads(self, window: WindowState) -> bool:
+        """Whether phases 5-7 read the gradients (a plain update leaves them to the optimizer)."""
+        short = window.micro_step != window.length  # closed early: close=True
+        return bool(window.count is not None or short or self.grad_transforms or self.clipping
+                    or self.guard)  # fmt: skip
+
+    def _verdict(
+        self, state: TrainState, window: WindowState, norm: Any, total: Any, everyone: Any,
+        tokens: Any, scaler: Scaler, sync: str,
+    ) -> phases.Verdict:  # fmt: skip
+        """Phase 6's flags, agreed by every rank (APPLY when nothing is checked)."""
+        if self.guard is None and scaler is None and everyone is None:
+            return phases.APPLY
+        # DDP: the ranks' flags that rode on the gradient all-reduce, if they did.
+        flags = (
+            bucket_flags(state.model) if sync == "ddp" and self.grad_transforms is None else None
+        )
+        return phases.verdict_of_window(
+            window, norm, total, guard=self.guard, scaler=scaler, amp=self.amp,
+            optimizer=state.optimizer, group=everyone,
+            carried=flags.receive() if flags is not None else None,
+            replicated=tokens is not everyone,
+        )  # fmt: skip
 
     def _close_skipped(
         self, state: TrainState, window: WindowState, scaler: Scaler
@@ -450,19 +387,21 @@ class Step:
         first = state.optimizer.param_groups[0]["params"][0]
         if self.guard is not None and window.loss is None:  # the guard checks a loss
             window = window._replace(loss=torch.zeros((), device=first.device))
-        carrier = bucket_flags(state.model) if self.grad_transforms is None else None
-        if carrier is not None:
-            carrier.send(window.loss, window.skipped, first)
+        flags = bucket_flags(state.model) if self.grad_transforms is None else None
+        if flags is not None:
+            flags.send(window.loss, window.skipped, first)
         join_gradient_sync(state.model)
         return self._close(state, window, _SKIPPED, None, scaler, "ddp")
 
-    def _outcome_of(
+    def _outcome(
         self, state: TrainState, window: WindowState, verdict: phases.Verdict, empty: bool,
-        norm: Any, group: Any, count: torch.Tensor | None,
-    ) -> tuple[phases.Verdict, bool, GuardState, Exception | None]:  # fmt: skip
-        """Phase 6's outcome: the verdict as reported (one reason per window), whether to
-        apply the window, the counters, an error to raise."""
+        norm: Any, group: Any, total: torch.Tensor | None,
+    ) -> Outcome:  # fmt: skip
+        """Phase 6's outcome: whether to apply the window, the verdict as reported (one
+        reason per window), the guard's counters, an error to raise."""
         guard, counters = self.guard, state.guard
+        if verdict is phases.APPLY and not empty and not counters.notfinite_count:
+            return Outcome(True, verdict, counters, None)  # the common case
         empty = empty or verdict.empty
         nonfinite = verdict.nonfinite and not empty  # no targets: 0/0 gradients are no failure
         overflow = verdict.overflow and not nonfinite  # a non-finite loss is the guard's
@@ -486,29 +425,125 @@ class Step:
                     failure = guard.exhausted(counters, window.loss, norm, state.step)
         elif guard is not None and not empty and counters.notfinite_count:
             counters = counters._replace(notfinite_count=0)  # a finite window ends a series
-        if verdict.uneven:  # a bug in the loss function or the data, not a numerical accident
-            # On the error path only: one more small all-reduce, for the message.
-            fewest, most = phases.value_range(window.skipped, group, state.optimizer)
+        if verdict.uneven or verdict.replicas:  # a bug in the data, not a numerical accident
+            failure = _disagreement(verdict, window, group, state.optimizer, total)
             apply = False
-            failure = ValueError(
-                "loss_fn returned None on some ranks of the data-parallel group but not on "
-                f"others within one accumulation window (from {fewest} to {most} skipped "
-                f"micro-batches; this rank skipped {window.skipped}); the window was thrown "
-                "away. Skip a batch on every rank alike, or return a zero loss instead of None "
-                "(loss * 0, or LossSum(total * 0, 0))."
-            )
-        if verdict.replicas:  # the ranks of one replica were given different batches
-            mine = float(count) if count is not None else 0.0
-            fewest, most = phases.value_range(mine, group, state.optimizer)
-            apply = False
-            failure = ValueError(
-                "the ranks of one data replica (tensor- or expert-parallel ranks, which hold "
-                f"the same samples) reported different target counts: from {fewest} to "
-                f"{most} summed over the data ranks (this rank: {mine:g}); the window was "
-                "thrown away. Give every rank of a replica the same batch: a "
-                "DistributedSampler(dataset, **layout.sampler_options())."
-            )
-        return verdict, apply, counters, failure
+        return Outcome(apply, verdict, counters, failure)
+
+
+class Outcome(NamedTuple):
+    """What the step does with a closed window (phase 6's outcome)."""
+
+    apply: bool  # take the optimizer step
+    verdict: phases.Verdict  # as reported in the StepOutput: one reason per window
+    guard: GuardState  # the guard's counters after this window
+    failure: Exception | None  # raised once the window is thrown away
+
+
+def _check_state(state: Any, k: int) -> None:
+    """Refuse a state this step cannot run on: no optimizer, consumed, another window."""
+    if getattr(state, "optimizer", None) is None:
+        given = f"a {type(state).__name__}, not a TrainState"
+        given = "None" if isinstance(state, TrainState) else given
+        raise TypeError(
+            f"a train step needs TrainState.optimizer; got {given}. Build the state with one: "
+            "TrainState(model=model, optimizer=torch.optim.AdamW(model.parameters()))."
+        )
+    if state._consumed:
+        raise ValueError(
+            f"this TrainState (step {state.step}) was already passed to a train step, so "
+            "its counters would fork; keep the one it returns: state, out = step(state, batch)."
+        )
+    opened = state.window
+    if opened.micro_step and opened.length != k:
+        raise ValueError(
+            f"the state's accumulation window was opened by a step of micro_batches="
+            f"{opened.length} and holds {opened.micro_step} micro-batch(es); this step has "
+            f"micro_batches={k}, so the window would never close as it should."
+        )
+
+
+def _added(
+    window: WindowState, loss: torch.Tensor, count: Any, k: int, guarded: bool
+) -> WindowState:
+    """Phase 2's bookkeeping: the window with one more micro-batch, its count added, and
+    (under the guard) its loss, so that one finite check covers the window."""
+    if window.micro_step and (count is None) != (window.count is None):
+        detail = "this one reported none" if count is None else "earlier ones reported none"
+        raise ValueError(
+            "loss_fn reported a target count for some micro-batches of the window but not "
+            f"for others ({detail}). Return LossSum(total, count) from every call, or none."
+        )
+    summed = window.loss
+    if guarded:  # in float32 at least, so that a large fp16 sum cannot overflow
+        detached = loss.detach()
+        detached = detached.float() if detached.dtype is torch.float16 else detached
+        summed = detached if summed is None else summed + detached
+    # python counts stay python numbers: exact, checked sync-free
+    counted = (
+        count if window.count is None else window.count if count is None else window.count + count
+    )
+    return WindowState(window.micro_step + 1, counted, summed, k, window.skipped)
+
+
+def _groups(model: torch.nn.Module, sync: str) -> tuple[Any, Any]:
+    """(tokens, everyone): the ranks over which counts are summed, and those that agree on
+    the verdict (docs/distributed.md, "Meshes"); None and None for one process."""
+    if sync == "none" and current_layout() is None:
+        return None, None
+    groups = groups_of(model)
+    return groups.tokens, groups.everyone
+
+
+def _normalise(
+    grads: list[torch.Tensor], window: WindowState, tokens: Any
+) -> tuple[torch.Tensor | None, bool]:
+    """Phase 5: gradients divided by the window's total count over the token ranks, or, for
+    a short window of mean losses, the sum of m losses / k made their mean. Returns the
+    total as a tensor (for phase 6 to check) or None, and whether the window is empty."""
+    if window.count is not None and grads:
+        return _divide_by_count(grads, window.count, tokens)
+    if window.micro_step != window.length and grads:
+        for part in phases.by_mesh(grads):
+            torch._foreach_mul_(part, window.length / window.micro_step)
+    return None, not window.micro_step  # a window of skips: nothing to learn
+
+
+def _step_scheduler(state: TrainState) -> tuple[Any, int]:
+    """Phase 10, after an applied update: the scheduler (and its last_epoch) it stepped."""
+    scheduler = state.scheduler
+    if scheduler is None or isinstance(scheduler, _NOT_PER_UPDATE):
+        return state._scheduled
+    done = state._scheduled  # (scheduler, its last_epoch after the step stepped it)
+    if done[0] is scheduler and getattr(scheduler, "last_epoch", 0) > done[1]:
+        warnings.warn(_TWICE, stacklevel=5)
+    scheduler.step()
+    return scheduler, getattr(scheduler, "last_epoch", 0)
+
+
+def _disagreement(
+    verdict: phases.Verdict, window: WindowState, group: Any, optimizer: Any, total: Any
+) -> ValueError:
+    """The error when ranks that must agree do not (one more small all-reduce, for the
+    message, on the error path only)."""
+    if verdict.uneven:
+        fewest, most = phases.value_range(window.skipped, group, optimizer)
+        return ValueError(
+            "loss_fn returned None on some ranks of the data-parallel group but not on "
+            f"others within one accumulation window (from {fewest} to {most} skipped "
+            f"micro-batches; this rank skipped {window.skipped}); the window was thrown "
+            "away. Skip a batch on every rank alike, or return a zero loss instead of None "
+            "(loss * 0, or LossSum(total * 0, 0))."
+        )
+    mine = float(total) if total is not None else 0.0
+    fewest, most = phases.value_range(mine, group, optimizer)
+    return ValueError(
+        "the ranks of one data replica (tensor- or expert-parallel ranks, which hold "
+        f"the same samples) reported different target counts: from {fewest} to "
+        f"{most} summed over the data ranks (this rank: {mine:g}); the window was "
+        "thrown away. Give every rank of a replica the same batch: a "
+        "DistributedSampler(dataset, **layout.sampler_options())."
+    )
 
 
 def _with_grads(optimizer: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
