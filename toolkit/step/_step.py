@@ -516,7 +516,7 @@ def _step_scheduler(state: TrainState) -> tuple[Any, int]:
         return state._scheduled
     done = state._scheduled  # (scheduler, its last_epoch after the step stepped it)
     if done[0] is scheduler and getattr(scheduler, "last_epoch", 0) > done[1]:
-        warnings.warn(_TWICE, stacklevel=5)
+        warnings.warn(_TWICE, stacklevel=4)
     scheduler.step()
     return scheduler, getattr(scheduler, "last_epoch", 0)
 
