@@ -9,8 +9,8 @@ Accelerate's way is its documented loop (`accelerator.accumulate`, `accelerator.
 `accelerator.clip_grad_norm_` under `sync_gradients`); toolkit's is one composed step and
 `run()`. The arithmetic is the same (each micro-batch's loss divided by 4 before its
 backward, one clip and one optimizer and scheduler step per window), so the final weights
-are bitwise equal; `tests/integration/test_coming_from.py` checks it. docs/coming-from-accelerate.md is
-the guide.
+are bitwise equal; `tests/integration/test_coming_from.py` checks it.
+docs/coming-from-accelerate.md is the guide.
 
 Accelerate                                    toolkit
 --------------------------------------------  ---------------------------------------------

@@ -7,8 +7,8 @@ with momentum and a cosine schedule, bf16 autocast, accumulation over 3 micro-ba
 gradient norm clipped to 0.5: 16 updates, on the CPU. Fabric's way is its documented loop
 (`fabric.no_backward_sync` on all but the window's last micro-batch, the loss divided by 3,
 `fabric.backward`, `fabric.clip_gradients`); toolkit's is one composed step and `run()`. The
-arithmetic is the same, so the final weights are bitwise equal; `tests/integration/test_coming_from.py`
-checks it. docs/coming-from-fabric.md is the guide.
+arithmetic is the same, so the final weights are bitwise equal;
+`tests/integration/test_coming_from.py` checks it. docs/coming-from-fabric.md is the guide.
 
 Lightning Fabric                              toolkit
 --------------------------------------------  ---------------------------------------------

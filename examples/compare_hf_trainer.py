@@ -9,8 +9,8 @@ tokens (`num_items_in_batch`: it counts `labels[..., 1:] != -100` over the windo
 micro-batches and the model divides its summed loss by that count); toolkit does the same
 with `LossSum(total, count)`. HF computes the loss through its own functions, summing in
 another order, so the final weights agree to rounding (6e-8 here, in float32), not bitwise;
-the mean of each micro-batch's mean loss lands 1e-2 away. `tests/integration/test_coming_from.py` checks
-both. docs/coming-from-hf-trainer.md is the guide.
+the mean of each micro-batch's mean loss lands 1e-2 away.
+`tests/integration/test_coming_from.py` checks both. docs/coming-from-hf-trainer.md is the guide.
 
 HF Trainer                                    toolkit
 --------------------------------------------  ---------------------------------------------

@@ -1,6 +1,6 @@
 """export_pretrained and export_model take the models people train: compiled, DDP, FSDP2,
-with a peft adapter inside; the folder loads with from_pretrained and gives equal logits
-(issue 27, item 1). A wrong model is refused in one line; a tokenizer is written beside."""
+with a peft adapter inside; the folder loads with from_pretrained and gives equal logits.
+A wrong model is refused in one line; a tokenizer is written beside."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-
 from spawning import gloo_group, spawn
+
 from toolkit import TrainState, export_model, export_pretrained, make_step
 
 transformers = pytest.importorskip("transformers", reason="needs the `hf` extra")

@@ -701,7 +701,7 @@ def test_an_unknown_trainstate_field_is_refused_and_a_missing_one_keeps_the_temp
 def test_a_new_component_is_one_entry_of_the_table(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Issue 25: a part added to COMPONENTS is saved, listed, kept model-only and restored
+    # A part added to COMPONENTS is saved, listed, kept model-only and restored
     # with no other change (once it took six places in four files).
     box = {"n": 3}
     entry = Component(

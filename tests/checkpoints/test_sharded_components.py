@@ -17,9 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
+from spawning import gloo_group, spawn
 
-from spawning import gloo_group
-from spawning import spawn
 from toolkit import TrainState, export_model, load_checkpoint, make_step, save_checkpoint
 
 pytestmark = [

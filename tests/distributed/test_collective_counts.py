@@ -18,7 +18,6 @@ from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
-
 from spawning import spawn
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

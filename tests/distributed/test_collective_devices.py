@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-
 from spawning import spawn
+
 from toolkit.distributed import _collectives
 
 CUDA = torch.device("cuda", 0)

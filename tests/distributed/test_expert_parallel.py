@@ -25,8 +25,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from spawning import gloo_group
-from spawning import spawn
+from spawning import gloo_group, spawn
 from torch.distributed.tensor.debug import CommDebugMode
 
 from toolkit import TrainState, accumulate, clip, compose, guard_nonfinite, make_step

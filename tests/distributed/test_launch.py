@@ -19,9 +19,9 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
+from spawning import spawn
 
 import toolkit.distributed
-from spawning import spawn
 from toolkit.distributed import process_group, setup, teardown
 
 LAUNCH_VARIABLES = (

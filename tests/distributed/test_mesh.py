@@ -11,13 +11,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import mesh_jobs as jobs
 import pytest
 import torch
 import torch.distributed as dist
+from spawning import gloo_group, spawn
 
-import mesh_jobs as jobs
-from spawning import gloo_group
-from spawning import spawn
 from toolkit import TrainState, load_checkpoint, save_checkpoint
 from toolkit.distributed import current_layout, init_layout, set_layout
 

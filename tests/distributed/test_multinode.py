@@ -248,7 +248,7 @@ def _equal(a, b) -> bool:
 
 def _launch_ok(tmp: pathlib.Path, start) -> pathlib.Path:
     """Run a whole job to its end in a fresh folder; a rank that dies by SIGABRT (gloo at
-    interpreter exit, as in tests/distributed/test_torchrun.py) is retried once in another folder."""
+    interpreter exit, as in test_torchrun.py) is retried once in another folder."""
     for attempt in range(2):
         folder = tmp / f"attempt{attempt}"
         folder.mkdir(parents=True)

@@ -1,6 +1,5 @@
 """The README's quick start runs as written and trains; the README starts
-with getting started, and the reference moved to docs/ keeps its code and links working
-(issue 19, item 7)."""
+with getting started, and the reference moved to docs/ keeps its code and links working."""
 
 from __future__ import annotations
 
@@ -130,7 +129,7 @@ print("the page ran")
 
 @pytest.mark.slow
 def test_the_hugging_face_page_runs_in_order_and_exports_what_it_says(tmp_path: Path) -> None:
-    # Issue 27, item 3: the LoRA path (trainable_only checkpoints, then export) works as
+    # The LoRA path (trainable_only checkpoints, then export) works as
     # written, and so do the collator, parameter groups, warm-up and gradient checkpointing.
     pytest.importorskip("transformers", reason="needs the `hf` extra")
     pytest.importorskip("peft", reason="needs the `hf` extra")

@@ -265,8 +265,8 @@ def _lengths(rank: int, store: str, out: str) -> None:
     import pathlib
 
     import torch.distributed as dist
-
     from spawning import gloo_group
+
     from toolkit.distributed._collectives import check_even
 
     with gloo_group(rank, 2, store):
@@ -300,9 +300,9 @@ def test_ranks_with_passes_of_different_lengths_are_refused(tmp_path) -> None:
 def _uneven_run(rank: int, store: str, out: str) -> None:
     import pathlib
 
+    from spawning import gloo_group
     from torch.nn.parallel import DistributedDataParallel
 
-    from spawning import gloo_group
     from toolkit import TrainState, make_step, run
 
     with gloo_group(rank, 2, store):

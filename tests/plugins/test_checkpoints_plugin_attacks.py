@@ -144,10 +144,9 @@ def test_a_forked_child_does_not_keep_the_folder_locked(tmp_path: Path) -> None:
 
 
 def _shards(rank: int, store: str, folder: str, phase: str, out: str) -> None:
+    from spawning import gloo_group
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader, TensorDataset
-
-    from spawning import gloo_group
 
     samples = (37 if phase == "d" else 40, 39)[rank]  # per-rank shards: 10 batches each
     with gloo_group(rank, 2, store), warnings.catch_warnings(record=True) as caught:

@@ -10,8 +10,6 @@ from typing import Any
 
 import pytest
 import torch
-from PIL import Image
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from toolkit import TrainState, make_step, run
 from toolkit.plugins import _images as images_module
@@ -22,7 +20,15 @@ from toolkit.plugins._pixels import pixels
 from toolkit.plugins._sinks import Sink, jsonl, png_dir, tensorboard, wandb
 
 
+def EventAccumulator(*args: Any, **kwargs: Any) -> Any:  # TensorBoard's reader, imported here
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    return EventAccumulator(*args, **kwargs)
+
+
 def _png(path: Path) -> torch.Tensor:
+    from PIL import Image
+
     with Image.open(path) as picture:
         data = torch.tensor(list(picture.tobytes()), dtype=torch.uint8)
         channels = len(picture.getbands())
@@ -174,6 +180,8 @@ def test_tensorboard_records_images_read_back_pixel_for_pixel(tmp_path: Path) ->
     events.Reload()
     (event,) = events.Images("val/rgb")
     assert event.step == 5
+    from PIL import Image
+
     with Image.open(io.BytesIO(event.encoded_image_string)) as picture:
         assert picture.mode == "RGB"
         read = torch.tensor(list(picture.tobytes()), dtype=torch.uint8).reshape(4, 6, 3)

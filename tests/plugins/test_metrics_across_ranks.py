@@ -9,9 +9,8 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
-from spawning import gloo_group, name_the_data_ranks
+from spawning import gloo_group, name_the_data_ranks, spawn
 from test_metrics import LOOP, frozen_state, out, recorder
-from spawning import spawn
 
 from toolkit import Event
 from toolkit.plugins._metrics import log_metrics

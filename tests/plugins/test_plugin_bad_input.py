@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from spawning import gloo_group
-from spawning import spawn
+from spawning import gloo_group, spawn
 
 from toolkit import TrainState, make_step, run
 from toolkit.plugins import early_stop, ema, peak_memory, validate
@@ -434,6 +433,7 @@ def test_log_metrics_refuses_one_sink_listed_twice(tmp_path) -> None:
 def test_log_images_refuses_one_sink_listed_twice(tmp_path) -> None:
     from toolkit.plugins import log_images, png_dir
 
+    pytest.importorskip("PIL", reason="png_dir needs Pillow (the loggers extra)")
     sink = png_dir(tmp_path / "images")
     with pytest.raises(ValueError, match=r"log_images: sinks\[1\] must be listed once"):
         log_images(lambda state: {}, every=1, sinks=[sink, sink])

@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from counting import count_tolists, read_as_on_an_accelerator
-from spawning import gloo_group, name_the_data_ranks
-from spawning import spawn
+from spawning import gloo_group, name_the_data_ranks, spawn
 
 from toolkit import TrainState, accumulate, load_checkpoint, make_step, run, save_checkpoint
 from toolkit.loop._evaluate import _evaluate
