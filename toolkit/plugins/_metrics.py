@@ -319,9 +319,9 @@ def _start(options: _Options, event: Event) -> _Memory:
         if options.totals and isinstance(through, int) and through < state.step:
             message = (
                 f"log_metrics: the run totals in the state count the updates up to step "
-                f"{through}, and the run resumes from step {state.step}: the "
-                f"{state.step - through} updates between are in no total. Save checkpoints "
-                "at multiples of log_metrics's every."
+                f"{through}, and the run resumes from step {state.step}: no total counts the "
+                f"{(n := state.step - through)} update{'s' * (n != 1)} between. Save "
+                "checkpoints at multiples of log_metrics's every."
             )
             warn(message)
     return _Memory(started=options.clock(), seen=seen, lrs=(_lrs(state.optimizer), {}))
