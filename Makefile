@@ -15,7 +15,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: FORCE install test test-fast lint type example example-transformer example-hf example-ddp example-tp bench bench-instructions clean
+.PHONY: FORCE install test test-fast lint type example example-transformer example-hf example-ddp example-tp bench bench-instructions wheel clean
 
 # The torch choice is a file, rewritten only when it changes, so that a new TORCH or
 # TORCH_INDEX reinstalls instead of silently keeping the torch already in $(VENV).
@@ -23,10 +23,21 @@ $(VENV)/torch-choice: FORCE
 	@mkdir -p $(VENV)
 	@echo "$(TORCH) $(TORCH_INDEX)" | cmp -s - $@ || echo "$(TORCH) $(TORCH_INDEX)" > $@
 
-$(BIN)/.installed: pyproject.toml Makefile $(VENV)/torch-choice
+$(BIN)/pip:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
+
+$(BIN)/.torch: Makefile $(VENV)/torch-choice | $(BIN)/pip
 	$(BIN)/pip install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
+	touch $@
+
+# make example needs the core and the examples extra (scikit-learn) only; every other
+# target installs every extra (transformers, lightning, wandb...: ten times the disk).
+$(BIN)/.installed-examples: pyproject.toml $(BIN)/.torch
+	$(BIN)/pip install --quiet -e ".[examples]"
+	touch $@
+
+$(BIN)/.installed: pyproject.toml $(BIN)/.torch
 	$(BIN)/pip install --quiet -e ".[dev,examples,loggers,plot,hydra,hf,compare]"
 	touch $@
 
@@ -45,7 +56,7 @@ lint: install
 type: install
 	$(BIN)/mypy toolkit
 
-example: install
+example: $(BIN)/.installed-examples
 	$(BIN)/python examples/digits.py
 
 example-transformer: install
@@ -70,7 +81,12 @@ bench: install
 bench-instructions: install
 	$(BIN)/python benchmarks/instructions.py $(BENCH_ARGS)
 
+# dist/toolkit_steps-<version>-py3-none-any.whl, to pip install into an environment of your
+# own (the build fetches setuptools into an isolated environment, as pip does).
+wheel: | $(BIN)/pip
+	$(BIN)/pip wheel --quiet --no-deps --wheel-dir dist .
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache .hypothesis
+	rm -rf $(VENV) runs .pytest_cache .hypothesis dist build
 
 FORCE:

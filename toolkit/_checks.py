@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 import os
 import pathlib
+import sys
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any, NoReturn
 
@@ -13,7 +15,7 @@ import torch
 
 __all__ = [
     "check", "check_bool", "check_count", "check_key", "check_names", "check_one_of", "check_path",
-    "check_positive", "check_type", "describe", "refuse",
+    "check_positive", "check_type", "describe", "refuse", "warn",
 ]  # fmt: skip
 
 
@@ -71,6 +73,18 @@ def describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
     return f"a {type(value).__name__} ({value!r:.40})"
+
+
+def warn(message: str, category: type[Warning] = RuntimeWarning) -> None:
+    """``warnings.warn`` pointing at the first frame outside toolkit: the user's call, at any
+    depth (a plugin's warning at the ``run(...)`` line, not at the plugin's own line)."""
+    frame, level = sys._getframe(1), 2
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
+
+
+_PACKAGE = str(pathlib.Path(__file__).parent) + os.sep
 
 
 def check_bool(who: str, name: str, value: Any) -> None:

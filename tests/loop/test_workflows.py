@@ -236,13 +236,14 @@ def test_evaluate_is_validates_evaluation_without_training() -> None:
     data, model = _data(5), _model()
     model.train()
     got = evaluate(eval_fn, model, data)
-    state = run(
-        make_step(_mse),
-        _state(copy.deepcopy(model)),
-        data,
-        max_steps=0,
-        plugins=[validate(eval_fn, data, at_end=True, monitor="mse")],
-    )
+    with pytest.warns(RuntimeWarning, match=r"run: max_steps=0: no update will run"):
+        state = run(
+            make_step(_mse),
+            _state(copy.deepcopy(model)),
+            data,
+            max_steps=0,
+            plugins=[validate(eval_fn, data, at_end=True, monitor="mse")],
+        )
     assert got == state.metrics["val"]["values"]
     with torch.no_grad():  # count-weighted: the mean over samples
         want = sum(((model(x) - y) ** 2).sum() for x, y in data) / sum(len(x) for x, _ in data)

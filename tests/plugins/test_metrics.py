@@ -343,13 +343,14 @@ def test_a_micro_batch_without_targets_counts_for_nothing() -> None:
 
 def test_loss_stays_nan_without_a_guard_to_reject_it() -> None:
     rows, _, sink = recorder()
-    run(
-        make_step(lambda m, b: zero(m) + b),
-        frozen_state(),
-        [1.0, float("nan")],
-        max_steps=2,
-        plugins=[log_metrics(every=2, sinks=[sink])],
-    )
+    with pytest.warns(RuntimeWarning, match="up to update 2 is nan; .* guard_nonfinite"):
+        run(
+            make_step(lambda m, b: zero(m) + b),
+            frozen_state(),
+            [1.0, float("nan")],
+            max_steps=2,
+            plugins=[log_metrics(every=2, sinks=[sink])],
+        )
     assert math.isnan(rows[0][1]["train/loss"])
 
 

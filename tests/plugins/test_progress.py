@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import io
+import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -150,8 +152,8 @@ def test_live_bar_in_a_terminal_is_refreshed_and_stopped() -> None:
     train(progress(every=2, warmup=2, console=console, clock=clock), clock, max_steps=4)
     text = console.export_text()
     assert "━" in text  # a bar was drawn
-    assert "step 2/4" in text and "loss 0.5 | lr 1.00e-03 | 4 samples/s" in text
-    assert "step 4/4" in text and "eta 0:00:00 loss 2.5 | lr 1.00e-03 | 4 samples/s" in text
+    assert "step 2/4" in text and "loss 0.5  lr 1.00e-03  4 samples/s" in text
+    assert "step 4/4" in text and "eta 0:00:00 loss 2.5  lr 1.00e-03  4 samples/s" in text
     raw = console.file.getvalue()
     assert raw.startswith("\x1b[?25l") and raw.endswith("\x1b[?25h")  # cursor hidden, restored
     # Stopped: a new live display may start on the same console.
@@ -159,24 +161,69 @@ def test_live_bar_in_a_terminal_is_refreshed_and_stopped() -> None:
         pass
 
 
-@pytest.mark.parametrize("width", [80, 100, 160])
-def test_a_narrow_terminal_cuts_the_fields_not_the_step_bar_or_eta(width: int) -> None:
-    # Validation, memory, tokens and grad_norm make the fields longer than any of these
-    # widths: the step count, the bar and the ETA stay whole, the fields are cut at the end.
+def _every(name: str, every: int, metrics: dict[str, float]):
+    """A plugin publishing ``metrics`` as ``state.extras[name]`` every ``every`` updates."""
+
+    def plugin(event: Event) -> TrainState | None:
+        if event.kind == "step" and event.out.updated and event.state.step % every == 0:  # type: ignore[union-attr]
+            entry = {"step": event.state.step, "metrics": metrics}
+            return event.state.replace(extras={**event.state.extras, name: entry})
+        return None
+
+    return plugin
+
+
+@functools.cache
+def _live_frames(width: int) -> dict[str, str]:
+    """Each refresh of the last 200 updates of a 1000-update run on a terminal of ``width``
+    columns and 16 colours, by its step count, with validation and EMA validation every 100
+    updates, peak memory, grad_norm and tokens/s: more fields than any of these widths holds."""
     console = rich.console.Console(
-        record=True, force_terminal=True, width=width, file=io.StringIO()
+        record=True, force_terminal=True, width=width, file=io.StringIO(), color_system="standard"
     )
     clock = FakeTime(lambda i: 1.0)
-    val = _publishes("val", {"loss": 0.2512345, "accuracy": 0.9375123, "perplexity": 1.2856})
-    memory = _publishes("memory", {"peak_gib": 1.51234})
-    plugin = progress(every=10, warmup=1, console=console, clock=clock)
+    val = _every("val", 100, {"loss": 0.2241234, "accuracy": 0.9375123, "perplexity": 1.2856})
+    ema = _every("val_ema", 100, {"loss": 0.2141234, "accuracy": 0.9475123})
+    memory = _every("memory", 1, {"peak_gib": 1.51234})
+    plugin = progress(every=50, warmup=1, console=console, clock=clock)
     wrapper = lambda s: clip(s, max_norm=1.0)  # noqa: E731
-    train(plugin, clock, max_steps=1000, plugins_before=[val, memory], counts=True,
-          step_wrapper=wrapper)  # fmt: skip
-    frames = console.export_text().split("step ")  # the live bar's renders, one by one
-    assert frames[-1].startswith("1000/1000 ━") and "eta 0:00:00 loss 994.5 |" in frames[-1]
-    assert frames[-1].rstrip().endswith("…") and len(frames[-1]) < width
-    assert any(f.startswith("500/1000 ━") and "eta 0:08:20 loss" in f for f in frames)
+    train(plugin, clock, max_steps=1000, plugins_before=[val, ema, memory], counts=True,
+          step_wrapper=wrapper, state=frozen_state().replace(step=800))  # fmt: skip
+    rendered = console.export_text(clear=False).split("step ")[1:]
+    frames = ["step " + frame.rstrip("\n") for frame in rendered]
+    assert all(len(frame) <= width for frame in frames)
+    styled = console.export_text(styles=True).split("step ")[-1]
+    return {frame.split()[1]: frame for frame in frames} | {"styled": styled}
+
+
+STALE = "  val/loss 0.224 @900  val/accuracy 0.938 @900  val/perplexity 1.29 @900"
+
+
+@pytest.mark.parametrize(
+    ("width", "at_950", "at_1000"),
+    [
+        # At 80 columns: the step, the bar, the ETA, the loss, the LR and validation's loss.
+        (80, STALE[:21], "  val/loss 0.224"),
+        (100, STALE[:21], "  val/loss 0.224  val/accuracy 0.938"),
+        (160, STALE, STALE.replace(" @900", "") + "  val_ema/loss 0.214"),
+    ],
+)  # fmt: skip
+def test_fields_by_priority_dropped_whole_from_the_end(
+    width: int, at_950: str, at_1000: str
+) -> None:
+    # Priority: loss, lr, the `show` entries (validation, its EMA, memory), then the rest;
+    # a value measured at an earlier update is marked with it (validation ran at update 900).
+    frames = {
+        step: re.sub("━[━╸╺]*|[╸╺]━*", "BAR", frame) for step, frame in _live_frames(width).items()
+    }
+    assert frames["950/1000"] == f"step 950/1000 BAR eta 0:00:50 loss 124.5  lr 1.00e-03{at_950}"
+    assert frames["1000/1000"] == f"step 1000/1000 BAR eta 0:00:00 loss 174.5  lr 1.00e-03{at_1000}"
+
+
+def test_a_finished_bar_is_green_on_16_colours_not_grey() -> None:
+    styled = _live_frames(80)["styled"]  # the last render: 1000/1000
+    assert "\x1b[32m━━━━━━" in styled  # green (rich's default, 8: grey, reads as empty)
+    assert "\x1b[90m" not in styled.split(" eta ")[0]
 
 
 @pytest.mark.parametrize("terminal", [False, True])
@@ -316,7 +363,7 @@ def test_validation_metrics_are_shown_by_default_and_show_selects_entries() -> N
         plugins_before=[val, other],
     )
     (line,) = lines(console)
-    assert line.endswith("| val/loss 0.25 | val/accuracy 0.9375")
+    assert "| lr 1.00e-03 | val/loss 0.25 | val/accuracy 0.938 | 4 samples/s" in line
     assert "other/" not in line
     console, clock = recorded(False), FakeTime(lambda i: 1.0)
     train(
@@ -326,7 +373,7 @@ def test_validation_metrics_are_shown_by_default_and_show_selects_entries() -> N
         plugins_before=[val, other],
     )
     (line,) = lines(console)
-    assert line.endswith("| other/score 3") and "val/" not in line  # a generator works too
+    assert "| other/score 3 |" in line and "val/" not in line  # a generator works too
 
 
 def test_windows_the_guard_rejected_are_left_out_of_the_loss() -> None:
@@ -371,7 +418,7 @@ def test_peak_memory_is_shown_with_its_prefix_like_any_entry() -> None:
         max_steps=1,
         plugins_before=[memory],
     )
-    assert lines(console)[0].endswith("| 4 samples/s | memory/peak_gib 1.5")  # its prefix too
+    assert "| lr 1.00e-03 | memory/peak_gib 1.5 | 4 samples/s" in lines(console)[0]
 
 
 def test_one_host_sync_per_refresh(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -349,7 +349,7 @@ def test_bad_optimizer_lists_are_refused_with_the_fix() -> None:
     with pytest.raises(
         TypeError,
         match=r"TrainState.optimizer: MultiOptimizer: optimizers\[1\] must be a "
-        r"torch.optim.Optimizer; got <class 'str'>",
+        r"torch.optim.Optimizer; got a str. Build one over the parameters: torch.optim.AdamW",
     ):
         TrainState(model=model, optimizer=[a, "adamw"])
     with pytest.raises(TypeError, match="expected one or more torch.optim.Optimizer; got none"):

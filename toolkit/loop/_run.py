@@ -14,7 +14,7 @@ from typing import Any, Literal, NamedTuple, TypeVar
 
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
-from toolkit._checks import check_count, check_one_of, check_type
+from toolkit._checks import check_count, check_one_of, check_type, warn
 from toolkit._unwrap import unwrap
 from toolkit.distributed._collectives import check_even, groups_of
 from toolkit.loop._data import batches_per_epoch, is_stateful, snapshot, unseen
@@ -155,12 +155,15 @@ def _counted(loop: LoopInfo, state: TrainState, partial: PartialWindow) -> LoopI
 
 
 def _validate(state: Any, data: Any, max_steps: Any, epochs: Any, plugins: Any) -> None:
-    check_type(isinstance(state, TrainState), "run", "state", "a TrainState", state)
+    fix = "The order is run(step, state, data, max_steps=...)."
+    check_type(isinstance(state, TrainState), "run", "state", "a TrainState", state, fix)
     if max_steps is None and epochs is None:
         raise ValueError("run: give max_steps and/or epochs; got neither, so it would never end.")
     for name, value in (("max_steps", max_steps), ("epochs", epochs)):
         if value is not None:
             check_count("run", name, value, 0)
+        if value == 0:  # e.g. a budget read from a config that lost its value
+            warn(f"run: {name}=0: no update will run; give {name} >= 1, or evaluate() alone.")
     ok = isinstance(data, Iterable) and not isinstance(data, (Mapping, str, bytes))
     fix = "To train on one batch n times, pass [batch] * n."
     check_type(ok, "run", "data", "an iterable of batches (a DataLoader, a list)", data, fix)
@@ -348,7 +351,8 @@ def run(
         state: the starting :class:`TrainState` (``state.stop`` is cleared).
         data: an iterable of batches.
         max_steps: stop after this many applied updates in total (not per run).
-        epochs: stop after this many passes over ``data`` in total.
+        epochs: stop after this many passes over ``data`` in total. Either at 0 warns
+            (``RuntimeWarning``): no update would run.
         plugins: plugin functions, called by their ``order`` (see above).
         partial_window: ``"carry"``, ``"epoch"`` or ``"end"``: what becomes of a window the
             data's end leaves short (see above).

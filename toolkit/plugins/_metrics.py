@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from toolkit._checks import check, check_bool, check_count, check_names, check_positive
+from toolkit._checks import check, check_bool, check_count, check_names, check_positive, warn
 from toolkit.distributed._collectives import (
     groups_of,
     is_distributed,
@@ -73,6 +73,7 @@ class _Memory:
     lrs: tuple[dict[str, Any], dict[str, Any]] = ({}, {})
     epoch_loss: tuple[float, float] = (0.0, 0.0)  # (weighted sum, weight) this epoch
     read_once: bool = False  # records left out were reported (at the run's first read)
+    nonfinite: bool = False  # a non-finite loss was reported in this run
 
 
 @plugin_factory(order=60)
@@ -315,11 +316,11 @@ def _start(options: _Options, event: Event) -> _Memory:
         if options.totals and isinstance(through, int) and through < state.step:
             message = (
                 f"log_metrics: the run totals in the state count the updates up to step "
-                f"{through}, and the run resumes from step {state.step}: the "
-                f"{state.step - through} updates between are in no total. Save checkpoints "
-                "at multiples of log_metrics's every."
+                f"{through}, and the run resumes from step {state.step}: no total counts the "
+                f"{(n := state.step - through)} update{'s' * (n != 1)} between. Save "
+                "checkpoints at multiples of log_metrics's every."
             )
-            warnings.warn(message, RuntimeWarning, stacklevel=4)
+            warn(message)
     return _Memory(started=options.clock(), seen=seen, lrs=(_lrs(state.optimizer), {}))
 
 
@@ -362,7 +363,7 @@ def _take(
     if left_out:  # said at the first publish, not found missing from the logs at the end
         why = f"records {sorted(left_out)} are not numbers or one-element tensors: not logged"
         fix = "reduce them in loss_fn (.mean()), or choose the records to log: records=[...]"
-        warnings.warn(f"log_metrics: {why}; {fix}.", RuntimeWarning, stacklevel=2)
+        warn(f"log_metrics: {why}; {fix}.")
     memory.read_once = True
     if options.per_epoch:
         after = interval.sums.get("loss", (0.0, 0.0))
@@ -417,7 +418,19 @@ def _publish(
     metrics.update(extra)
     memory.interval, memory.times = Interval(), [0.0, 0.0]
     _write(options, state.step, metrics)
+    loss = metrics.get("train/loss")  # said once written, so a warning turned error loses none
+    memory.nonfinite = memory.nonfinite or warn_nonfinite("log_metrics", loss, state.step)
     return new_state
+
+
+def warn_nonfinite(who: str, loss: float | None, step: int) -> bool:
+    """Warn (and return True) when the mean loss ``who`` shows at update ``step`` is not
+    finite: without :func:`toolkit.guard_nonfinite` it went into the weights."""
+    if loss is None or math.isfinite(loss):
+        return False
+    fix = "training goes on. Wrap the step in guard_nonfinite(...) to leave such windows out."
+    warn(f"{who}: the mean loss of the updates up to update {step} is {loss}; {fix}")
+    return True
 
 
 def _write(options: _Options, step: int, metrics: dict[str, float]) -> None:

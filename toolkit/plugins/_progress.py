@@ -11,14 +11,16 @@ from typing import Any
 
 import rich
 import rich.console
+from rich.cells import cell_len
 from rich.progress import BarColumn, Progress, RenderableColumn, TextColumn
 from rich.table import Column
 from rich.text import Text
 
-from toolkit._checks import check, check_count
+from toolkit._checks import check, check_bool, check_count
 from toolkit.distributed._collectives import is_rank_zero
 from toolkit.loop._run import Event, plugin_factory
 from toolkit.plugins._interval import Interval, flat_scalars, read
+from toolkit.plugins._metrics import warn_nonfinite
 from toolkit.plugins._shared import due
 from toolkit.step._state import TrainState
 from toolkit.step._step import StepOutput
@@ -53,6 +55,7 @@ class _Bar:
     shown_step: int = 0  # state.step of the last line
     live: Progress | None = None
     info: RenderableColumn | None = None  # the live bar's fields
+    nonfinite: bool = False  # a non-finite loss was reported in this run
 
 
 @plugin_factory(order=90)
@@ -62,7 +65,7 @@ def progress(
     warmup: int = 5,
     console: rich.console.Console | None = None,
     clock: Callable[[], float] = time.perf_counter,
-    show: Sequence[str] = ("val", "memory"),
+    show: Sequence[str] = ("val", "val_ema", "memory"),
     counts: str = "tokens",
     min_interval: float = 0.1,
     records: Sequence[str] = (),
@@ -74,12 +77,14 @@ def progress(
     per ``min_interval`` seconds, and at the end, it shows: the step out of the run's total
     (when known), the count-weighted mean loss of the micro-batches since the last refresh
     (those of windows that :func:`toolkit.guard_nonfinite` rejected left out), the learning
-    rate the last update used, the mean gradient norm (when the step computes it, under
-    :func:`toolkit.clip` or :func:`toolkit.guard_nonfinite`), samples/s and, when the loss
-    reports target counts (:class:`toolkit.LossSum`), their rate (``counts``/s, tokens/s by
-    default), the latest values of each ``state.metrics`` entry named in ``show`` (by
-    default the validation results of :func:`toolkit.plugins.validate` as ``val/<metric>``,
-    and the peak memory of :func:`toolkit.plugins.peak_memory`), and the ETA. With
+    rate the last update used, the latest metrics of each ``state.metrics`` entry named in
+    ``show`` (by default the validation results of :func:`toolkit.plugins.validate` as
+    ``val/<metric>``, those of the EMA weights under ``key="val_ema"``, and the peak memory
+    of :func:`toolkit.plugins.peak_memory`), each marked with its update when measured at an
+    earlier one (``val/loss 0.224 @100``), the mean gradient norm (when the step computes
+    it, under :func:`toolkit.clip` or :func:`toolkit.guard_nonfinite`), samples/s and, when
+    the loss reports target counts (:class:`toolkit.LossSum`), their rate (``counts``/s,
+    tokens/s by default), and the ETA. With
     ``records``, it also shows those records of the loss function (flattened with "/",
     e.g. ``"accuracy"`` or ``"acc/top1"``), each the count-weighted mean over the
     micro-batches since the last refresh (as the loss is; a record missing from some is
@@ -99,16 +104,20 @@ def progress(
     resume) times the updates left; it appears once an update has been timed.
 
     When the console is a terminal, a live bar is drawn (refreshed only at those points: no
-    background thread): the step, the bar and the ETA, then the fields, cut at their end
-    (``…``) where the terminal is too narrow for them all. Otherwise (CI logs, output
-    redirected to a file) one plain line is written to the console's file and flushed per
-    refresh, for example::
+    background thread): the step, the bar (green once finished) and the ETA, then the
+    fields in the order above, which is their priority: where the terminal is too narrow,
+    the bar shrinks and whole fields are dropped from the end, never cut inside a name or a
+    value (at 80 columns the step, the bar, the ETA, the loss, the LR and the validation
+    loss fit). Otherwise (CI logs, output redirected to a file) one plain line is written to
+    the console's file and flushed per refresh, for example::
 
-        step 20/100 | loss 0.4312 | lr 1.00e-03 | grad_norm 0.53 | 1234 samples/s | eta 0:00:12
+        step 200/900 | loss 0.4312 | lr 1.00e-03 | val/loss 0.451 @100 | 987 samples/s | eta 0:02:12
 
     The live bar is stopped at ``"end"``, also when training raised. Each refresh reads its
     values back at once, as :func:`toolkit.key_average` does (one host sync), and nothing
     in between. Only rank 0 shows anything (and does any work); the loss shown is rank 0's.
+    A non-finite loss (no :func:`toolkit.guard_nonfinite` left its window out) is said once
+    per run in a ``RuntimeWarning`` with its update, from the values read anyway.
 
     Args:
         every: updates between refreshes (>= 1).
@@ -173,22 +182,20 @@ def progress(
     # Tuples first: a generator is read once.
     show, records = (tuple(n) if isinstance(n, Iterable) and not isinstance(n, str) else n
                      for n in (show, records))  # fmt: skip
-    for name, names, what in (("show", show, "metrics entry"), ("records", records, "record")):
+    who = "progress"
+    for name, names, what in (("show", show, "state.metrics entry"), ("records", records, "record")):
         ok = isinstance(names, tuple) and all(isinstance(n, str) for n in names)
-        check(ok, "progress", name, f"a sequence of {what} names", names, "", TypeError)
-    check(isinstance(times, bool), "progress", "times", "True or False", times, "", TypeError)
+        check(ok, who, name, f"a sequence of {what} names", names, "", TypeError)
+    check_bool(who, "times", times)
     ok = isinstance(counts, str) and bool(counts)
-    check(ok, "progress", "counts", "a non-empty str, e.g. 'tokens'", counts, "", TypeError)
-    check_count("progress", "every", every, 1, "updates between refreshes")
-    check_count("progress", "warmup", warmup, 0, "updates left out of the ETA")
+    check(ok, who, "counts", "a non-empty str, e.g. 'tokens'", counts, "", TypeError)
+    check_count(who, "every", every, 1, "updates between refreshes")
+    check_count(who, "warmup", warmup, 0, "updates left out of the ETA")
     ok = isinstance(min_interval, (int, float)) and not isinstance(min_interval, bool)
-    check(ok and min_interval >= 0, "progress", "min_interval", "a number of seconds >= 0",
-          min_interval)  # fmt: skip
+    check(ok and min_interval >= 0, who, "min_interval", "a number of seconds >= 0", min_interval)
     ok = console is None or isinstance(console, rich.console.Console)
-    check(ok, "progress", "console", "a rich.console.Console or None", console, "", TypeError)
-    check(
-        callable(clock), "progress", "clock", "a function returning seconds", clock, "", TypeError
-    )
+    check(ok, who, "console", "a rich.console.Console or None", console, "", TypeError)
+    check(callable(clock), who, "clock", "a function returning seconds", clock, "", TypeError)
     bar = _Bar(every, warmup, clock, show, counts, min_interval, records, times, console)
 
     def plugin(event: Event) -> None:
@@ -218,7 +225,8 @@ def _start(bar: _Bar, event: Event) -> None:
         whole, bar.info = Column(no_wrap=True), RenderableColumn(Text(""), table_column=Column())
         columns = (
             TextColumn("{task.fields[head]}", table_column=whole),
-            BarColumn(min(40, shown.width // 5), table_column=whole),
+            # Green when finished: rich's default is grey on 16 colours, as if empty.
+            BarColumn(min(40, shown.width // 5), finished_style="green", table_column=whole),
             TextColumn("{task.fields[eta]}", table_column=whole),
         )
         # Redrawn at refreshes only (no auto_refresh): no thread competing with training.
@@ -245,46 +253,68 @@ def _refresh(bar: _Bar, state: TrainState, now: float, open_window: Any = ()) ->
     bar.windows.clear()
     bar.lr = interval.lr if interval.lr is not None else bar.lr
     elapsed, bar.last_time = now - bar.last_time, now
-    parts = [
-        _mean(interval, "loss"),
+    loss = _mean(interval, "loss")
+    bar.nonfinite = bar.nonfinite or warn_nonfinite("progress", loss, state.step)
+    fields = [  # by priority: where the line is too narrow, the last ones are dropped whole
+        f"loss {loss:.4g}" if loss is not None else "",
         f"lr {float(bar.lr):.2e}" if bar.lr is not None else "",
+        *(field for name in bar.show for field in _entry_fields(state, name)),
         f"grad_norm {interval.norm_total / interval.norms:.3g}" if interval.norms else "",
-        *(_mean(interval, name) for name in bar.records),
+        *(f"{name} {m:.4g}" for name in bar.records if (m := _mean(interval, name)) is not None),
         _per_second(interval.samples, elapsed, "samples"),
         _per_second(interval.targets, elapsed, bar.counts),
     ]
     if bar.times and windows:
-        parts.append(f"data {_duration(bar.data_time / windows)}")
-        parts.append(f"step {_duration(bar.step_time / windows)}")
+        fields.append(f"data {_duration(bar.data_time / windows)}")
+        fields.append(f"step {_duration(bar.step_time / windows)}")
     bar.data_time = bar.step_time = 0.0
-    for entry in bar.show:
-        values = state.metrics[entry]["values"] if entry in state.metrics else {}
-        parts += [f"{entry}/{k} {v:.4g}" for k, v in values.items() if isinstance(v, (int, float))]
-    bar.shown_step, eta = state.step, _eta(bar, now, state.step)
-    info, head = " | ".join(part for part in parts if part), _head(state.step, bar.total)
+    bar.shown_step, eta, head = state.step, _eta(bar, now, state.step), _head(state.step, bar.total)
     if bar.live is None:
         # A plain line straight to the console's file: rendering it through rich would cost
         # ~100x more, for nothing to style in a log.
         file = bar.shown.file  # type: ignore[union-attr]
-        file.write(" | ".join(part for part in (head, info, eta) if part) + "\n")
+        file.write(" | ".join(part for part in (head, *fields, eta) if part) + "\n")
         file.flush()
-    else:
-        bar.info.renderable = Text(info, no_wrap=True, overflow="ellipsis")  # type: ignore[union-attr]
-        bar.live.update(bar.live.task_ids[0], completed=state.step, head=head, eta=eta)
-        bar.live.refresh()
+        return
+    width = bar.shown.width  # type: ignore[union-attr]
+    room = width - cell_len(head) - cell_len(eta) - 3  # for the bar and the fields (3 gaps)
+    least = max(6, width // 5 - 10)  # the bar's least width: 6 at 80 columns, 22 at 160
+    info = _fit(fields, room - least)
+    bar.live.columns[1].bar_width = max(least, min(40, width // 5, room - cell_len(info)))  # type: ignore[union-attr]
+    bar.info.renderable = Text(info, no_wrap=True, overflow="ellipsis")  # type: ignore[union-attr]
+    bar.live.update(bar.live.task_ids[0], completed=state.step, head=head, eta=eta)
+    bar.live.refresh()
+
+
+def _entry_fields(state: TrainState, name: str) -> list[str]:
+    """The fields of another plugin's metrics ``name`` (``name/metric value``), each marked
+    ``@step`` when measured at an earlier update than this one."""
+    if name not in state.metrics:
+        return []
+    step, values = state.metrics[name]["step"], state.metrics[name]["values"]
+    mark = f" @{step}" if step < state.step else ""
+    return [f"{name}/{k} {v:.3g}{mark}" for k, v in values.items() if isinstance(v, (int, float))]
+
+
+def _fit(fields: Sequence[str], width: int) -> str:
+    """The first ``fields`` that fit ``width`` cells together: whole ones, never cut."""
+    kept = list(filter(None, fields))
+    while cell_len("  ".join(kept)) > width:
+        kept.pop()
+    return "  ".join(kept)
 
 
 def _stop(bar: _Bar) -> None:
     bar.windows.clear()
     bar.data_time = bar.step_time = 0.0
-    bar.shown, live, bar.live = None, bar.live, None
+    bar.shown, live, bar.live, bar.nonfinite = None, bar.live, None, False
     if live is not None:
         live.stop()
 
 
-def _mean(interval: Interval, name: str) -> str:
+def _mean(interval: Interval, name: str) -> float | None:
     total, weight = interval.sums.get(name, (0.0, 0))
-    return f"{name} {total / weight:.4g}" if weight else ""
+    return total / weight if weight else None
 
 
 def _per_second(count: float | None, elapsed: float, what: str) -> str:

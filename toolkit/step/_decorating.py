@@ -36,7 +36,10 @@ def _decorate(step: Any, name: str, field: str, config: Any) -> Any:  # Step | D
         return lambda step: _decorate(step, name, field, config)
     _check_step(name, step)
     if getattr(step, field) is not None:
-        raise ValueError(f"{name} was applied twice to the same step; apply each decorator once.")
+        raise ValueError(
+            f"{name}: expected a step without {name}; got one with it ({name} applied twice to "
+            f"the same step). Apply it once: for other options, to the step it decorated."
+        )
     new: Step = dataclasses.replace(step, **{field: config})
     if new.amp is not None and new.amp.fp16 and new.guard and new.guard.on_exhaust == "accept":
         raise ValueError(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from toolkit._checks import check
+from toolkit._checks import check, check_type
 from toolkit.step._step import LossSum
 
 __all__ = ["causal_lm_loss"]
@@ -30,7 +30,9 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int
         ``LossSum(total, count)`` for a loss function to return.
 
     Raises:
-        ValueError: ``labels`` does not have the shape of ``logits`` without its last axis.
+        TypeError: ``logits`` is not a tensor (the model's whole output: pass ``out.logits``).
+        ValueError: ``labels`` does not have the shape of ``logits`` without its last axis
+            (shifted already: pass them unshifted).
 
     Example:
         >>> import torch
@@ -40,9 +42,11 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int
         >>> round(out.total.item() / out.count.item(), 4), out.count.item()  # log(10), 2 tokens
         (2.3026, 2)
     """
-    shape = tuple(labels.shape)
-    fits = shape == tuple(logits.shape[:-1])
-    check(fits, "causal_lm_loss", "labels' shape", f"logits' {tuple(logits.shape[:-1])}", shape)
+    who, fix = "causal_lm_loss", "Pass the logits: causal_lm_loss(out.logits, labels)."
+    check_type(isinstance(logits, torch.Tensor), who, "logits", "a tensor", logits, fix)
+    shape, want = tuple(labels.shape), tuple(logits.shape[:-1])
+    fix = "Pass labels unshifted (input_ids): causal_lm_loss shifts them itself."
+    check(shape == want, who, "labels' shape", f"logits' {want}", shape, fix)
     logits = logits.float() if logits.dtype.itemsize < 4 else logits
     targets = labels[..., 1:].flatten().long()  # cross_entropy takes int64 class indices only
     scores = logits[..., :-1, :].flatten(0, -2)

@@ -16,9 +16,13 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
-from toolkit._checks import check
+from toolkit._checks import check, check_type
 
 __all__ = ["MultiOptimizer", "MultiScheduler", "PerEpoch", "epoch_schedulers", "per_epoch"]
+
+# The fixes of an optimizer or scheduler of the wrong kind (here and in TrainState's checks).
+NEW_OPTIMIZER = "Build one over the parameters: torch.optim.AdamW(model.parameters(), lr=1e-3)."
+NEW_SCHEDULER = "Build one over the optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, fn)."
 
 
 class MultiOptimizer:
@@ -143,9 +147,8 @@ def _check_optimizers(optimizers: tuple[Any, ...]) -> None:
         raise TypeError("MultiOptimizer: expected one or more torch.optim.Optimizer; got none.")
     owner: dict[int, int] = {}
     for i, optimizer in enumerate(optimizers):
-        ok = isinstance(optimizer, torch.optim.Optimizer)
-        check(ok, "MultiOptimizer", f"optimizers[{i}]", "a torch.optim.Optimizer", type(optimizer),
-              error=TypeError)  # fmt: skip
+        ok, name = isinstance(optimizer, torch.optim.Optimizer), f"optimizers[{i}]"
+        check_type(ok, "MultiOptimizer", name, "a torch.optim.Optimizer", optimizer, NEW_OPTIMIZER)
         for param in (p for group in optimizer.param_groups for p in group["params"]):
             first = owner.setdefault(id(param), i)
             if first != i:
@@ -291,8 +294,8 @@ def _check_scheduler(scheduler: Any, who: str) -> None:
     if not (all(map(callable, methods)) and hasattr(scheduler, "optimizer")):
         raise TypeError(
             f"{who}: expected an LR scheduler from torch.optim.lr_scheduler; got "
-            f"{type(scheduler).__name__} {scheduler!r:.40}. Build one over an optimizer, "
-            "e.g. torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)."
+            f"{type(scheduler).__name__} {getattr(scheduler, '__name__', repr(scheduler)):.40}. "
+            + NEW_SCHEDULER
         )
 
 

@@ -10,7 +10,7 @@ import optree
 import torch
 
 from toolkit._checks import check
-from toolkit.step._multi import MultiOptimizer, MultiScheduler
+from toolkit.step._multi import NEW_OPTIMIZER, NEW_SCHEDULER, MultiOptimizer, MultiScheduler
 
 __all__ = ["GuardState", "Metrics", "TrainState", "WindowState"]
 
@@ -268,7 +268,8 @@ def _optimizer(state: TrainState) -> None:
             which = f"optimizer[{i}]" if several else "optimizer"
             raise ValueError(
                 f"TrainState.{which}: none of its {len(params)} parameters belongs to the "
-                "model, so training would never change the model."
+                "model, so training would never change the model. Build it over this model's "
+                "parameters (after any copy or fully_shard): AdamW(model.parameters())."
             )
 
 
@@ -279,7 +280,8 @@ def _scheduler(state: TrainState) -> None:
     if not (callable(getattr(scheduler, "step", None)) and hasattr(scheduler, "state_dict")):
         raise TypeError(
             f"TrainState.scheduler: expected an LR scheduler from torch.optim.lr_scheduler "
-            f"(or a list of them); got {type(scheduler).__name__} {scheduler!r:.40}."
+            f"(or a list of them); got {type(scheduler).__name__} "
+            f"{getattr(scheduler, '__name__', repr(scheduler)):.40}. {NEW_SCHEDULER}"
         )
     # A scheduler may drive the state's optimizer or, with several, any one of them.
     allowed = [optimizer, *getattr(optimizer, "optimizers", ())]
@@ -291,7 +293,8 @@ def _scheduler(state: TrainState) -> None:
             raise ValueError(
                 f"TrainState.{which}: expected a scheduler over the state's optimizer; this "
                 f"{type(member).__name__} steps "
-                f"{'no optimizer of the state' if optimizer is None else 'another one'}."
+                f"{'no optimizer of the state' if optimizer is None else 'another one'}. Build "
+                "it over the one given as TrainState(optimizer=...) (or one of several)."
             )
 
 
@@ -325,7 +328,8 @@ def _kinds(state: TrainState) -> None:
     for name, (kind, expected) in _KINDS.items():
         if not isinstance(getattr(state, name), kind):
             got = type(getattr(state, name)).__name__
-            raise TypeError(f"TrainState.{name}: expected {expected}; got {got}.")
+            fix = f" {NEW_OPTIMIZER}" if name == "optimizer" else ""
+            raise TypeError(f"TrainState.{name}: expected {expected}; got {got}.{fix}")
 
 
 def _metrics(state: TrainState) -> None:

@@ -148,9 +148,10 @@ def _parse(result: Any) -> tuple[torch.Tensor, torch.Tensor | float | None, Mapp
         got = type(result).__name__
         if isinstance(result, tuple):  # its elements' kinds: (loss, records) gone wrong
             got += f"({', '.join(type(element).__name__ for element in result)})"
+        fix = hasattr(result, "loss") * " Return out.loss, which the model computes given labels."
         raise TypeError(
             f"loss_fn returned {got}; expected a scalar tensor, (loss, records), "
-            "LossSum(total, count[, records]), or None to skip the batch."
+            f"LossSum(total, count[, records]), or None to skip the batch.{fix}"
         )
     if "loss" in records:
         fix = "The step reports the loss itself: return out.loss alone, or rename the record."
