@@ -183,7 +183,7 @@ def progress(
     show, records = (tuple(n) if isinstance(n, Iterable) and not isinstance(n, str) else n
                      for n in (show, records))  # fmt: skip
     who = "progress"
-    for name, names, what in (("show", show, "state.metrics entry"), ("records", records, "record")):
+    for name, names, what in (("show", show, "metrics entry"), ("records", records, "record")):
         ok = isinstance(names, tuple) and all(isinstance(n, str) for n in names)
         check(ok, who, name, f"a sequence of {what} names", names, "", TypeError)
     check_bool(who, "times", times)
