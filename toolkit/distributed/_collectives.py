@@ -226,15 +226,15 @@ def _fsdp2_no_sync(model: torch.nn.Module) -> Iterator[None]:
 
 def suppress_grad_sync(
     model: torch.nn.Module, kind: str
-) -> contextlib.AbstractContextManager[None] | None:
+) -> contextlib.AbstractContextManager[None]:
     """Context in which backward accumulates locally: DDP ``no_sync``, FSDP2 sync off.
 
-    ``kind`` is :func:`sync_kind` of ``model``. ``None`` for any other model, so that
-    single-process code does not even enter a context.
+    ``kind`` is :func:`sync_kind` of ``model``; any other model gets a context that does
+    nothing (the step does not enter one in a single process).
     """
     if kind == "ddp":
-        return model.no_sync()  # type: ignore[operator]
-    return _fsdp2_no_sync(model) if kind == "fsdp2" else None
+        return model.no_sync()  # type: ignore[operator, no-any-return]
+    return _fsdp2_no_sync(model) if kind == "fsdp2" else contextlib.nullcontext()
 
 
 def sync_kind(model: torch.nn.Module) -> str:
