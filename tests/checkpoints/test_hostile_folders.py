@@ -183,6 +183,7 @@ def _limited() -> None:  # a read without bound ends in MemoryError, not the mac
     resource.setrlimit(resource.RLIMIT_DATA, (3 << 30, 3 << 30))
 
 
+@pytest.mark.slow  # a gigabyte sparse file and a memory limit: about 4 s
 def test_links_to_dev_zero_and_a_sparse_gigabyte_are_refused_without_reading_them(
     tmp_path: Path,
 ) -> None:

@@ -36,6 +36,7 @@ def _decoded(path: pathlib.Path) -> tuple[int, int]:
     return pixels.shape[0], pixels.shape[1]
 
 
+@pytest.mark.slow  # matplotlib draws several PNGs: seconds each
 def test_every_group_of_a_full_file_is_written_and_decodes(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -106,6 +107,7 @@ def test_every_group_of_a_full_file_is_written_and_decodes(
         assert _decoded(target)[1] == 800
 
 
+@pytest.mark.slow  # matplotlib draws several PNGs: seconds each
 def test_a_loss_over_decades_is_on_a_log_scale_and_memory_starts_at_zero(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -148,6 +150,7 @@ def test_default_folder_is_plots_beside_the_file(tmp_path: pathlib.Path) -> None
     _decoded(tmp_path / "plots" / "loss.png")
 
 
+@pytest.mark.slow  # matplotlib draws several PNGs: seconds each
 def test_a_real_run_s_metrics_are_drawn_in_their_groups(tmp_path: pathlib.Path) -> None:
     """The key names are those log_metrics and validate really write."""
     torch.manual_seed(0)

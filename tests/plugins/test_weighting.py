@@ -60,6 +60,7 @@ def _close(outs: list[StepOutput], how: str, norm: float | None, lr: Any) -> tup
     return (*outs[:-1], last)
 
 
+@pytest.mark.slow  # 400 examples against the reference: about 8 s
 @pytest.mark.parametrize("accelerator", [False, True])
 @settings(max_examples=200, deadline=None)
 @given(data=_WINDOWS, open_window=st.lists(_MICRO, max_size=3))
