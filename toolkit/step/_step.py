@@ -295,12 +295,7 @@ class Step:
                 flags.send(window.loss, window.skipped, first)
         (scaler.scale(objective) if scaler is not None else objective).backward()
         shown = loss.detach() if count is None else loss.detach() / count
-        # The samples of (inputs, targets) or a tensor without the walk: 0.7% of the plain
-        # step's instructions per update (valgrind, benchmarks/instructions.py step).
-        first = batch[0] if type(batch) is tuple and batch else batch
-        samples = first.shape[0] if type(first) is torch.Tensor and first.ndim else None
-        samples = _leading_dim(batch) if samples is None else samples
-        return window, StepOutput(shown, records, count, samples, False, False), loss
+        return window, StepOutput(shown, records, count, _leading_dim(batch), False, False), loss
 
     def _forward(self, state: TrainState, batch: Any) -> Any:
         """Phase 1: the loss function's result."""
