@@ -9,10 +9,11 @@ data position's business, not this module's.
 from __future__ import annotations
 
 import random
-import warnings
 from typing import Any
 
 import torch
+
+from toolkit._checks import warn
 
 try:
     import numpy
@@ -56,11 +57,11 @@ def restore_rng(states: dict[str, Any], *, trial: bool = False) -> None:
     if cuda and torch.cuda.is_available():
         count = torch.cuda.device_count()
         if count != len(cuda) and not trial:
-            warnings.warn(
+            warn(
                 f"load_checkpoint: the checkpoint holds the RNG states of {len(cuda)} CUDA "
                 f"device(s), this process sees {count}; restoring the first "
                 f"{min(count, len(cuda))} only.",
-                stacklevel=3,
+                UserWarning,
             )
         for index, state in enumerate(cuda[:count]):
             if trial:

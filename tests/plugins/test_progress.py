@@ -162,12 +162,12 @@ def test_live_bar_in_a_terminal_is_refreshed_and_stopped() -> None:
 
 
 def _every(name: str, every: int, metrics: dict[str, float]):
-    """A plugin publishing ``metrics`` as ``state.extras[name]`` every ``every`` updates."""
+    """A plugin publishing ``metrics`` as ``state.metrics[name]`` every ``every`` updates."""
 
     def plugin(event: Event) -> TrainState | None:
         if event.kind == "step" and event.out.updated and event.state.step % every == 0:  # type: ignore[union-attr]
-            entry = {"step": event.state.step, "metrics": metrics}
-            return event.state.replace(extras={**event.state.extras, name: entry})
+            entry = {"step": event.state.step, "values": metrics}
+            return event.state.replace(metrics={**event.state.metrics, name: entry})
         return None
 
     return plugin

@@ -19,7 +19,7 @@ import torch
 from counting import CountSyncs, count_tolists, read_as_on_an_accelerator
 
 from toolkit import TrainState, causal_lm_loss, clip, guard_nonfinite, make_step, per_epoch, run
-from toolkit.plugins import Sink, log_metrics, progress
+from toolkit.plugins import Sink, early_stop, log_metrics, progress, validate
 
 
 def _model() -> torch.nn.Module:
@@ -231,3 +231,32 @@ def test_a_budget_of_zero_warns_that_nothing_will_run(budget: dict[str, int]) ->
     with pytest.warns(RuntimeWarning, match=re.escape(message)) as caught:
         state = run(make_step(_loss), _state(), [X], **budget)
     assert state.step == 0 and [w.filename for w in caught] == [__file__]
+
+
+def _stepping_the_scheduler_too(event: Any) -> None:  # a user's plugin stepping it again
+    if event.kind == "step":
+        event.state.scheduler.step()
+
+
+def _scheduled_state() -> TrainState:
+    state = _state()
+    return state.replace(scheduler=torch.optim.lr_scheduler.StepLR(state.optimizer, 1))
+
+
+def _weightless(model: torch.nn.Module, batch: torch.Tensor) -> Any:
+    return {"loss": 1.0}, 0
+
+
+WARNED_IN_PLUGINS = [  # each warned at a toolkit line before: run's, or validate's
+    ("early_stop: state.metrics never got a 'val' entry", lambda: [early_stop("val/loss")]),
+    ("validate: every batch of the pass", lambda: [validate(_weightless, [X], at_end=True)]),
+    ("the LR scheduler was stepped outside", lambda: [_stepping_the_scheduler_too]),
+]
+
+
+@pytest.mark.parametrize(("start", "plugins"), WARNED_IN_PLUGINS)
+def test_plugin_and_step_warnings_point_at_the_run_line(start: str, plugins) -> None:
+    state = _scheduled_state()
+    with pytest.warns(Warning, match=re.escape(start)) as caught:
+        run(make_step(_loss), state, [X, X, X], max_steps=3, plugins=plugins())
+    assert {w.filename for w in caught if str(w.message).startswith(start)} == {__file__}

@@ -17,12 +17,11 @@ import dataclasses
 import os
 import re
 import shutil
-import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from toolkit._checks import check
+from toolkit._checks import check, warn
 from toolkit.checkpoints._files import fsync_dir, read_regular, replace_file, temp_name, write_bytes
 from toolkit.checkpoints._load import content_problems, load_checkpoint
 from toolkit.checkpoints._manifest import (
@@ -204,7 +203,7 @@ def latest_checkpoint(root: str | os.PathLike[str], *, checksums: bool = True) -
         if info.intact:
             return info.path
         lines = "\n  ".join(info.problems)
-        warnings.warn(f"checkpoint {info.path} is damaged and skipped:\n  {lines}", stacklevel=2)
+        warn(f"checkpoint {info.path} is damaged and skipped:\n  {lines}", UserWarning)
     return None
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ import optree
 import torch
 from safetensors.torch import load_file
 
-from toolkit._checks import check_type
+from toolkit._checks import check_type, warn
 from toolkit._rng import restore_rng
 from toolkit.checkpoints._codec import TreeError, decode
 from toolkit.checkpoints._components import COMPONENTS, Restoring, check_objects, fields_of
@@ -243,12 +242,10 @@ def _rank_state(manifest: Manifest, rank: int, trees: dict[str, Any]) -> dict[st
             raise DamagedCheckpointError(manifest.path, [f"{manifest.path / name}.json: malformed"])
         trees["rng"] = own["rng"]
         return {"data_state": own["data_state"]}
-    warnings.warn(
+    warn(
         f"load_checkpoint: {manifest.path} holds no RNG states or data position for rank "
         f"{rank} (it was written by {manifest.world_size} rank(s)); this rank keeps its own "
-        "RNG seeding and rank 0's data position (the model and optimizer are restored).",
-        RuntimeWarning,
-        stacklevel=4,
+        "RNG seeding and rank 0's data position (the model and optimizer are restored)."
     )
     return {}
 

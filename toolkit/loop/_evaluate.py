@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
-from toolkit._checks import check_type
+from toolkit._checks import check_type, warn
 from toolkit._tree import check_weight, check_weight_values
 from toolkit._weighted import columns, weighted_sums
 from toolkit.distributed._collectives import groups_of, sum_over_ranks
@@ -148,7 +147,7 @@ def _evaluate(
     if sums and not any(weight for _, weight in sums.values()):
         why = "had weight 0 (the counts eval_fn returned sum to 0 over all ranks)"
         message = f"{who}: every batch of the pass{where} {why}, so every metric is NaN"
-        warnings.warn(f"{message}; check the counts eval_fn returns.", RuntimeWarning, stacklevel=2)
+        warn(f"{message}; check the counts eval_fn returns.")
     # A metric whose weights sum to 0 (e.g. batches without tokens) has no mean: NaN.
     means = {name: total / weight if weight else math.nan for name, (total, weight) in sums.items()}
     return dict(sorted(means.items()))

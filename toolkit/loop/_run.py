@@ -7,7 +7,6 @@ import functools
 import inspect
 import itertools
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, NamedTuple, TypeVar
@@ -402,7 +401,7 @@ def run(
         loop = _counted(loop, state, partial_window)
         state = _call(plugins, Event("start", state, loop))
         if not unwrap(state.model).training:  # from_pretrained's models come in eval mode
-            warnings.warn(EVAL_MODE, RuntimeWarning, stacklevel=2)
+            warn(EVAL_MODE)
         while not _done(state, loop):
             _set_epoch(data, state.epoch)
             state = _call(plugins, Event("epoch_start", state, loop))
@@ -508,7 +507,7 @@ def _open(state: TrainState, data: Any, window: _BetweenPasses) -> tuple[TrainSt
         return state, iter(data)
     iterator, why = unseen(data, state.batches_seen, state.data_state)
     if why is not None and not window.warned:
-        warnings.warn(f"run: {why}.", RuntimeWarning, stacklevel=4)
+        warn(f"run: {why}.")
         window.warned = True
     return state, iterator
 
@@ -545,7 +544,7 @@ def _no_progress(state: TrainState, batches: int, epochs: int | None) -> bool:
     why = f"run: in epoch {state.epoch} {why if batches else 'the data yielded no batch'}"
     if epochs is None:
         raise ValueError(f"{why}, so no update can ever happen; check the data and loss_fn.")
-    warnings.warn(f"{why}; no update happened in that pass.", RuntimeWarning, stacklevel=4)
+    warn(f"{why}; no update happened in that pass.")
     return True
 
 
@@ -578,7 +577,7 @@ def _end(plugins: Sequence[Plugin], event: Event) -> TrainState:
             else:
                 message = f"run: plugin {name} failed at 'end' after training ended well: {exc!r}"
                 message += "; run() returns the trained state anyway."
-                warnings.warn(message, RuntimeWarning, stacklevel=3)
+                warn(message)
         except BaseException as exc:
             leave = leave or exc
     if leave is not None:

@@ -11,7 +11,6 @@ import signal
 import socket
 import sys
 import threading
-import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any
 
 import torch
 
-from toolkit._checks import check, check_bool, check_count, check_one_of, check_path
+from toolkit._checks import check, check_bool, check_count, check_one_of, check_path, warn
 from toolkit.checkpoints._folder import (
     clean_temporaries,
     list_checkpoints,
@@ -177,7 +176,7 @@ def _saving(config: _Config) -> Iterator[None]:
         if config.saving.on_error == "raise":
             raise
         message = f"checkpoints: a save failed and training goes on (on_error='warn'): {error}"
-        warnings.warn(message, RuntimeWarning, stacklevel=6)
+        warn(message)
 
 
 def _publish(config: _Config, path: Path) -> None:
@@ -221,7 +220,7 @@ def _install(signals: Sequence[int], run_: _Run) -> None:
         run_.handlers = {signum: signal.signal(signum, handler) for signum in signals}
     elif names := [signal.Signals(s).name for s in signals]:
         message = "checkpoints: run() is not on the main thread, where Python delivers signals"
-        warnings.warn(f"{message}; {names} keep their handlers.", RuntimeWarning, stacklevel=5)
+        warn(f"{message}; {names} keep their handlers.")
 
 
 def _own(root: Path, run_: _Run) -> None:
@@ -317,7 +316,7 @@ def _report(config: _Config, run_: _Run, state: TrainState, loop: LoopInfo, path
             f"are used, the current data and micro_batches (this pass goes on after {seen} "
             "batches). To start afresh, use another folder; on_change='error' refuses a change."
         )
-        warnings.warn(message, RuntimeWarning, stacklevel=5)
+        warn(message)
     at = f"update {state.step}, epoch {state.epoch}, batch {seen}"
     limits = ((loop.max_steps, state.step), (loop.epochs, state.epoch))
     if any(limit is not None and done >= limit for limit, done in limits):
@@ -431,7 +430,7 @@ def _end(config: _Config, run_: _Run, event: Event) -> None:
                 window = f"an open accumulation window ({open_} micro-batches)"
                 message = f"checkpoints: the run ended with {window}, which no checkpoint can "
                 message += f"hold; the newest checkpoint stays step {run_.saved_step}."
-                warnings.warn(message, RuntimeWarning, stacklevel=4)
+                warn(message)
             elif run_.signum is not None or config.saving.at_end:
                 _save(config, run_, event.state, event.loop)
         _finish(config, run_)
@@ -597,4 +596,4 @@ def _best(config: _Config, model: torch.nn.Module) -> None:
         then = "; the model keeps its final weights." if config.restore_best else "."
         message = f"checkpoints: no checkpoint in {str(config.folder)!r} holds keep_best's "
         message += f"{config.rules.metric!r}: no plugin published it at a save (a typo?){then}"
-        warnings.warn(message, RuntimeWarning, stacklevel=4)
+        warn(message)

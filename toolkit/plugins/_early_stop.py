@@ -1,8 +1,6 @@
 """early_stop: ask the loop to stop when a validation metric has stopped improving."""
 
-import warnings
-
-from toolkit._checks import check, check_count, check_key, check_one_of
+from toolkit._checks import check, check_count, check_key, check_one_of, warn
 from toolkit.loop._run import Event, Plugin, declare, plugin_factory
 from toolkit.plugins._shared import EarlyStopEntry, better
 from toolkit.step._state import TrainState
@@ -89,7 +87,7 @@ def early_stop(
                 f"(entries: {sorted(state.metrics)}), so no score was judged. Check the name, "
                 f"and that validate(..., key={name!r}) evaluates in the run (e.g. at_end=True)."
             )
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
+            warn(message)
         if event.kind in ("restore", "start", "end") or name not in state.metrics:
             return None
         step, metrics = state.metrics[name]["step"], state.metrics[name]["values"]

@@ -7,7 +7,6 @@ import dataclasses
 import inspect
 import math
 import types
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -15,7 +14,7 @@ import optree
 import torch
 
 import toolkit.step._phases as phases
-from toolkit._checks import check
+from toolkit._checks import check, warn
 from toolkit.distributed._collectives import (
     all_reduce_,
     bucket_flags,
@@ -512,7 +511,7 @@ def _step_scheduler(state: TrainState) -> tuple[Any, int]:
         return state._scheduled
     done = state._scheduled  # (scheduler, its last_epoch after the step stepped it)
     if done[0] is scheduler and getattr(scheduler, "last_epoch", 0) > done[1]:
-        warnings.warn(_TWICE, stacklevel=4)
+        warn(_TWICE, UserWarning)
     scheduler.step()
     return scheduler, getattr(scheduler, "last_epoch", 0)
 
