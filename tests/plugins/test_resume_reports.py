@@ -142,7 +142,7 @@ def test_a_batch_size_that_splits_a_seen_batch_reads_its_samples_again(tmp_path:
     order: list[int] = []
     run(_recording(order), _state(), _loader(2), epochs=1)
     after: list[int] = []
-    with pytest.warns(RuntimeWarning, match=r"after 1 batches"):
+    with pytest.warns(RuntimeWarning, match=r"after 1 batch\)"):
         run(_recording(after), _state(), _loader(4), epochs=1, plugins=[checkpoints(tmp_path)])
     assert after == order[4:]  # samples 4 and 5 (seen) again, none unseen skipped
 

@@ -314,7 +314,7 @@ def _report(config: _Config, run_: _Run, state: TrainState, loop: LoopInfo, path
             f"checkpoints: the run in {str(config.folder)!r} started with other settings (saved "
             f"-> now): {'; '.join(changes)}. The checkpoint's optimizer and scheduler values "
             f"are used, the current data and micro_batches (this pass goes on after {seen} "
-            "batches). To start afresh, use another folder; on_change='error' refuses a change."
+            f"batch{'es' * (seen != 1)}). To start afresh, use another folder; on_change='error' refuses a change."
         )
         warn(message)
     at = f"update {state.step}, epoch {state.epoch}, batch {seen}"
