@@ -13,6 +13,7 @@ import copy
 import json
 import os
 import random
+import re
 import resource
 import shutil
 import subprocess
@@ -376,6 +377,38 @@ def test_content_no_save_writes_is_refused_and_the_template_is_unchanged(
     assert _same(before, _snapshot(template)), "the refused load changed the template"
     if isinstance(error.value, DamagedCheckpointError):  # found without a template too
         assert verify_checkpoint(path), "verify_checkpoint found nothing, the load did"
+
+
+FORGED_REFERENCES = [
+    {"dtype": "complex128", "shape": [99999]},  # another dtype and shape than the bytes
+    {"dtype": "float32", "shape": [5]},  # 6 floats stored
+    {"dtype": "Tensor", "shape": [6]},  # not a dtype
+    {"device": "warp:3"},  # not a device
+    {"$tensor": ["a", "list"]},  # not a name
+]
+
+
+@pytest.mark.parametrize("forged", FORGED_REFERENCES, ids=str)
+def test_a_tensor_reference_no_save_writes_is_damage_named_by_file_and_path(
+    forged: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before: a bare RuntimeError from _codec.py (shape '[99999]' is invalid ...), no
+    # path, no fallback; --verify died with a traceback.
+    older, newer = _two_checkpoints(tmp_path)
+    _json_edit("optimizer.json", lambda d: d["state"]["weight"]["exp_avg"].update(forged))(newer)
+    _resign(newer)
+    template = _build(1)
+    before = _snapshot(template)
+    where = f"{newer / 'optimizer.json'}: .*optimizer\\['state'\\]\\['weight'\\]\\['exp_avg'\\]"
+    with pytest.raises(DamagedCheckpointError, match=where):
+        load_checkpoint(newer, like=template)
+    assert _same(before, _snapshot(template)), "the refused load changed the template"
+    with pytest.warns(UserWarning, match="step_000003 is damaged and skipped"):
+        loaded, path = load_latest(tmp_path, like=template)
+    assert path == older and loaded.step == 2
+    capsys.readouterr()
+    assert main([str(tmp_path), "--verify"]) == 1
+    assert re.search(where, capsys.readouterr().out)
 
 
 def test_an_intact_checkpoint_still_loads_exactly(tmp_path: Path) -> None:

@@ -213,24 +213,23 @@ def decode(
     A tensor goes to the device of the template's tensor at the same path in ``like``,
     else to the device it was saved from when this process has it, else to the CPU.
     A ``"dcp"`` reference becomes ``sharded(name, template leaf)`` (a tensor to fill).
-    Raises TreeError for a missing tensor or an unknown tag.
+    Raises TreeError for a tensor reference that names no stored tensor or an unknown tag.
     """
 
     def tensor(ref: Mapping[str, Any], template: Any, path: tuple[Any, ...]) -> torch.Tensor:
         name = ref["$tensor"]
         if ref.get("dcp") and sharded is not None:
             return sharded(name, template)
-        if name not in tensors:
-            raise TreeError(f"{_where(root, path)}: tensor {name!r} is not in the file.")
-        value = tensors[name]
-        if "dtype" in ref:  # raw bytes of a dtype safetensors has no code for
-            dtype = getattr(torch, ref["dtype"], None)
-            if not isinstance(dtype, torch.dtype):
-                raise TreeError(f"{_where(root, path)}: unknown dtype {ref['dtype']!r}.")
-            value = value.view(dtype).reshape(ref["shape"])
-        if isinstance(template, torch.Tensor):
-            return value.to(template.device)
-        return value.to(_usable(ref["device"])) if "device" in ref else value
+        try:  # raw bytes of a dtype safetensors has no code for; the device it was saved from
+            value = tensors[name]
+            if "dtype" in ref:
+                value = value.view(getattr(torch, ref["dtype"])).reshape(ref["shape"])
+            device = _usable(ref["device"]) if "device" in ref else None
+        except Exception as error:  # a name, dtype, shape or device no save writes
+            what = f"{ref} names no tensor of the file ({error})"
+            raise TreeError(f"{_where(root, path)}: {what}") from None
+        device = template.device if isinstance(template, torch.Tensor) else device
+        return value if device is None else value.to(device)
 
     def walk(node: Any, template: Any, path: tuple[Any, ...]) -> Any:
         tag = next((k for k in node if k.startswith("$")), None) if isinstance(node, dict) else None

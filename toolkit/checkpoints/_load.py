@@ -71,7 +71,8 @@ def read_tree(
     except (TreeError, KeyError, TypeError, AttributeError, ValueError, RecursionError) as error:
         tree = error
     if not isinstance(tree, dict):  # every component is a JSON object
-        problem = f"{document}: not JSON, or not a tree this format writes ({tree!r:.200})"
+        bad = f"not JSON, or not a tree this format writes ({tree!r:.200})"
+        problem = f"{document}: {str(tree)[:400] if isinstance(tree, TreeError) else bad}"
         raise DamagedCheckpointError(manifest.path, [problem])
     return tree
 
