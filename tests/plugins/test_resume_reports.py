@@ -4,6 +4,7 @@ generator, retention rules that save."""
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import textwrap
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -257,3 +259,58 @@ def test_keep_full_reaches_retention_and_older_kept_checkpoints_hold_the_model(t
     infos = list_checkpoints(tmp_path)
     assert [(i.step, i.model_only) for i in infos] == [(2, True), (3, True), (4, False)]
     assert infos[-1].rules is not None and infos[-1].rules.keep_full == 1
+
+
+def _read_only(monkeypatch: pytest.MonkeyPatch, folder: Path) -> dict[str, tuple[int, int]]:
+    """Make ``folder`` act as read-only storage; return its listing, to compare after.
+
+    Tests run as root, whom chmod does not stop, and a read-only bind mount needs privileges
+    a test runner may lack; so the narrowest point is patched: ``os.open`` of
+    ``folder/.lock``, the run's first write there and where EROFS came from. A write that
+    slipped past it (a save, a pointer, a cleanup) shows as a changed listing."""
+    real = os.open
+
+    def refuse(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if Path(path) == folder / ".lock":
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refuse)
+    return _listing(folder)
+
+
+def _listing(folder: Path) -> dict[str, tuple[int, int]]:
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.rglob("*"))}
+
+
+def test_a_finished_run_on_read_only_storage_resumes_and_returns(tmp_path, monkeypatch, capsys):
+    # Before: OSError: [Errno 30] Read-only file system: '.../.lock' at start.
+    run(_recording([]), _state(), _loader(), max_steps=4, plugins=[checkpoints(tmp_path)])
+    capsys.readouterr()
+    before = _read_only(monkeypatch, tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        state = run(
+            _recording([]), _state(), _loader(), max_steps=4, plugins=[checkpoints(tmp_path)]
+        )
+    assert state.step == 4 and _listing(tmp_path) == before
+    assert "resumed from" in (err := capsys.readouterr().err) and "reached its end" in err
+
+
+def test_a_run_that_must_save_on_read_only_storage_fails_at_start_or_warns(
+    tmp_path, monkeypatch
+) -> None:
+    # Before: OSError: [Errno 30] Read-only file system: '.../.lock', with either on_error.
+    run(_recording([]), _state(), _loader(), max_steps=4, plugins=[checkpoints(tmp_path)])
+    before = _read_only(monkeypatch, tmp_path)
+    seen: list[int] = []
+    with pytest.raises(PermissionError, match="read-only: copy it to writable storage"):
+        run(_recording(seen), _state(), _loader(), max_steps=6, plugins=[checkpoints(tmp_path)])
+    assert seen == [] and _listing(tmp_path) == before  # refused before any update
+    plugin = checkpoints(tmp_path, on_error="warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = run(_recording(seen), _state(), _loader(), max_steps=6, plugins=[plugin])
+    assert [str(w.message) for w in caught if "nothing will be saved" in str(w.message)]
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    assert state.step == 6 and len(seen) == 4 and _listing(tmp_path) == before

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import os
 import signal
@@ -143,6 +144,7 @@ class _Run:
     epoch_due: bool = False  # per_epoch: an epoch ended inside an accumulation window
     steps: int = 0  # "step" events seen: the ranks agree on signals every SIGNAL_EVERY
     lock: int | None = None  # rank 0's open lock file: the folder is this run's
+    readonly: bool = False  # the folder cannot be written: nothing is saved
     settings: dict[str, Any] = dataclasses.field(default_factory=dict)  # what saves record
 
 
@@ -195,7 +197,7 @@ def _finish(config: _Config, run_: _Run) -> None:
 
 
 def _save(config: _Config, run_: _Run, state: TrainState, loop: LoopInfo) -> None:
-    if run_.saved_step == state.step:
+    if run_.saved_step == state.step or run_.readonly:
         return
     metrics = _metrics(state, config.rules.metric)  # a keep_best typo raises before a write
     _finish(config, run_)
@@ -233,7 +235,13 @@ def _own(root: Path, run_: _Run) -> None:
             f"checkpoints: {str(path)!r} is not a regular file; it only names the run that "
             "holds the folder, and is written to. Remove it."
         )
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as error:  # read-only storage: fine for a run with nothing to write
+        run_.readonly = error.errno in (errno.EROFS, errno.EACCES, errno.EPERM)
+        if run_.readonly:
+            return
+        raise
     _LOCKS.append(fd)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -314,15 +322,20 @@ def _report(config: _Config, run_: _Run, state: TrainState, loop: LoopInfo, path
             f"checkpoints: the run in {str(config.folder)!r} started with other settings (saved "
             f"-> now): {'; '.join(changes)}. The checkpoint's optimizer and scheduler values "
             f"are used, the current data and micro_batches (this pass goes on after {seen} "
-            f"batch{'es' * (seen != 1)}). To start afresh, use another folder; on_change='error' refuses a change."
+            f"batch{'es' * (seen != 1)}). To start afresh, use another folder; "
+            "on_change='error' refuses a change."
         )
         warn(message)
     at = f"update {state.step}, epoch {state.epoch}, batch {seen}"
-    limits = ((loop.max_steps, state.step), (loop.epochs, state.epoch))
-    if any(limit is not None and done >= limit for limit, done in limits):
+    if _ended(state, loop):
         at += "; the run had already reached its end (raise max_steps or epochs to go on)"
     print(f"checkpoints: resumed from {path} at {at}", file=sys.stderr, flush=True)
     return seen
+
+
+def _ended(state: TrainState, loop: LoopInfo) -> bool:
+    limits = ((loop.max_steps, state.step), (loop.epochs, state.epoch))
+    return any(limit is not None and done >= limit for limit, done in limits)
 
 
 def _resumed(config: _Config, run_: _Run, event: Event) -> TrainState:
@@ -359,7 +372,17 @@ def _start(config: _Config, event: Event) -> tuple[_Run, TrainState]:
     _install(config.stopping.signals, run_)
     try:
         on_rank0(run_.group, "checkpoints", _own, config.folder, run_)  # the others wait
+        run_.readonly = bool(max_over_ranks(run_.readonly, run_.group))  # rank 0's
         state = _resumed(config, run_, event)
+        if run_.readonly and not (_ended(state, event.loop) and run_.saved_step == state.step):
+            fix = "copy it to writable storage and pass that, or pass another folder"
+            ok, got = config.saving.on_error == "warn", str(config.folder)
+            expected, said = "writable storage, as this run saves checkpoints", "It is read-only"
+            check(ok, "checkpoints", "folder", expected, got, f"{said}: {fix}.", PermissionError)
+            warn(
+                f"checkpoints: {got!r} is read-only: nothing will be saved in this run "
+                f"(on_error='warn'); to save, {fix}."
+            )
     except BaseException:
         _release(run_)
         raise
@@ -498,10 +521,11 @@ def checkpoints(
     ``restore_best=True`` loads the best one's weights into the model at the end.
 
     **Resume** at ``"restore"``, before any plugin's ``"start"``: the folder is locked for
-    this run (``folder/.lock``; a second run is refused), leftovers of killed saves are
-    removed, and ``resume="latest"`` loads the newest intact checkpoint (damaged ones are
-    skipped with a warning) into the state and ``objects``; a checkpoint folder may be
-    given; ``resume=None`` refuses a folder that holds checkpoints. Settings that differ
+    this run (``folder/.lock``; a second run is refused; on read-only storage only a run
+    with nothing to save goes on), leftovers of killed saves are removed, and
+    ``resume="latest"`` loads the newest intact checkpoint (damaged ones are skipped with a
+    warning) into the state and ``objects``; a checkpoint folder may be given;
+    ``resume=None`` refuses a folder that holds checkpoints. Settings that differ
     from the saved ones are listed in one warning (``on_change="error"`` raises).
 
     **Preemption**: each of ``signals`` (SIGTERM, SIGUSR1, SIGINT) only sets a flag; the
@@ -530,6 +554,8 @@ def checkpoints(
             with ``on_change="error"``; a failing save with ``on_error="raise"``; a
             ``keep_best`` metric its plugin does not publish.
         RuntimeError: ``folder`` locked by another run, or its ``.lock`` not a regular file.
+        PermissionError: ``folder`` is read-only and the run would save there (with
+            ``on_error="warn"``: one warning, and nothing is saved).
         SystemExit: at ``"end"`` after a signal, with ``exit_code``.
 
     Example:
