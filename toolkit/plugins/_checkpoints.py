@@ -227,8 +227,8 @@ def _install(signals: Sequence[int], run_: _Run) -> None:
 
 def _own(root: Path, run_: _Run) -> None:
     """Rank 0's, at the start: make ``root``, hold its lock file open and locked in
-    ``run_.lock`` (the kernel frees it when the process ends), remove what killed saves left."""
-    root.mkdir(parents=True, exist_ok=True)
+    ``run_.lock`` (the kernel frees it when the process ends), remove what killed saves left;
+    on storage that cannot be written, only set ``run_.readonly``."""
     path = root / ".lock"  # never followed elsewhere (O_NOFOLLOW), nor waited on (a FIFO)
     if path.is_symlink() or (path.exists() and not path.is_file()):
         raise RuntimeError(
@@ -236,6 +236,7 @@ def _own(root: Path, run_: _Run) -> None:
             "holds the folder, and is written to. Remove it."
         )
     try:
+        root.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
     except OSError as error:  # read-only storage: fine for a run with nothing to write
         run_.readonly = error.errno in (errno.EROFS, errno.EACCES, errno.EPERM)
