@@ -4,6 +4,7 @@ A wrong model is refused in one line; a tokenizer is written beside."""
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -103,6 +104,18 @@ def test_a_wrong_model_is_refused_in_one_line_naming_its_type(tmp_path: Path) ->
     )
     with pytest.raises(TypeError, match=r"source must be .*; got a dict\.$"):
         export_model({"w": torch.zeros(3)}, tmp_path / "m.safetensors")
+
+
+def test_merging_a_live_fsdp2_model_is_refused_before_any_gather(monkeypatch, tmp_path) -> None:
+    # A live FSDP2 model holds shards: its merged copy cannot be made here (the gather of the
+    # full weights would come first). The export of its checkpoint folder can.
+    import toolkit.checkpoints._export as export
+
+    monkeypatch.setattr(export, "is_sharded", lambda model: True)
+    monkeypatch.setattr(export, "_read", lambda *a: pytest.fail("gathered before refusing"))
+    message = "merge must be False for a live FSDP2 model; got True. Export the folder"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        export_pretrained(_gpt2(lora=True), tmp_path / "merged", merge=True)
 
 
 def test_the_tokenizer_is_written_beside_the_weights(tmp_path: Path) -> None:

@@ -136,7 +136,8 @@ def export_pretrained(
         TypeError: ``model`` (or the source's) has no ``save_pretrained`` (for any module,
             :func:`export_model` writes a file), or ``source`` is none of the accepted kinds.
         ValueError: the weights' names do not match ``model``'s, or ``merge=True`` without
-            a peft adapter; as :func:`export_model` for ``weights``.
+            a peft adapter or for a live FSDP2 model (export its checkpoint folder); as
+            :func:`export_model` for ``weights``.
 
     Example:
         >>> from transformers import AutoModelForCausalLM, GPT2Config
@@ -150,6 +151,10 @@ def export_pretrained(
         ['config.json', 'generation_config.json', 'model.safetensors']
     """
     who = "export_pretrained"
+    live = source.model if isinstance(source, TrainState) else source
+    if merge and isinstance(live, torch.nn.Module) and is_sharded(live):  # before the gather
+        fix = "Export the folder save_checkpoint writes: it merges into a whole copy."
+        check(False, who, "merge", "False for a live FSDP2 model", merge, fix)
     full, own = _read(source, weights, key, who)
     target: Any = own if model is None else model
     target = unwrap(target) if isinstance(target, torch.nn.Module) else target
