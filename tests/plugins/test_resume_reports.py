@@ -134,9 +134,10 @@ def test_a_changed_batch_size_resumes_at_the_first_unseen_sample(tmp_path: Path)
     seen: list[int] = []
     run(_recording(seen), _state(), _loader(2), max_steps=4, plugins=[checkpoints(tmp_path)])
     after: list[int] = []
-    with pytest.warns(RuntimeWarning, match=r"data\.batch_size 2 -> 4.*after 2 batches"):
+    with pytest.warns(RuntimeWarning, match=r"data\.batch_size 2 -> 4.*after 2 batches") as said:
         run(_recording(after), _state(), _loader(4), epochs=1, plugins=[checkpoints(tmp_path)])
     assert seen + after == order  # every sample of the pass once, in the pass's order
+    assert [w.filename for w in said] == [__file__]  # the run() line (was the plugin's own)
 
 
 def test_a_batch_size_that_splits_a_seen_batch_reads_its_samples_again(tmp_path: Path) -> None:
