@@ -342,7 +342,7 @@ class GuardMachine(RuleBasedStateMachine):
             assert all(bool(p.isfinite().all()) for p in state.model.parameters())
 
 
-TestGuardMachine = GuardMachine.TestCase
+TestGuardMachine = pytest.mark.slow(GuardMachine.TestCase)  # 120 runs of 30 steps: about 4 s
 TestGuardMachine.settings = settings(max_examples=120, stateful_step_count=30, deadline=None)
 
 
