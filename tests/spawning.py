@@ -9,10 +9,13 @@ instead of the suite: every rank is killed once ``timeout`` seconds have passed.
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -52,6 +55,28 @@ def spawn(
         if exc.signal_name is None:
             raise
         _once(fn, make_args(1), nprocs, timeout)
+
+
+def spawn_reports(
+    fn: Callable[..., dict], tmp: Path, nprocs: int, *args: Any, timeout: float = 300.0
+) -> list[dict]:
+    """``fn(*args)`` on ``nprocs`` gloo ranks (one thread each, the group set up and torn
+    down around it); the JSON report each rank's call returned, in rank order."""
+
+    def make_args(attempt: int) -> tuple[Any, ...]:
+        out = tmp / f"attempt{attempt}"
+        out.mkdir()
+        return fn, args, nprocs, str(out / "store"), str(out)
+
+    spawn(_reporting, make_args, nprocs, timeout)
+    out = max(tmp.glob("attempt*"))  # the attempt that completed
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nprocs)]
+
+
+def _reporting(rank: int, fn: Callable[..., dict], args: tuple, world: int, store: str, out: str):
+    torch.set_num_threads(1)
+    with gloo_group(rank, world, store):
+        Path(out, f"rank{rank}.json").write_text(json.dumps(fn(*args)))
 
 
 @contextlib.contextmanager

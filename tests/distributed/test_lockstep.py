@@ -8,19 +8,19 @@ user's, they ride on the guard's verdict all-reduce or, without a guard and fp16
 small all-reduce of their own. Ranks whose windows drifted apart still pair their closing
 collectives (DDP syncs gradients only on the closing micro-batch), so both reach the
 comparison and raise. The test counts ``dist.all_reduce`` calls per update (toolkit's hook
-makes DDP's bucket all-reduce one of them).
+makes DDP's bucket all-reduce one of them). A rank that returns None from some update on,
+for ever, fails on every rank too: once it has skipped a window's worth of micro-batches it
+joins the closing all-reduce with zeros and its count.
 """
 
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from spawning import spawn
+from spawning import spawn_reports
 
 from toolkit import TrainState, accumulate, compose, guard_nonfinite, make_step
 
@@ -178,21 +178,34 @@ def _empty_window() -> dict:
     return {"windows": windows, "params": [p.detach().tolist() for p in model.parameters()]}
 
 
-def _worker(rank: int, store_path: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD
-    )
+def _skip_forever(guarded: bool, skipping: tuple[int, ...]) -> dict:
+    """Calls 0-3 on every rank, then None from call 4 on for the ranks in ``skipping``."""
+    rank = dist.get_rank()
+    model = _ddp(own_hook=False)
+    step = accumulate(make_step(_loss), micro_batches=K)
+    step = compose(guard_nonfinite())(step) if guarded else step
+    state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    report: dict = {"error": None, "closed": []}
     try:
-        report = {name: _scenario(*args) for name, args in SCENARIOS.items()}
-        for own_hook in (False, True):
-            report[f"nan_loss_own_hook_{own_hook}"] = _nan_loss_on_one_rank(own_hook)
-            report[f"fp16_own_hook_{own_hook}"] = _fp16(own_hook)
-        report["empty_window"] = _empty_window()
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+        for i, batch in enumerate(_batches(rank, 10)):
+            state, out = step(state, SKIP if rank in skipping and i >= 4 else batch)
+            if out.closed:
+                report["closed"].append([out.updated, out.empty])
+    except ValueError as error:
+        report["error"] = str(error)
+    return report | {"step": state.step, "params": [p.tolist() for p in model.parameters()]}
+
+
+def _job() -> dict:
+    report = {name: _scenario(*args) for name, args in SCENARIOS.items()}
+    for own_hook in (False, True):
+        report[f"nan_loss_own_hook_{own_hook}"] = _nan_loss_on_one_rank(own_hook)
+        report[f"fp16_own_hook_{own_hook}"] = _fp16(own_hook)
+    report["empty_window"] = _empty_window()
+    for guarded in (False, True):
+        for skipping in ((1,), (0, 1)):
+            report[f"forever_{guarded}_{skipping}"] = _skip_forever(guarded, skipping)
+    return report
 
 
 def _reference(skipped_call: int) -> list:
@@ -212,16 +225,7 @@ def _reference(skipped_call: int) -> list:
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    tmp = tmp_path_factory.mktemp("lockstep")
-
-    def attempt_args(attempt: int) -> tuple[str, str]:
-        out = tmp / f"attempt{attempt}"
-        out.mkdir()
-        return str(out / "store"), str(out)
-
-    spawn(_worker, attempt_args, nprocs=WORLD, timeout=60)
-    out = max(tmp.glob("attempt*"))
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return spawn_reports(_job, tmp_path_factory.mktemp("lockstep"), WORLD, timeout=90)
 
 
 @pytest.mark.parametrize(
@@ -304,3 +308,26 @@ def test_a_window_without_targets_on_every_rank_is_skipped_on_every_rank(
     for report in reports:
         assert report["empty_window"]["windows"] == [[False, True], [True, False], [True, False]]
     assert reports[0]["empty_window"]["params"] == reports[1]["empty_window"]["params"]
+
+
+@pytest.mark.parametrize("guarded", [False, True])
+def test_a_rank_skipping_forever_fails_on_every_rank(reports: list[dict], guarded: bool) -> None:
+    name = f"forever_{guarded}_(1,)"
+    for report in reports:
+        run = report[name]
+        assert run["error"] is not None
+        assert "returned None on some ranks of the data-parallel group" in run["error"]
+        assert "from 0 to 2 skipped micro-batches" in run["error"]
+        assert run["step"] == 2  # two windows, then nothing applied
+    assert reports[0][name]["params"] == reports[1][name]["params"]
+
+
+@pytest.mark.parametrize("guarded", [False, True])
+def test_every_rank_skipping_alike_applies_nothing(reports: list[dict], guarded: bool) -> None:
+    name = f"forever_{guarded}_(0, 1)"
+    for report in reports:
+        run = report[name]
+        assert run["error"] is None and run["step"] == 2
+        # Two windows applied; each later window of skips only closed empty.
+        assert run["closed"] == [[True, False]] * 2 + [[False, True]] * 3
+    assert reports[0][name]["params"] == reports[1][name]["params"]
