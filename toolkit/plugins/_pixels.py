@@ -29,9 +29,15 @@ def pixels(who: str, name: str, image: Any) -> torch.Tensor:
     """
     figure = sys.modules.get("matplotlib.figure")  # a figure exists only if this is imported
     if figure is not None and isinstance(image, figure.Figure):
-        return _figure(image)
-    what = f"image {name!r}"
-    tensor = isinstance(image, torch.Tensor)
+        canvas = image.canvas
+        if not hasattr(canvas, "buffer_rgba"):  # a canvas that does not draw with Agg
+            from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+            canvas = FigureCanvasAgg(image)
+        canvas.draw()
+        rgba = canvas.buffer_rgba()  # a (H, W, 4) memoryview of the canvas's own memory: copied
+        return torch.frombuffer(bytearray(rgba), dtype=torch.uint8).reshape(rgba.shape)
+    what, tensor = f"image {name!r}", isinstance(image, torch.Tensor)
     ok = tensor and (image.dtype == torch.uint8 or image.is_floating_point())
     expected = "a matplotlib figure, or a tensor of uint8 pixels or float intensities in [0, 1]"
     check(ok, who, what, expected, image.dtype if tensor else type(image), "", TypeError)
@@ -49,17 +55,6 @@ def pixels(who: str, name: str, image: Any) -> torch.Tensor:
         check(finite, who, what, "intensities in [0, 1]", "NaN or infinite values")
         image = image.float().clamp(0, 1).mul(255).round().to(torch.uint8)
     return image.contiguous()
-
-
-def _figure(figure: Any) -> torch.Tensor:
-    canvas = figure.canvas
-    if not hasattr(canvas, "buffer_rgba"):  # a canvas that does not draw with Agg
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-        canvas = FigureCanvasAgg(figure)
-    canvas.draw()
-    rgba = canvas.buffer_rgba()  # a (H, W, 4) memoryview of the canvas's own memory: copied
-    return torch.frombuffer(bytearray(rgba), dtype=torch.uint8).reshape(rgba.shape)
 
 
 def check_name(who: str, name: Any) -> str:

@@ -109,11 +109,10 @@ def _replace(who: str, arg: str, where: pathlib.Path, old: str, files: Any, poli
     """What a fresh run does with ``old`` (what another run left in ``where``; "": none): raise
     FileExistsError when ``policy`` refuses, delete ``files`` when it replaces."""
     if old and policy == "refuse":
-        raise FileExistsError(
-            f"{who}: {str(where)!r} already holds {old} of another run, and this run starts "
-            f"fresh (step 0). Pass {who}({arg}, existing='replace') to start afresh, "
-            f"existing='append' to add this run after them, or choose another {arg}."
-        )
+        said = f"{who}: {str(where)!r} already holds {old} of another run, and this run starts"
+        fix = f"Pass {who}({arg}, existing='replace') to start afresh, existing='append' to add"
+        fix += f" this run after them, or choose another {arg}."
+        raise FileExistsError(f"{said} fresh (step 0). {fix}")
     for file in files if old and policy == "replace" else ():
         file.unlink()
 
@@ -461,16 +460,14 @@ def wandb(**init_kwargs: Any) -> Sink:
         _check_folder("wandb", "dir", run_file.parent)
         memory.update(id=None, step=-1, floor=-1)
         if step > 0 and run_file.exists():
-            try:
-                stored = json.loads(run_file.read_text())
-                run_id, last = stored["id"], stored["step"]
-                if not (isinstance(run_id, str) and isinstance(last, int)):
-                    raise ValueError("expected an id and a step")
-            except (ValueError, KeyError, TypeError) as exc:
-                raise ValueError(
-                    f"wandb: cannot read the W&B run to resume from {str(run_file)!r} ({exc}); "
-                    "it holds {'id': str, 'step': int}. Delete it to start a new W&B run."
-                ) from exc
+            got: Any = None
+            with contextlib.suppress(ValueError):  # not JSON: refused below
+                got = json.loads(run_file.read_text())
+            run_id, last = (got.get("id"), got.get("step")) if isinstance(got, dict) else (0, 0)
+            if not (isinstance(run_id, str) and isinstance(last, int)):
+                said = f"wandb: cannot read the W&B run to resume from {str(run_file)!r}"
+                fix = "expected {'id': str, 'step': int}. Delete it to start a new W&B run."
+                raise ValueError(f"{said} (got {got!r}); {fix}")
             if init_kwargs.get("id") in (None, run_id):
                 memory.update(id=run_id, step=last, floor=last)
 
