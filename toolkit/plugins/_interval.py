@@ -167,9 +167,6 @@ def _scalar(tensor: torch.Tensor) -> torch.Tensor:
 
 def _fields(outs: Iterable[Sequence[Any]]) -> Any:
     """The outputs as one StepOutput whose fields are tuples: a column per field."""
-    # A list, not tuple(zip(...)): that tuple, grown from a guessed size and freed onto
-    # CPython's tuple free list, leaves one more object in the collector's count each call,
-    # and a garbage collection every few thousand updates.
     taken = list(zip(*outs))
     return StepOutput._make(taken) if taken else _NO_OUTPUTS
 

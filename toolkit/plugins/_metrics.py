@@ -251,17 +251,17 @@ def log_metrics(
     reserved |= {"epoch_loss", "epoch"} if per_epoch else set()
     sinks = check_sinks(who, sinks)
     options = _Options(every, sinks, kinds, totals, chosen, per_epoch, flops, reserved, clock)
-    run_memory = [_Memory()]  # a fresh one per run, made at "start"
+    memory = _Memory()  # a fresh one per run, made at "start"
 
     def plugin(event: Event) -> TrainState | None:
+        nonlocal memory
         kind, state = event.kind, event.state
         if kind == "step":  # first: the one event of every update
-            return _on_step(options, run_memory[0], event)
+            return _on_step(options, memory, event)
         if kind == "start":
-            run_memory[0] = _start(options, event)
+            memory = _start(options, event)
         if kind not in ("epoch_end", "end"):
             return None
-        memory = run_memory[0]
         try:
             extra = _scan(memory, state)
             if kind == "epoch_end" and options.per_epoch:
