@@ -139,6 +139,7 @@ def ema(
     lists: tuple[Any, ...] = ()
 
     def plugin(event: Event) -> TrainState | None:
+        nonlocal built_for, lists
         kind, state = event.kind, event.state
         entry = state.extras.get(key)
         if entry is None:  # at a step: called outside run(), no "start" was delivered
@@ -151,7 +152,6 @@ def ema(
             return None
         n = entry["num_updates"]
         d = min(decay, (1 + n) / (10 + n)) if warmup else decay
-        nonlocal built_for, lists
         held = (state.model, entry["params"], entry["buffers"])
         if not built_for or any(a is not b for a, b in zip(built_for, held)):
             built_for, lists = held, _lists(state.model, entry, buffers, frozen)

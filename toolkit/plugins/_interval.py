@@ -88,8 +88,8 @@ def read(
     other = {key: cols.pop(key).values for key in kinds if key in cols}
     applied = list(compress(closing.lr, closing.updated))
     norms = [n for n in compress(closing.grad_norm, closing.updated) if n is not None]
-    # Every tensor rides in the one host read (a read per norm was a tenth of a read): the
-    # norms, the last LR, ``also`` and the other kinds' values.
+    # Every tensor rides in the one host read: the norms, the last LR, ``also`` and the
+    # other kinds' values.
     parts = [norms, applied[-1:], also, *other.values()]
     tensors = [_scalar(t) for p in parts for t in p if isinstance(t, torch.Tensor)]
     host = iter((got := weighted_sums(cols, weights, tensors)).also)

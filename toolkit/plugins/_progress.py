@@ -270,7 +270,8 @@ def _refresh(bar: _Bar, state: TrainState, now: float, open_window: Any = ()) ->
         # A plain line straight to the console's file: rendering it through rich would cost
         # ~100x more, for nothing to style in a log.
         line = " | ".join(part for part in (head, *fields, eta) if part)
-        return print(line, file=bar.shown.file, flush=True)  # type: ignore[union-attr]
+        print(line, file=bar.shown.file, flush=True)  # type: ignore[union-attr]
+        return
     width = bar.shown.width  # type: ignore[union-attr]
     room = width - cell_len(head) - cell_len(eta) - 3  # for the bar and the fields (3 gaps)
     least = max(6, width // 5 - 10)  # the bar's least width: 6 at 80 columns, 22 at 160
