@@ -16,8 +16,7 @@ from toolkit.plugins import _images as images_module
 from toolkit.plugins import checkpoints
 from toolkit.plugins._images import log_images
 from toolkit.plugins._metrics import log_metrics
-from toolkit.plugins._pixels import pixels
-from toolkit.plugins._sinks import Sink, jsonl, png_dir, tensorboard, wandb
+from toolkit.plugins._sinks import Sink, jsonl, pixels, png_dir, tensorboard, wandb
 
 
 def EventAccumulator(*args: Any, **kwargs: Any) -> Any:  # TensorBoard's reader, imported here

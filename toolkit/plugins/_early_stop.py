@@ -82,12 +82,9 @@ def early_stop(
     def plugin(event: Event) -> TrainState | None:
         state = event.state
         if event.kind == "end" and event.error is None and name not in state.metrics:
-            message = (
-                f"early_stop: state.metrics never got a {name!r} entry to read {metric!r} from "
-                f"(entries: {sorted(state.metrics)}), so no score was judged. Check the name, "
-                f"and that validate(..., key={name!r}) evaluates in the run (e.g. at_end=True)."
-            )
-            warn(message)
+            said = f"early_stop: state.metrics never got a {name!r} entry to read {metric!r} from"
+            fix = f"Check the name, and that validate(..., key={name!r}) runs (e.g. at_end=True)"
+            warn(f"{said} (entries: {sorted(state.metrics)}), so no score was judged. {fix}.")
         if event.kind in ("restore", "start", "end") or name not in state.metrics:
             return None
         step, metrics = state.metrics[name]["step"], state.metrics[name]["values"]
@@ -104,10 +101,9 @@ def early_stop(
         state = state.replace(extras={**state.extras, key: counters})
         if counters["bad"] < patience:
             return state
+        said = f"did not improve by more than {min_delta:g} for {counters['bad']} evaluations"
         best = f"{counters['best']:.4g}" if counters["best"] is not None else "none"
-        return state.replace(
-            stop=f"early_stop: {metric} did not improve by more than {min_delta:g} for "
-            f"{counters['bad']} evaluations (best {best} at step {counters['best_step']})"
-        )
+        best += f" at step {counters['best_step']}"
+        return state.replace(stop=f"early_stop: {metric} {said} (best {best})")
 
     return declare(plugin, key)

@@ -1,7 +1,6 @@
 """ema: an exponential moving average of the weights, kept in ``state.extras``."""
 
 import copy
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,23 +25,14 @@ def _placed(entry: Mapping, model: torch.nn.Module, buffers: bool, key: str, fro
     for kind, live in (("params", _averaged(model, frozen)), ("buffers", live_buffers)):
         held = entry[kind]
         if held.keys() != live.keys():
-            raise ValueError(
-                f"ema: state.extras[{key!r}][{kind!r}] does not match the model's {kind}: "
-                f"missing {sorted(live.keys() - held.keys())[:5]}, unexpected "
-                f"{sorted(held.keys() - live.keys())[:5]}. Resume with the same model, trainable "
-                f"parameters and ema(buffers=, frozen=) options, or drop state.extras[{key!r}]."
-            )
+            said = f"ema: state.extras[{key!r}][{kind!r}] does not match the model's {kind}: "
+            said += f"missing {sorted(live.keys() - held.keys())[:5]}, unexpected "
+            fix = "Resume with the same model, trainable parameters and ema(buffers=, frozen=) "
+            fix += f"options, or drop state.extras[{key!r}]."
+            raise ValueError(f"{said}{sorted(held.keys() - live.keys())[:5]}. {fix}")
         # The average lives on the weights' device for the fused update.
         out[kind] = {n: t.to(device=live[n].device, dtype=live[n].dtype) for n, t in held.items()}
     return out
-
-
-@dataclasses.dataclass(slots=True)
-class _FusedLists:
-    """The fused update's lists, and the model and entry dicts they were built for."""
-
-    held: tuple[Any, ...] | None = None
-    lists: tuple[Any, ...] = ()
 
 
 def _lists(model: torch.nn.Module, entry: Mapping[str, Any], buffers: bool, frozen: bool) -> tuple:
@@ -142,12 +132,14 @@ def ema(
         entry = EmaEntry(step=state.step, num_updates=0, params=params, buffers=bufs)
         return state.replace(extras={**state.extras, key: entry})
 
-    # The fused update's lists, rebuilt only when the model or the entry's dicts change (a
-    # resume, ema_model's adoption at "start"): walking the module tree per update costs
-    # about as much as the lerp itself on a model of many small tensors.
-    cache = _FusedLists()
+    # The fused update's lists, and the model and entry dicts they were built for: rebuilt
+    # only when those change (a resume, the adoption at "start"), since walking the module
+    # tree per update costs about as much as the lerp itself on a model of many small tensors.
+    built_for: tuple[Any, ...] = ()
+    lists: tuple[Any, ...] = ()
 
     def plugin(event: Event) -> TrainState | None:
+        nonlocal built_for, lists
         kind, state = event.kind, event.state
         entry = state.extras.get(key)
         if entry is None:  # at a step: called outside run(), no "start" was delivered
@@ -161,9 +153,9 @@ def ema(
         n = entry["num_updates"]
         d = min(decay, (1 + n) / (10 + n)) if warmup else decay
         held = (state.model, entry["params"], entry["buffers"])
-        if cache.held is None or any(a is not b for a, b in zip(cache.held, held)):
-            cache.held, cache.lists = held, _lists(state.model, entry, buffers, frozen)
-        averaged, live, copied, sources = cache.lists
+        if not built_for or any(a is not b for a, b in zip(built_for, held)):
+            built_for, lists = held, _lists(state.model, entry, buffers, frozen)
+        averaged, live, copied, sources = lists
         with torch.no_grad():
             if averaged:
                 # lerp(ema, p, 1 - d) = d * ema + (1 - d) * p, one fused kernel per device/dtype.

@@ -17,9 +17,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from itertools import chain, compress, islice
+from itertools import chain, compress
 from typing import Any
 
 import torch
@@ -71,40 +70,30 @@ def read(
     weighted means. The 0-d tensors ``also`` are read in the same host read; their values
     are returned.
     """
-    # Each field is taken out of all outputs at once (zip), not by a python loop per field:
-    # python steps per output show in the overhead of a refresh every few updates.
-    closing = _fields(map(_LAST, windows))
-    kept = [w for w in windows if not w[-1].nonfinite] if any(closing.nonfinite) else windows
-    fields = _fields(chain(*kept, open_window))
-    if any(fields.skipped):  # outputs without a loss are left out
-        fields = _fields(row for row, skipped in zip(zip(*fields), fields.skipped) if not skipped)
-    counts, samples = fields.count, fields.samples
-    # counts[0], then `!=` on the tuple (identity first, in C): `None in counts` would compare
-    # every tensor with None, ~20 us each.
-    counted = bool(counts) and (counts[0] is not None or counts != (None,) * len(counts))
-    try:
-        sized: int | None = sum(samples)
-    except TypeError:  # some micro-batches have no sample count
-        sized = sum(known) if (known := [s for s in samples if s is not None]) else None
-        samples = tuple(1 if s is None else s for s in samples)
+    # Each field is taken out of all outputs at once (zip), not by a python loop per field.
+    closing = _fields(w[-1] for w in windows)
+    kept = chain(*(w for w in windows if not w[-1].nonfinite), open_window)
+    fields = _fields(out for out in kept if not out.skipped)  # outputs without a loss are out
+    counts = fields.count
+    counted = any(c is not None for c in counts)  # `is`: `None in counts` compares tensors
+    known = [s for s in fields.samples if s is not None]  # some micro-batches may have none
+    sized = sum(known) if known else None
+    samples = tuple(1 if s is None else s for s in fields.samples)
     weights: Sequence[Any] | Column = Column(samples, None, tensors=False)
     if counted:
         weights = [_scalar(c) if isinstance(c, torch.Tensor) else s if c is None else c
                    for c, s in zip(counts, samples)]  # fmt: skip
     cols = columns([flatten(r) for r in fields.records]) if flatten and any(fields.records) else {}
     cols["loss"] = Column(fields.loss, None, tensors=True)  # skipped ones are out
-    other = {key: cols.pop(key).values for key in kinds if key in cols} if kinds else {}
+    other = {key: cols.pop(key).values for key in kinds if key in cols}
     applied = list(compress(closing.lr, closing.updated))
     norms = [n for n in compress(closing.grad_norm, closing.updated) if n is not None]
-    # Every tensor rides in the one host read: the norms as they are (the step's, 0-d and
-    # without grad: a call per norm was a tenth of a read), then the last LR, ``also`` and
-    # the other kinds' values.
-    parts = [applied[-1:], also, *other.values()]
+    # Every tensor rides in the one host read: the norms, the last LR, ``also`` and the
+    # other kinds' values.
+    parts = [norms, applied[-1:], also, *other.values()]
     tensors = [_scalar(t) for p in parts for t in p if isinstance(t, torch.Tensor)]
-    got = weighted_sums(cols, weights, [*norms, *tensors])
-    host = iter(got.also)
-    norms = list(islice(host, len(norms)))
-    lr, returned, *others = (
+    host = iter((got := weighted_sums(cols, weights, tensors)).also)
+    norms, lr, returned, *others = (
         [next(host) if isinstance(v, torch.Tensor) else v for v in part] for part in parts
     )
     for key, (total, weight) in got.sums.items():
@@ -113,7 +102,7 @@ def read(
     if counted:
         targets = sum([w for w, c in zip(got.weights, counts) if c is not None])
         interval.targets = targets + (interval.targets or 0.0)
-    if sized is not None and samples:
+    if sized is not None:
         interval.samples = sized + (interval.samples or 0)
     interval.norm_total += sum(norms)
     interval.norms += len(norms)
@@ -178,12 +167,8 @@ def _scalar(tensor: torch.Tensor) -> torch.Tensor:
 
 def _fields(outs: Iterable[Sequence[Any]]) -> Any:
     """The outputs as one StepOutput whose fields are tuples: a column per field."""
-    # A list, not tuple(zip(...)): that tuple, grown from a guessed size and freed onto
-    # CPython's tuple free list, leaves one more object in the collector's count each call,
-    # and a garbage collection every few thousand updates.
     taken = list(zip(*outs))
     return StepOutput._make(taken) if taken else _NO_OUTPUTS
 
 
-_LAST = operator.itemgetter(-1)
 _NO_OUTPUTS = StepOutput._make(() for _ in StepOutput._fields)

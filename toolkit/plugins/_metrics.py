@@ -13,12 +13,7 @@ import torch
 import torch.distributed as dist
 
 from toolkit._checks import check, check_bool, check_count, check_names, check_positive, warn
-from toolkit.distributed._collectives import (
-    groups_of,
-    is_distributed,
-    is_rank_zero,
-    sum_over_ranks,
-)
+from toolkit.distributed._collectives import groups_of, is_distributed, is_rank_zero, sum_over_ranks
 from toolkit.loop._run import Event, declare, plugin_factory
 from toolkit.plugins._interval import KINDS, Interval, combine, flat_scalars, read
 from toolkit.plugins._shared import due
@@ -256,17 +251,17 @@ def log_metrics(
     reserved |= {"epoch_loss", "epoch"} if per_epoch else set()
     sinks = check_sinks(who, sinks)
     options = _Options(every, sinks, kinds, totals, chosen, per_epoch, flops, reserved, clock)
-    run_memory = [_Memory()]  # a fresh one per run, made at "start"
+    memory = _Memory()  # a fresh one per run, made at "start"
 
     def plugin(event: Event) -> TrainState | None:
+        nonlocal memory
         kind, state = event.kind, event.state
         if kind == "step":  # first: the one event of every update
-            return _on_step(options, run_memory[0], event)
+            return _on_step(options, memory, event)
         if kind == "start":
-            run_memory[0] = _start(options, event)
+            memory = _start(options, event)
         if kind not in ("epoch_end", "end"):
             return None
-        memory = run_memory[0]
         try:
             extra = _scan(memory, state)
             if kind == "epoch_end" and options.per_epoch:
@@ -290,8 +285,7 @@ def log_metrics(
 
 def _flops(per_sample: Any, per_token: Any, peak: Any) -> tuple[str, float, float] | None:
     """``("sample" | "token", FLOPs per one, peak FLOP/s)`` for train/mfu, or None."""
-    who = "log_metrics"
-    both = per_sample is not None and per_token is not None
+    who, both = "log_metrics", per_sample is not None and per_token is not None
     check(not both, who, "flops_per_sample or flops_per_token", "given alone", "both")
     unit, per = ("sample", per_sample) if per_token is None else ("token", per_token)
     got = "only peak_flops" if per is None else "no peak_flops"
@@ -314,13 +308,10 @@ def _start(options: _Options, event: Event) -> _Memory:
         entry = state.extras.get(KEY)
         through = entry.get("through") if isinstance(entry, Mapping) else None
         if options.totals and isinstance(through, int) and through < state.step:
-            message = (
-                f"log_metrics: the run totals in the state count the updates up to step "
-                f"{through}, and the run resumes from step {state.step}: no total counts the "
-                f"{(n := state.step - through)} update{'s' * (n != 1)} between. Save "
-                "checkpoints at multiples of log_metrics's every."
-            )
-            warn(message)
+            n, fix = state.step - through, "Save checkpoints at multiples of log_metrics's every."
+            said = f"the run totals in the state count the updates up to step {through}, and the"
+            said += f" run resumes from step {state.step}: no total counts the {n} update"
+            warn(f"log_metrics: {said}{'s' * (n != 1)} between. {fix}")
     return _Memory(started=options.clock(), seen=seen, lrs=(_lrs(state.optimizer), {}))
 
 
@@ -337,8 +328,7 @@ def _on_step(options: _Options, memory: _Memory, event: Event) -> TrainState | N
         return _publish(options, memory, state, extra, True)
     if len(memory.windows) >= _FOLD:
         _take(options, memory)
-    if extra:
-        _write(options, state.step, extra)
+    _write(options, state.step, extra)
     return None
 
 
@@ -378,8 +368,7 @@ def _publish(
 ) -> TrainState | None:  # fmt: skip
     interval, lrs = memory.interval, memory.lrs[1]
     group_lrs = _take(options, memory, open_window, list(lrs.values()))
-    now = options.clock()
-    elapsed, memory.started = now - memory.started, now
+    elapsed, memory.started = (now := options.clock()) - memory.started, now
     # The 1.0 adds up to the number of ranks: times are per rank, their mean is shown.
     counts = [interval.samples or 0, interval.targets or 0.0, *memory.times, 1.0]
     means, reduced, counts = _over_ranks(interval, options.kinds, counts, collective, state.model)
@@ -444,8 +433,7 @@ def _epoch_metrics(options: _Options, memory: _Memory, state: TrainState) -> dic
         _take(options, memory)  # the interval continues; what it read is kept
     group = groups_of(state.model).tokens
     sums, _ = sum_over_ranks("log_metrics", {"loss": memory.epoch_loss}, group=group)
-    total, weight = sums["loss"]
-    memory.epoch_loss = (0.0, 0.0)
+    (total, weight), memory.epoch_loss = sums["loss"], (0.0, 0.0)
     loss = {"train/epoch_loss": total / weight} if weight else {}
     return {"train/epoch": float(state.epoch), **loss}
 

@@ -39,7 +39,7 @@ class _Bar:
     counts: str
     min_interval: float
     records: Sequence[str]
-    times: bool
+    show_times: bool
     console: rich.console.Console | None  # as given; None for rich's global console
     shown: rich.console.Console | None = None  # the console drawn on in this run
     total: int | None = None  # updates in the run, when known
@@ -47,8 +47,7 @@ class _Bar:
     # events: their states may hold large extras.
     windows: list[tuple[StepOutput, ...]] = dataclasses.field(default_factory=list)
     lr: Any = None  # the last applied update's learning rate, once read
-    data_time: float = 0.0  # seconds since the last refresh (with times=True)
-    step_time: float = 0.0
+    times: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.0])  # data, step
     warm_from: int = 0  # state.step from which updates are timed for the ETA
     warm_at: float | None = None  # clock() at that step, once reached
     last_time: float = 0.0  # clock() at the last refresh
@@ -237,8 +236,7 @@ def _start(bar: _Bar, event: Event) -> None:
 
 def _step(bar: _Bar, event: Event) -> None:
     bar.windows.append(event.outs)
-    bar.data_time += event.data_time  # shown with times=True
-    bar.step_time += event.step_time
+    bar.times = [bar.times[0] + event.data_time, bar.times[1] + event.step_time]
     # Start the ETA clock after the update that ends the warm-up.
     if bar.warm_at is None and bar.warm_from == event.state.step and event.out.updated:  # type: ignore[union-attr]
         bar.warm_at = bar.clock()
@@ -264,17 +262,15 @@ def _refresh(bar: _Bar, state: TrainState, now: float, open_window: Any = ()) ->
         _per_second(interval.samples, elapsed, "samples"),
         _per_second(interval.targets, elapsed, bar.counts),
     ]
-    if bar.times and windows:
-        fields.append(f"data {_duration(bar.data_time / windows)}")
-        fields.append(f"step {_duration(bar.step_time / windows)}")
-    bar.data_time = bar.step_time = 0.0
+    if bar.show_times and windows:  # seconds per update since the last refresh
+        fields += [f"{n} {_duration(t / windows)}" for n, t in zip(("data", "step"), bar.times)]
+    bar.times = [0.0, 0.0]
     bar.shown_step, eta, head = state.step, _eta(bar, now, state.step), _head(state.step, bar.total)
     if bar.live is None:
         # A plain line straight to the console's file: rendering it through rich would cost
         # ~100x more, for nothing to style in a log.
-        file = bar.shown.file  # type: ignore[union-attr]
-        file.write(" | ".join(part for part in (head, *fields, eta) if part) + "\n")
-        file.flush()
+        line = " | ".join(part for part in (head, *fields, eta) if part)
+        print(line, file=bar.shown.file, flush=True)  # type: ignore[union-attr]
         return
     width = bar.shown.width  # type: ignore[union-attr]
     room = width - cell_len(head) - cell_len(eta) - 3  # for the bar and the fields (3 gaps)
@@ -306,7 +302,7 @@ def _fit(fields: Sequence[str], width: int) -> str:
 
 def _stop(bar: _Bar) -> None:
     bar.windows.clear()
-    bar.data_time = bar.step_time = 0.0
+    bar.times = [0.0, 0.0]
     bar.shown, live, bar.live, bar.nonfinite = None, bar.live, None, False
     if live is not None:
         live.stop()
@@ -318,10 +314,8 @@ def _mean(interval: Interval, name: str) -> float | None:
 
 
 def _per_second(count: float | None, elapsed: float, what: str) -> str:
-    if count is None or elapsed <= 0:
-        return ""
-    rate = count / elapsed
-    return f"{rate:{'.0f' if rate >= 100 else '.3g'}} {what}/s"
+    rate = count / elapsed if count is not None and elapsed > 0 else None
+    return "" if rate is None else f"{rate:{'.0f' if rate >= 100 else '.3g'}} {what}/s"
 
 
 def _duration(seconds: float) -> str:

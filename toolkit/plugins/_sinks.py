@@ -11,14 +11,16 @@ import json
 import os
 import pathlib
 import re
+import sys
 import tempfile
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+import torch
+
 from toolkit._checks import check, check_count, check_one_of, check_path
 from toolkit.checkpoints._files import replace_file, write_bytes
-from toolkit.plugins._pixels import check_name, pixels
 
 _LOGGERS = 'pip install -e ".[loggers]" from a checkout of toolkit'
 _EXISTING = ("refuse", "replace", "append")  # what a fresh run does with logs already there
@@ -109,11 +111,10 @@ def _replace(who: str, arg: str, where: pathlib.Path, old: str, files: Any, poli
     """What a fresh run does with ``old`` (what another run left in ``where``; "": none): raise
     FileExistsError when ``policy`` refuses, delete ``files`` when it replaces."""
     if old and policy == "refuse":
-        raise FileExistsError(
-            f"{who}: {str(where)!r} already holds {old} of another run, and this run starts "
-            f"fresh (step 0). Pass {who}({arg}, existing='replace') to start afresh, "
-            f"existing='append' to add this run after them, or choose another {arg}."
-        )
+        said = f"{who}: {str(where)!r} already holds {old} of another run, and this run starts"
+        fix = f"Pass {who}({arg}, existing='replace') to start afresh, existing='append' to add"
+        fix += f" this run after them, or choose another {arg}."
+        raise FileExistsError(f"{said} fresh (step 0). {fix}")
     for file in files if old and policy == "replace" else ():
         file.unlink()
 
@@ -279,8 +280,7 @@ def jsonl(path: str | os.PathLike[str], *, existing: str = "refuse") -> Sink:
         data = file_path.read_bytes() if file_path.exists() else b""
         old = f"{len(data.splitlines())} lines" if data and fresh else ""
         _replace("jsonl", "path", file_path, old, [file_path], policy)
-        kept = _kept_lines(data, step) if step else data
-        if kept != data:
+        if step and (kept := _kept_lines(data, step)) != data:
             replace_file(file_path, functools.partial(write_bytes, data=kept))  # atomically
 
     def open_file(_: int | None) -> Any:
@@ -300,6 +300,66 @@ def jsonl(path: str | os.PathLike[str], *, existing: str = "refuse") -> Sink:
 
     lazy = _Lazy(prepare, open_file, shut, put)
     return lazy.sink()
+
+
+# One image (tensor or matplotlib figure) as the uint8 pixels every image sink writes.
+_CHANNELS = (1, 3, 4)  # grey, RGB, RGBA
+
+
+def pixels(who: str, name: str, image: Any) -> torch.Tensor:
+    """``image`` as a contiguous CPU ``uint8`` tensor: ``(H, W)`` grey, or ``(H, W, C)``, C in 3, 4.
+
+    A tensor is ``(H, W)`` (grey), or 3-D: **CHW when its first dimension is 1, 3 or 4**
+    (torch's convention), else HWC (its last dimension must then be 1, 3 or 4); so an HWC
+    image whose height is 1, 3 or 4 must be given as CHW. ``uint8`` values are pixels as
+    they are; floating-point values are intensities in [0, 1] (clamped to it, then
+    ``round(x * 255)``). A matplotlib figure is drawn (RGBA) with its own canvas when
+    that draws with Agg, else with an Agg canvas that replaces it.
+
+    Example:
+        >>> import torch
+        >>> pixels("log_images", "grid", torch.zeros(3, 2, 5)).shape  # CHW
+        torch.Size([2, 5, 3])
+        >>> pixels("log_images", "grid", torch.tensor([[0.0, 0.5, 1.0]])).flatten().tolist()
+        [0, 128, 255]
+    """
+    figure = sys.modules.get("matplotlib.figure")  # a figure exists only if this is imported
+    if figure is not None and isinstance(image, figure.Figure):
+        canvas = image.canvas
+        if not hasattr(canvas, "buffer_rgba"):  # a canvas that does not draw with Agg
+            from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+            canvas = FigureCanvasAgg(image)
+        canvas.draw()
+        rgba = canvas.buffer_rgba()  # a (H, W, 4) memoryview of the canvas's own memory: copied
+        return torch.frombuffer(bytearray(rgba), dtype=torch.uint8).reshape(rgba.shape)
+    what, tensor = f"image {name!r}", isinstance(image, torch.Tensor)
+    ok = tensor and (image.dtype == torch.uint8 or image.is_floating_point())
+    expected = "a matplotlib figure, or a tensor of uint8 pixels or float intensities in [0, 1]"
+    check(ok, who, what, expected, image.dtype if tensor else type(image), "", TypeError)
+    image = image.detach().cpu()
+    if image.dim() == 3 and image.shape[0] in _CHANNELS:
+        image = image.permute(1, 2, 0)
+    if image.dim() == 3 and image.shape[-1] == 1:
+        image = image[..., 0]  # grey: (H, W), as Pillow and W&B take it
+    shaped = image.dim() == 2 or (image.dim() == 3 and image.shape[-1] in _CHANNELS)
+    shaped = shaped and image.numel() > 0
+    shapes = "(H, W), (C, H, W) or (H, W, C) with C in 1, 3 or 4 and H, W > 0"
+    check(shaped, who, f"{what}'s shape", shapes, tuple(image.shape))
+    if image.dtype != torch.uint8:
+        finite = bool(torch.isfinite(image).all())
+        check(finite, who, what, "intensities in [0, 1]", "NaN or infinite values")
+        image = image.float().clamp(0, 1).mul(255).round().to(torch.uint8)
+    return image.contiguous()
+
+
+def check_name(who: str, name: Any) -> str:
+    """An image name: a non-empty relative path of "/"-separated parts, none "." or ".."."""
+    parts = name.split("/") if isinstance(name, str) else [""]
+    ok = not any(part in ("", ".", "..") or "\\" in part for part in parts)
+    example = "a relative path such as 'val/samples' (no empty, '.' or '..' part, no backslash)"
+    check(ok, who, "an image name", example, name)
+    return name
 
 
 def tensorboard(log_dir: str | os.PathLike[str], *, existing: str = "refuse") -> Sink:
@@ -461,16 +521,14 @@ def wandb(**init_kwargs: Any) -> Sink:
         _check_folder("wandb", "dir", run_file.parent)
         memory.update(id=None, step=-1, floor=-1)
         if step > 0 and run_file.exists():
-            try:
-                stored = json.loads(run_file.read_text())
-                run_id, last = stored["id"], stored["step"]
-                if not (isinstance(run_id, str) and isinstance(last, int)):
-                    raise ValueError("expected an id and a step")
-            except (ValueError, KeyError, TypeError) as exc:
-                raise ValueError(
-                    f"wandb: cannot read the W&B run to resume from {str(run_file)!r} ({exc}); "
-                    "it holds {'id': str, 'step': int}. Delete it to start a new W&B run."
-                ) from exc
+            got: Any = None
+            with contextlib.suppress(ValueError):  # not JSON: refused below
+                got = json.loads(run_file.read_text())
+            run_id, last = (got.get("id"), got.get("step")) if isinstance(got, dict) else (0, 0)
+            if not (isinstance(run_id, str) and isinstance(last, int)):
+                said = f"wandb: cannot read the W&B run to resume from {str(run_file)!r}"
+                fix = "expected {'id': str, 'step': int}. Delete it to start a new W&B run."
+                raise ValueError(f"{said} (got {got!r}); {fix}")
             if init_kwargs.get("id") in (None, run_id):
                 memory.update(id=run_id, step=last, floor=last)
 
