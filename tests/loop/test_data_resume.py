@@ -347,9 +347,14 @@ def test_a_changed_batch_size_maps_by_samples_unless_the_loader_keeps_its_own_po
 
     saved = {"batch_size": 2, "samples": 12, "batches": 6, "world_size": 1}
     now = {"batch_size": 4, "samples": 12, "batches": 3, "world_size": 1}
-    # 3 batches of 2 seen: 6 samples; batch 0 of 4 is done, batch 1 is read again.
-    assert seen_after_change(DataLoader(range(12), batch_size=4), 3, saved, now) == 1
+    # 3 batches of 2 seen: 6 samples; batch 0 of 4 is done, 2 samples of batch 1 too.
+    loader = DataLoader(range(12), batch_size=4)
+    assert seen_after_change(loader, 3, saved, now, {}) == (1, 2, "after 1 batch and 2 samples")
+    # Resumed there and saved again before the short batch: 1 batch of 4 and 2 samples seen.
+    assert seen_after_change(loader, 1, now, saved, {"split": [1, 2]})[:2] == (3, 0)
+    assert seen_after_change(loader, 1, now, now, {"split": [1, 2]})[:2] == (1, 2)
     with pytest.raises(ValueError, match=r"other batch_size 2 -> 4, batches 6 -> 3"):
-        seen_after_change(Stateful(range(12), batch_size=4), 3, saved, now)
+        seen_after_change(Stateful(range(12), batch_size=4), 3, saved, now, {})
     with pytest.raises(ValueError, match=r"stopped 3 batches .* other world_size 1 -> 2"):
-        seen_after_change(DataLoader(range(12), batch_size=4), 3, saved, {**now, "world_size": 2})
+        seen_after_change(loader, 3, saved, {**now, "world_size": 2}, {})
+    assert seen_after_change(loader, 0, saved, {**now, "samples": 8}, {})[:2] == (0, 0)

@@ -140,20 +140,22 @@ def test_a_changed_batch_size_resumes_at_the_first_unseen_sample(tmp_path: Path)
     assert [w.filename for w in said] == [__file__]  # the run() line (was the plugin's own)
 
 
-def test_a_batch_size_that_splits_a_seen_batch_reads_its_samples_again(tmp_path: Path) -> None:
+def test_a_batch_size_that_splits_a_seen_batch_goes_on_with_its_unseen_samples(tmp_path) -> None:
+    # Bug caught: 3 batches of 2 seen, then batch size 4: the position was rounded down to 1
+    # batch of 4, and samples 4 and 5 were trained again.
     run(_recording([]), _state(), _loader(2), max_steps=3, plugins=[checkpoints(tmp_path)])
     order: list[int] = []
     run(_recording(order), _state(), _loader(2), epochs=1)
     after: list[int] = []
-    with pytest.warns(RuntimeWarning, match=r"after 1 batch\)"):
+    with pytest.warns(RuntimeWarning, match=r"after 1 batch and 2 samples\)"):
         run(_recording(after), _state(), _loader(4), epochs=1, plugins=[checkpoints(tmp_path)])
-    assert after == order[4:]  # samples 4 and 5 (seen) again, none unseen skipped
+    assert after == order[6:]  # from the first unseen sample: a short batch of 2, then 4s
 
 
 def test_a_changed_dataset_mid_pass_is_refused(tmp_path: Path) -> None:
     data = [torch.ones(2, 2)] * 6
     run(_recording([]), _state(), data, max_steps=2, plugins=[checkpoints(tmp_path)])
-    with pytest.raises(ValueError, match=r"stopped 2 batches into a pass.*batches 6 -> 8"):
+    with pytest.raises(ValueError, match=r"stopped 2 batches into a pass.*samples 12 -> 16"):
         run(_recording([]), _state(), data + data[:2], max_steps=4, plugins=[checkpoints(tmp_path)])
 
 

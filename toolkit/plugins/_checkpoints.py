@@ -299,12 +299,15 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {k: v for key, value in pairs for k, v in _flat(value, f"{prefix}{key}.").items()}
 
 
-def _report(config: _Config, run_: _Run, state: TrainState, loop: LoopInfo, path: Path) -> int:
+def _report(
+    config: _Config, run_: _Run, state: TrainState, loop: LoopInfo, path: Path
+) -> tuple[int, int]:
     """Say what the resume from ``path`` did, on rank 0 alone (only its settings reach a
     manifest): every difference of the current settings ``run_.settings`` from the saved
     ones in one warning (``run_.settings`` then takes the saved optimizer and scheduler: what
     the resumed run goes on with, and what its saves record), then one line naming the
-    checkpoint and the position. Returns the pass position in the current batches."""
+    checkpoint and the position. Returns the pass position in the current batches: those seen
+    whole, and the samples seen of the next one."""
     seen, saved = state.batches_seen, read_manifest(path).settings
     was, now = _flat(saved), _flat(run_.settings)
     pairs = {k: (was.get(k, "-"), now.get(k, "-")) for k in sorted(was.keys() | now.keys())}
@@ -315,23 +318,22 @@ def _report(config: _Config, run_: _Run, state: TrainState, loop: LoopInfo, path
             f"(saved -> now): {'; '.join(changes)}, and on_change='error' refuses a change. "
             "Resume with the saved settings, or start afresh in another folder."
         )
+    data = (loop.data, seen, saved.get("data", {}), run_.settings["data"], state.data_state)
+    seen, part, where = seen_after_change(*data) if saved else (seen, 0, "")
     if saved and changes:
-        if seen:  # the pass position, in the current batches: no unseen sample skipped
-            seen = seen_after_change(loop.data, seen, saved.get("data", {}), run_.settings["data"])
         run_.settings.update(optimizer=saved.get("optimizer"), scheduler=saved.get("scheduler"))
         message = (
             f"checkpoints: the run in {str(config.folder)!r} started with other settings (saved "
             f"-> now): {'; '.join(changes)}. The checkpoint's optimizer and scheduler values "
-            f"are used, the current data and micro_batches (this pass goes on after {seen} "
-            f"batch{'es' * (seen != 1)}). To start afresh, use another folder; "
-            "on_change='error' refuses a change."
+            f"are used, the current data and micro_batches (this pass goes on {where}). To "
+            "start afresh, use another folder; on_change='error' refuses a change."
         )
         warn(message)
     at = f"update {state.step}, epoch {state.epoch}, batch {seen}"
     if _ended(state, loop):
         at += "; the run had already reached its end (raise max_steps or epochs to go on)"
     print(f"checkpoints: resumed from {path} at {at}", file=sys.stderr, flush=True)
-    return seen
+    return seen, part
 
 
 def _ended(state: TrainState, loop: LoopInfo) -> bool:
@@ -356,8 +358,11 @@ def _resumed(config: _Config, run_: _Run, event: Event) -> TrainState:
         state = load_checkpoint(path, like=state, objects=config.objects)
     if path is None:
         return state
-    seen = on_rank0(run_.group, "checkpoints", _report, config, run_, state, event.loop, path)
-    state = state._evolve({"batches_seen": max_over_ranks(seen or 0, run_.group)})  # rank 0's
+    where = on_rank0(run_.group, "checkpoints", _report, config, run_, state, event.loop, path)
+    seen, part = (max_over_ranks(n, run_.group) for n in where or (0, 0))  # rank 0's
+    data_state = {k: v for k, v in state.data_state.items() if k != "split"}
+    data_state.update({"split": [seen, part]} if part else {})  # unseen() leaves them out
+    state = state._evolve({"batches_seen": seen, "data_state": data_state})
     if not state.batches_seen:  # between passes: the next one draws from the saved generators
         restore_generators(event.loop.data, state.data_state)
     return state
