@@ -216,7 +216,7 @@ def _save(config: _Config, run_: _Run, state: TrainState, loop: LoopInfo) -> Non
 
 def _install(signals: Sequence[int], run_: _Run) -> None:
     def handler(signum: int, frame: Any) -> None:
-        run_.signum = signum  # only a flag: the loop acts on it between updates
+        run_.signum = run_.signum or signum  # a flag the loop acts on; the first one stops
 
     if threading.current_thread() is threading.main_thread():  # Python allows no other
         run_.handlers = {signum: signal.signal(signum, handler) for signum in signals}
@@ -253,7 +253,9 @@ def _own(root: Path, run_: _Run) -> None:
             f"checkpoints: {str(root)!r} is in use by {holder}; two runs in one folder would "
             "delete each other's checkpoints. Wait for that run to end, or use another folder."
         ) from None
-    run_.lock = fd  # from now on, _release frees it
+    run_.lock = fd  # from now on, _release frees it (and empties it)
+    if said := os.pread(fd, 200, 0).decode(errors="replace").strip():
+        warn(f"checkpoints: {said} ended without letting {str(root)!r} go (killed?); taken over.")
     os.pwrite(fd, f"the run of pid {os.getpid()} on {socket.gethostname()}".ljust(200).encode(), 0)
     clean_temporaries(root)
 
@@ -403,6 +405,7 @@ def _release(run_: _Run, stopped: bool = False) -> None:
     a signal-stop, SIGINT's only: see _end)."""
     if run_.lock is not None:
         _LOCKS.remove(run_.lock)
+        os.ftruncate(run_.lock, 0)  # no holder named: the next run knows this one let it go
         os.close(run_.lock)
         run_.lock = None
     for signum, old in run_.handlers.items():
@@ -470,14 +473,17 @@ def _end(config: _Config, run_: _Run, event: Event) -> None:
             raise
         error = caught  # the stop's save failed: said at the exit below
     finally:
-        # After a signal the process is on its way out: SIGTERM and SIGUSR1 stay flag-only,
-        # so that a second one (or torchrun stopping the other ranks) cannot cut short the
-        # "end" of the plugins after this one, nor the exit; SIGINT's handler goes back, for
-        # a process that goes on (a notebook catches the SystemExit).
-        _release(run_, stopped=run_.signum is not None)
+        # After a signal, or any end of a data-parallel run, the process is on its way out
+        # (torchrun sends SIGTERM to the ranks still tearing down when one exits): SIGTERM and
+        # SIGUSR1 stay flag-only until it exits, so that none cuts short the "end" of the
+        # plugins after this one, nor the exit; SIGINT's handler goes back, for a process
+        # that goes on (a notebook catches the SystemExit).
+        kept = run_.signum is not None or run_.group is not None
+        _release(run_, stopped=kept)
+    if kept:
+        atexit.register(_ignore, tuple(run_.handlers))
     if run_.signum is None:
         return
-    atexit.register(_ignore, tuple(run_.handlers))
     said = f"checkpoints: {signal.Signals(run_.signum).name} was received"
     code = 128 + run_.signum if config.stopping.exit_code is None else config.stopping.exit_code
     if event.error is not None:  # the error that ended training propagates: no silent exit
