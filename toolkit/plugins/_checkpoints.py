@@ -9,7 +9,6 @@ import errno
 import fcntl
 import os
 import signal
-import socket
 import sys
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -33,13 +32,7 @@ from toolkit.checkpoints._manifest import read_manifest
 from toolkit.checkpoints._model_state import parameter_names, put_model
 from toolkit.checkpoints._retention import Retention, retain
 from toolkit.checkpoints._save import save_checkpoint, save_in_background
-from toolkit.distributed._collectives import (
-    Group,
-    checkpoint_group,
-    groups_of,
-    max_over_ranks,
-    rank_of,
-)
+from toolkit.distributed._collectives import checkpoint_group, groups_of, max_over_ranks, rank_of
 from toolkit.distributed._layout import current_layout
 from toolkit.loop._data import pass_settings, position, restore_generators, seen_after_change
 from toolkit.loop._run import Event, LoopInfo, Plugin, plugin_factory
@@ -77,10 +70,9 @@ class _Config:
 
     def __post_init__(self) -> None:
         if self.every is not None:
-            check_count(
-                "checkpoints", "every", self.every, 1, "applied updates between saves, or None"
-            )
-        for name in ("per_epoch", "at_end", "background", "trainable_only"):
+            meaning = "applied updates between saves, or None"
+            check_count("checkpoints", "every", self.every, 1, meaning)
+        for name in ("per_epoch", "at_end", "background", "trainable_only", "restore_best"):
             check_bool("checkpoints", name, getattr(self, name))
         for name, allowed in (("on_error", ("raise", "warn")), ("on_change", ("warn", "error"))):
             check_one_of("checkpoints", name, getattr(self, name), allowed)
@@ -95,24 +87,11 @@ class _Config:
             check(ok, "checkpoints", name, expected, getattr(self, name), "", TypeError)
 
 
-def _retention(keep_best: Any, restore_best: bool, **rules: Any) -> Retention:
-    """The plugin's keep_* arguments as a Retention (``keep_best``: (metric, mode, count))."""
-    check_bool("checkpoints", "restore_best", restore_best)
-    if keep_best is not None or restore_best:
-        ok = isinstance(keep_best, (tuple, list)) and len(keep_best) == 3
-        example = "(metric, mode, count), e.g. ('val/loss', 'min', 3)"
-        fix = "restore_best=True picks the best checkpoint by it." if restore_best else ""
-        check(ok, "checkpoints", "keep_best", example, keep_best, fix, TypeError)
-    metric, mode, count = keep_best or (None, "min", 0)
-    rules["keep_steps"] = tuple(rules["keep_steps"])
-    return Retention(**rules, keep_best=count, metric=metric, mode=mode)
-
-
 @dataclasses.dataclass(slots=True)
 class _Run:
     """What the plugin remembers during one run."""
 
-    group: Group | None  # the data-parallel group that saves together, if any
+    group: Any  # the data-parallel group that saves together (None: this process alone)
     saved_step: int | None = None  # the step of the newest checkpoint written or loaded
     signum: int | None = None  # set by the signal handler: only a flag, nothing else
     handlers: dict[int, Any] = dataclasses.field(default_factory=dict)
@@ -198,10 +177,10 @@ def _install(signals: Sequence[int], run_: _Run) -> None:
         warn(f"{message}; {names} keep their handlers.")
 
 
-def _own(root: Path, run_: _Run) -> None:
+def _own(root: Path, run_: _Run) -> bool:
     """Rank 0's, at the start: make ``root``, hold its lock file open and locked in
     ``run_.lock`` (the kernel frees it when the process ends), remove what killed saves left;
-    on storage that cannot be written, only set ``run_.readonly``."""
+    on storage that cannot be written, only return True (read-only)."""
     path = root / ".lock"  # never followed elsewhere (O_NOFOLLOW), nor waited on (a FIFO)
     if path.is_symlink() or (path.exists() and not path.is_file()):
         raise RuntimeError(
@@ -212,9 +191,8 @@ def _own(root: Path, run_: _Run) -> None:
         root.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
     except OSError as error:  # read-only storage: fine for a run with nothing to write
-        run_.readonly = error.errno in (errno.EROFS, errno.EACCES, errno.EPERM)
-        if run_.readonly:
-            return
+        if error.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            return True
         raise
     _LOCKS.append(fd)
     holder = os.pread(fd, 200, 0).decode(errors="replace").strip()  # emptied when let go
@@ -223,15 +201,15 @@ def _own(root: Path, run_: _Run) -> None:
     except BlockingIOError:
         os.close(_LOCKS.pop())
         raise RuntimeError(
-            f"checkpoints: {str(root)!r} is in use by {holder or 'another process'}; two runs "
-            "in one folder would delete each other's checkpoints. Wait for that run to end, or "
-            "use another folder."
+            f"checkpoints: {str(root)!r} is in use by {holder or 'a run'}; two runs in one folder "
+            "would delete each other's checkpoints. Wait for it to end, or use another folder."
         ) from None
     run_.lock = fd  # from now on, _release frees it
     if holder:
         warn(f"checkpoints: {holder} ended without letting {str(root)!r} go (killed?); taken over.")
-    os.pwrite(fd, f"the run of pid {os.getpid()} on {socket.gethostname()}".ljust(200).encode(), 0)
+    os.pwrite(fd, f"the run of pid {os.getpid()} on {os.uname().nodename}".ljust(200).encode(), 0)
     clean_temporaries(root)
+    return False
 
 
 def _settings(state: TrainState, loop: LoopInfo) -> dict[str, Any]:
@@ -350,18 +328,16 @@ def _start(config: _Config, event: Event) -> tuple[_Run, TrainState]:
     check(run_.group is None or not config.background, "checkpoints", "background", expected, True)
     _install(config.signals, run_)
     try:
-        on_rank0(run_.group, "checkpoints", _own, config.folder, run_)  # the others wait
-        run_.readonly = bool(max_over_ranks(run_.readonly, run_.group))  # rank 0's
+        readonly = on_rank0(run_.group, "checkpoints", _own, config.folder, run_)  # the others wait
+        run_.readonly = bool(max_over_ranks(readonly or 0, run_.group))  # rank 0's
         state = _resumed(config, run_, event)
         if run_.readonly and not (_ended(state, event.loop) and run_.saved_step == state.step):
             fix = "copy it to writable storage and pass that, or pass another folder"
             ok, got = config.on_error == "warn", str(config.folder)
             expected, said = "writable storage, as this run saves checkpoints", "It is read-only"
             check(ok, "checkpoints", "folder", expected, got, f"{said}: {fix}.", PermissionError)
-            warn(
-                f"checkpoints: {got!r} is read-only: nothing will be saved in this run "
-                f"(on_error='warn'); to save, {fix}."
-            )
+            said = f"checkpoints: {got!r} is read-only: nothing will be saved in this run"
+            warn(f"{said} (on_error='warn'); to save, {fix}.")
     except BaseException:
         _release(run_)
         raise
@@ -393,29 +369,17 @@ def _forget_locks() -> None:
 os.register_at_fork(after_in_child=_forget_locks)
 
 
-def _stop(
-    config: _Config, run_: _Run, state: TrainState, loop: LoopInfo, agree: bool = True
-) -> TrainState | None:
-    """After the ranks ``agree`` on the signals received: on one, save and stop the run."""
-    if agree:
-        _share_signal(config, run_)
-    if not agree or run_.signum is None:
+def _stop(config: _Config, run_: _Run, state: TrainState, loop: LoopInfo) -> TrainState | None:
+    """At the start, and after every update (under data parallelism every SIGNAL_EVERY-th,
+    where the ranks agree on the signals received): after a signal, save and stop."""
+    if run_.group is not None and run_.steps % SIGNAL_EVERY:
+        return None
+    _share_signal(config, run_)
+    if run_.signum is None:
         return None
     _save(config, run_, state, loop)
     name, where = signal.Signals(run_.signum).name, str(config.folder)
     return state.replace(stop=f"checkpoints: {name} received; saved step {state.step} in {where!r}")
-
-
-def _on_step(config: _Config, run_: _Run, event: Event) -> TrainState | None:
-    state, out, rules = event.state, event.out, config.rules
-    due = run_.epoch_due or state.step in rules.keep_steps
-    due = due or any(n and state.step % n == 0 for n in (config.every, rules.keep_every))
-    if out is not None and out.updated and due:
-        run_.epoch_due = False
-        _save(config, run_, state, event.loop)
-    run_.steps += 1
-    agree = run_.group is None or run_.steps % SIGNAL_EVERY == 0
-    return _stop(config, run_, state, event.loop, agree)
 
 
 def _end(config: _Config, run_: _Run, event: Event) -> None:
@@ -424,10 +388,9 @@ def _end(config: _Config, run_: _Run, event: Event) -> None:
         if error is None:
             _share_signal(config, run_)  # a signal after the last update: all save, or none
             if open_ := event.state.window.micro_step:  # its gradients are in no state dict
-                window = f"an open accumulation window ({open_} micro-batches)"
-                message = f"checkpoints: the run ended with {window}, which no checkpoint can "
-                message += f"hold; the newest checkpoint stays step {run_.saved_step}."
-                warn(message)
+                said = f"checkpoints: the run ended with an open accumulation window ({open_} "
+                said += "micro-batches), which no checkpoint can hold; the newest checkpoint stays"
+                warn(f"{said} step {run_.saved_step}.")
             elif run_.signum is not None or config.at_end:
                 _save(config, run_, event.state, event.loop)
         _finish(config, run_)
@@ -448,10 +411,9 @@ def _end(config: _Config, run_: _Run, event: Event) -> None:
         return
     said = f"checkpoints: {signal.Signals(run_.signum).name} was received"
     code = 128 + run_.signum if config.exit_code is None else config.exit_code
-    if event.error is not None:  # the error that ended training propagates: no silent exit
-        event.error.add_note(f"{said} too; this error replaces the exit with {code}")
-    else:
+    if event.error is None:
         raise SystemExit(code if error is None else f"{said}; then the save failed: {error!r}")
+    event.error.add_note(f"{said} too; this error replaces the exit with {code}")  # it goes on
 
 
 @plugin_factory(order=80)
@@ -539,8 +501,13 @@ def checkpoints(
         8
     """
     folder_ = check_path("checkpoints", "folder", folder)
-    keep = dict(keep_last=keep_last, keep_every=keep_every, keep_steps=keep_steps)
-    rules = _retention(keep_best, restore_best, **keep, keep_full=keep_full)
+    if keep_best is not None or restore_best is True:  # a restore_best of another type: below
+        ok = isinstance(keep_best, (tuple, list)) and len(keep_best) == 3
+        example = "(metric, mode, count), e.g. ('val/loss', 'min', 3)"
+        fix = "restore_best=True picks the best checkpoint by it." if restore_best else ""
+        check(ok, "checkpoints", "keep_best", example, keep_best, fix, TypeError)
+    metric, mode, count = keep_best or (None, "min", 0)
+    rules = Retention(keep_last, keep_every, tuple(keep_steps), count, metric, mode, keep_full)
     saving = (every, per_epoch, at_end, background, on_error, trainable_only)
     stopping = (signals if isinstance(signals, str) else tuple(signals), exit_code)
     config = _Config(folder_, objects, *saving, rules, restore_best, resume, on_change, *stopping)  # type: ignore[arg-type]
@@ -552,8 +519,15 @@ def checkpoints(
             return state
         if (run_ := live.get("run")) is None:
             return None
-        if event.kind == "step":
-            return _on_step(config, run_, event)
+        if event.kind == "step":  # a save due after an update; a signal stops the run
+            state, out, rules = event.state, event.out, config.rules
+            due = run_.epoch_due or state.step in rules.keep_steps
+            due = due or any(n and state.step % n == 0 for n in (config.every, rules.keep_every))
+            if out is not None and out.updated and due:
+                run_.epoch_due = False
+                _save(config, run_, state, event.loop)
+            run_.steps += 1
+            return _stop(config, run_, state, event.loop)
         if event.kind == "epoch_end" and config.per_epoch:
             # Inside an accumulation window (its gradients fit in no checkpoint): saved at
             # the update that closes it.
@@ -579,6 +553,5 @@ def _best(config: _Config, model: torch.nn.Module) -> None:
         put_model(model, full_model(manifest, partial=True), strict=manifest.frozen is None)
     elif not best:
         then = "; the model keeps its final weights." if config.restore_best else "."
-        message = f"checkpoints: no checkpoint in {str(config.folder)!r} holds keep_best's "
-        message += f"{config.rules.metric!r}: no plugin published it at a save (a typo?){then}"
-        warn(message)
+        said = f"checkpoints: no checkpoint in {str(config.folder)!r} holds keep_best's "
+        warn(f"{said}{config.rules.metric!r}: no plugin published it at a save (a typo?){then}")
