@@ -12,6 +12,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -139,26 +140,32 @@ with process_group(seed=0) as launch:
 """
 
 
+def _torchrun(script: Path, job_text: str, folder: Path, said: str) -> tuple[Any, dict]:
+    """A 2-rank torchrun of ``job_text`` on ``folder``, and each rank's pid, read from the
+    first line of it that starts with ``said`` (``said RANK PID``)."""
+    script.write_text(textwrap.dedent(job_text))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc_per_node=2", str(script), str(folder)]
+    job = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    pids: dict[str, int] = {}
+    assert job.stdout is not None
+    deadline = time.time() + TIMEOUT
+    while len(pids) < 2 and time.time() < deadline:
+        line = job.stdout.readline()
+        assert line, f"torchrun ended before both ranks said {said!r}: {job.communicate()[0]}"
+        if line.startswith(said):
+            pids[line.split()[1]] = int(line.split()[2])
+    return job, pids
+
+
 def test_under_torchrun_every_rank_exits_128_plus_signal(tmp_path: Path) -> None:
     # Bug caught: the rank that exited last was killed (-15) by torchrun's SIGTERM while
     # Python shut down, its handlers put back, in about half of the launches.
-    script = tmp_path / "job.py"
-    script.write_text(textwrap.dedent(TORCHRUN_JOB))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
     for launch in range(3):
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        command += ["--nproc_per_node=2", str(script), str(tmp_path / f"ckpt{launch}")]
-        job = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-        )
-        pids: dict[str, int] = {}
-        assert job.stdout is not None
-        deadline = time.time() + TIMEOUT
-        while len(pids) < 2 and time.time() < deadline:
-            line = job.stdout.readline()
-            assert line, f"torchrun ended before both ranks started: {job.communicate()[0]}"
-            if line.startswith("pid "):
-                pids[line.split()[1]] = int(line.split()[2])
+        job, pids = _torchrun(tmp_path / "job.py", TORCHRUN_JOB, tmp_path / f"ckpt{launch}", "pid ")
         time.sleep(0.3)
         os.kill(pids["1"], signal.SIGTERM)  # one rank only: both stop after the same update
         code, out = _finish(job)
@@ -193,27 +200,13 @@ def test_a_sigterm_after_a_data_parallel_run_returned_leaves_it_to_exit_0(tmp_pa
     # Bug caught: the handlers went back when run() returned, so a SIGTERM in the teardown
     # (torchrun's, to the ranks still exiting) killed the rank (-15) and torchrun exited 1
     # although the final checkpoint was written.
-    script = tmp_path / "job.py"
-    script.write_text(textwrap.dedent(TORCHRUN_ENDED_JOB))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
     for attempt in range(2):  # once more if gloo aborts (-6) at teardown: not this bug
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        command += ["--nproc_per_node=2", str(script), str(tmp_path / f"ckpt{attempt}")]
-        job = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-        )
-        assert job.stdout is not None
-        pids: dict[str, int] = {}
-        deadline = time.time() + TIMEOUT
-        while len(pids) < 2 and time.time() < deadline:
-            line = job.stdout.readline()
-            assert line, f"torchrun ended before both ranks returned: {job.communicate()[0]}"
-            if line.startswith("returned "):
-                pids[line.split()[1]] = int(line.split()[2])
+        folder = tmp_path / f"ckpt{attempt}"
+        job, pids = _torchrun(tmp_path / "job.py", TORCHRUN_ENDED_JOB, folder, "returned ")
         os.kill(pids["1"], signal.SIGTERM)
         code, out = _finish(job)
         if attempt == 0 and "SIGABRT" in out:
             continue
         assert code == 0 and "exiting 1" in out, out[-3000:]
-        assert [i.step for i in list_checkpoints(tmp_path / f"ckpt{attempt}")] == [4]
+        assert [i.step for i in list_checkpoints(folder)] == [4]
         return
