@@ -166,7 +166,9 @@ def test_an_iterable_dataset_says_how_many_samples_it_trains_again(tmp_path: Pat
 
     before, after, _, said = _resumed(make, tmp_path, 4, 7, 6, epochs=1)
     assert _flat(before) + _flat(after)[4:] == list(range(N))  # samples 24..27 twice
-    assert any("4 samples of this pass, trained before the batch size changed" in w for w in said)
+    assert any(
+        "4 samples trained before the batch size changed are trained again" in w for w in said
+    )
 
 
 class Pairs:

@@ -6,7 +6,9 @@ own generators. A pass resumed ``seen`` batches in (:func:`unseen`) puts that
 randomness back, creates the iterator as the original pass did (so the DataLoader draws its
 base seed and the sampler its permutation from the same states, in the same order), skips
 the seen *index* batches without loading their samples, and then restores the RNG states
-the training had, so dropout and augmentation continue their own streams.
+the training had, so dropout and augmentation continue their own streams. After a change
+of the batch size (:func:`seen_after_change`), ``data_state["split"]`` names the batch the
+change split and how many of its samples were trained: the resume leaves them out.
 """
 
 from __future__ import annotations
@@ -73,8 +75,9 @@ def pass_settings(data: Any) -> dict[str, Any]:
     dimensions are all equal but the last one's.
     """
     samples = batches_per_epoch(getattr(data, "dataset", None))  # None has no length either
-    sampler = getattr(data, "batch_sampler", None)
-    size = sampler.batch_size if type(sampler) is BatchSampler else None
+    sampler = getattr(data, "batch_sampler", None)  # torch's own, or one of batch_sampler=
+    given = sampler.batch_size if type(sampler) is BatchSampler else None
+    size = (data.batch_size or given) if isinstance(data, DataLoader) else None
     if isinstance(data, (list, tuple)):  # batches in memory: count their rows
         rows = [_leading_dim(batch) for batch in data]
         even = rows and None not in rows and len(set(rows[:-1])) <= 1
@@ -225,9 +228,7 @@ def _unless_snapshot(snap: Mapping) -> str | None:
 def _reads_again(data: Any, seen: int, part: int) -> str:
     said = {Iterator: "a one-shot iterator", DataLoader: "a DataLoader over an IterableDataset"}
     what = next((w for k, w in said.items() if isinstance(data, k)), f"a {type(data).__name__}")
-    again = (
-        f"; {part} samples of this pass, trained before the batch size changed, are trained again"
-    )
+    again = f"; {part} samples trained before the batch size changed are trained again"
     return (
         f"resuming {what}: its first {seen} batches of this pass were read again and dropped"
         f"{again * bool(part)}; a DataLoader over a map-style dataset, a list or a "

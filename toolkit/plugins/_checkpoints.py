@@ -93,7 +93,7 @@ class _Run:
 
     group: Any  # the data-parallel group that saves together (None: this process alone)
     saved_step: int | None = None  # the step of the newest checkpoint written or loaded
-    signum: int | None = None  # set by the signal handler: only a flag, nothing else
+    signum: int | None = None  # the first signal received (the handler only sets this flag)
     handlers: dict[int, Any] = dataclasses.field(default_factory=dict)
     writing: Future[Path] | Path | None = None  # a save whose pointer and pruning are due
     epoch_due: bool = False  # per_epoch: an epoch ended inside an accumulation window
