@@ -347,9 +347,33 @@ def test_a_changed_batch_size_maps_by_samples_unless_the_loader_keeps_its_own_po
 
     saved = {"batch_size": 2, "samples": 12, "batches": 6, "world_size": 1}
     now = {"batch_size": 4, "samples": 12, "batches": 3, "world_size": 1}
-    # 3 batches of 2 seen: 6 samples; batch 0 of 4 is done, batch 1 is read again.
-    assert seen_after_change(DataLoader(range(12), batch_size=4), 3, saved, now) == 1
+    # 3 batches of 2 seen: 6 samples; batch 0 of 4 is done, 2 samples of batch 1 too.
+    loader = DataLoader(range(12), batch_size=4)
+    assert seen_after_change(loader, 3, saved, now, {}) == (1, 2, "after 1 batch and 2 samples")
+    # Resumed there and saved again before the short batch: 1 batch of 4 and 2 samples seen.
+    assert seen_after_change(loader, 1, now, saved, {"split": [1, 2]})[:2] == (3, 0)
+    assert seen_after_change(loader, 1, now, now, {"split": [1, 2]})[:2] == (1, 2)
     with pytest.raises(ValueError, match=r"other batch_size 2 -> 4, batches 6 -> 3"):
-        seen_after_change(Stateful(range(12), batch_size=4), 3, saved, now)
+        seen_after_change(Stateful(range(12), batch_size=4), 3, saved, now, {})
     with pytest.raises(ValueError, match=r"stopped 3 batches .* other world_size 1 -> 2"):
-        seen_after_change(DataLoader(range(12), batch_size=4), 3, saved, {**now, "world_size": 2})
+        seen_after_change(loader, 3, saved, {**now, "world_size": 2}, {})
+    assert seen_after_change(loader, 0, saved, {**now, "samples": 8}, {})[:2] == (0, 0)
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")  # torchdata import
+def test_the_batch_size_of_a_pass_is_known_where_its_batches_are_torchs_own() -> None:
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    from toolkit.loop._data import pass_settings
+
+    batches = BatchSampler(SequentialSampler(range(10)), 4, False)
+    assert pass_settings(DataLoader(range(10), batch_sampler=batches))["batch_size"] == 4
+    custom = DataLoader(range(10), batch_sampler=[[0, 1], [2, 3, 4]])  # sizes toolkit can't know
+    assert pass_settings(custom) == {"batch_size": None, "samples": 10, "batches": 2}
+    in_memory = [torch.zeros(4, 3), torch.zeros(4, 3), (torch.zeros(2, 3), "text")]
+    assert pass_settings(in_memory) == {"batch_size": 4, "samples": 10, "batches": 3}
+    assert (
+        pass_settings([torch.zeros(2, 3), torch.zeros(4, 3), torch.zeros(4, 3)])["samples"] is None
+    )
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    assert pass_settings(stateful.StatefulDataLoader(range(10), batch_size=4))["batch_size"] == 4

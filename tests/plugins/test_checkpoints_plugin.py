@@ -266,7 +266,7 @@ def test_per_epoch_inside_an_open_window_saves_at_the_update_that_closes_it(tmp_
 
 
 def _job(folder: Path, *extra: str) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
     command = [sys.executable, str(JOB), "--ckpt", str(folder / "ckpt"), *extra]
     command += ["--out", str(folder / "result.json")]
     return subprocess.Popen(

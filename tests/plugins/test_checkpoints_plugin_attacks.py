@@ -86,7 +86,7 @@ def test_an_error_after_a_signal_propagates_instead_of_a_silent_exit(
         capture_output=True,
         text=True,
         timeout=TIMEOUT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])},
     )
     assert done.returncode == 1, (done.returncode, done.stderr)
     assert said in done.stderr and "SIGTERM was received" in done.stderr, done.stderr

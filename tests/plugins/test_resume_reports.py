@@ -101,7 +101,7 @@ def test_a_changed_learning_rate_is_reported_and_the_saved_schedule_used(tmp_pat
     assert "optimizer and scheduler values are used" in str(caught[0].message)
     assert state.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.1**2)  # StepLR(2)
     refused = r"optimizer\.0\.lr 0\.1 -> 0\.5;.*, and on_change='error' refuses a change"
-    with pytest.raises(ValueError, match=refused):
+    with pytest.raises(ValueError, match=refused) as error:
         state = _state(0.5, True)
         run(
             _recording([]),
@@ -110,6 +110,8 @@ def test_a_changed_learning_rate_is_reported_and_the_saved_schedule_used(tmp_pat
             max_steps=5,
             plugins=[checkpoints(tmp_path, on_change="error")],
         )
+    assert "are used" not in str(error.value)  # what is refused and the fix, not the warning
+    assert "Resume with the saved settings, or start afresh in another folder" in str(error.value)
 
 
 def test_an_unchanged_configuration_resumes_without_a_warning(tmp_path: Path) -> None:
@@ -140,20 +142,22 @@ def test_a_changed_batch_size_resumes_at_the_first_unseen_sample(tmp_path: Path)
     assert [w.filename for w in said] == [__file__]  # the run() line (was the plugin's own)
 
 
-def test_a_batch_size_that_splits_a_seen_batch_reads_its_samples_again(tmp_path: Path) -> None:
+def test_a_batch_size_that_splits_a_seen_batch_goes_on_with_its_unseen_samples(tmp_path) -> None:
+    # Bug caught: 3 batches of 2 seen, then batch size 4: the position was rounded down to 1
+    # batch of 4, and samples 4 and 5 were trained again.
     run(_recording([]), _state(), _loader(2), max_steps=3, plugins=[checkpoints(tmp_path)])
     order: list[int] = []
     run(_recording(order), _state(), _loader(2), epochs=1)
     after: list[int] = []
-    with pytest.warns(RuntimeWarning, match=r"after 1 batch\)"):
+    with pytest.warns(RuntimeWarning, match=r"after 1 batch and 2 samples\)"):
         run(_recording(after), _state(), _loader(4), epochs=1, plugins=[checkpoints(tmp_path)])
-    assert after == order[4:]  # samples 4 and 5 (seen) again, none unseen skipped
+    assert after == order[6:]  # from the first unseen sample: a short batch of 2, then 4s
 
 
 def test_a_changed_dataset_mid_pass_is_refused(tmp_path: Path) -> None:
     data = [torch.ones(2, 2)] * 6
     run(_recording([]), _state(), data, max_steps=2, plugins=[checkpoints(tmp_path)])
-    with pytest.raises(ValueError, match=r"stopped 2 batches into a pass.*batches 6 -> 8"):
+    with pytest.raises(ValueError, match=r"stopped 2 batches into a pass.*samples 12 -> 16"):
         run(_recording([]), _state(), data + data[:2], max_steps=4, plugins=[checkpoints(tmp_path)])
 
 
@@ -219,7 +223,7 @@ print("done", flush=True)
 
 
 def _start(script: Path, folder: Path, hold: float) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
     return subprocess.Popen(
         [sys.executable, str(script), str(folder), str(hold)],
         stdout=subprocess.PIPE,
@@ -246,12 +250,26 @@ def test_a_second_run_in_one_folder_is_refused_until_the_first_dies(tmp_path: Pa
         deadline = time.time() + 120
         out, _ = _start(script, folder, 0).communicate(timeout=deadline - time.time())
         assert out.endswith("done\n"), out
+        assert f"the run of pid {first.pid} on " in out and "ended without letting" in out, out
     finally:
         if first.poll() is None:
             first.kill()
             first.wait(timeout=120)
         if first.stdout is not None:
             first.stdout.close()
+
+
+def test_a_lock_its_holder_never_let_go_is_taken_over_with_a_warning(tmp_path: Path) -> None:
+    # Bug caught: a lock left by a killed run was taken over without a word.
+    run(_recording([]), _state(), _loader(), max_steps=2, plugins=[checkpoints(tmp_path)])
+    assert (tmp_path / ".lock").read_text() == ""  # let go: no holder named
+    (tmp_path / ".lock").write_text("the run of pid 4242 on node17".ljust(200))  # then killed
+    said = r"the run of pid 4242 on node17 ended without letting .* go \(killed\?\); taken over"
+    with pytest.warns(RuntimeWarning, match=said):
+        run(_recording([]), _state(), _loader(), max_steps=3, plugins=[checkpoints(tmp_path)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run(_recording([]), _state(), _loader(), max_steps=4, plugins=[checkpoints(tmp_path)])
 
 
 def test_keep_full_reaches_retention_and_older_kept_checkpoints_hold_the_model(tmp_path) -> None:

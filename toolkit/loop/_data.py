@@ -6,7 +6,9 @@ own generators. A pass resumed ``seen`` batches in (:func:`unseen`) puts that
 randomness back, creates the iterator as the original pass did (so the DataLoader draws its
 base seed and the sampler its permutation from the same states, in the same order), skips
 the seen *index* batches without loading their samples, and then restores the RNG states
-the training had, so dropout and augmentation continue their own streams.
+the training had, so dropout and augmentation continue their own streams. After a change
+of the batch size (:func:`seen_after_change`), ``data_state["split"]`` names the batch the
+change split and how many of its samples were trained: the resume leaves them out.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from toolkit._rng import capture_rng, restore_rng
+from toolkit._tree import map_nested_tensor
+from toolkit.step._step import _leading_dim
 
 __all__ = ["batches_per_epoch", "is_stateful", "pass_settings", "position",
            "restore_generators", "seen_after_change", "snapshot", "unseen"]  # fmt: skip
@@ -64,18 +68,34 @@ def restore_generators(data: Any, data_state: Mapping[str, Any]) -> None:
 
 
 def pass_settings(data: Any) -> dict[str, Any]:
-    """What a pass over ``data`` is made of: samples per batch, samples, batches (or None)."""
+    """What a pass over ``data`` is made of: samples per batch, samples, batches (or None).
+
+    The batch size is known for torch's own ``BatchSampler`` (a DataLoader's ``batch_size=``,
+    or one passed as ``batch_sampler=``) and for a list or tuple of batches whose leading
+    dimensions are all equal but the last one's.
+    """
     samples = batches_per_epoch(getattr(data, "dataset", None))  # None has no length either
-    size = data.batch_size if isinstance(data, DataLoader) else None
+    sampler = getattr(data, "batch_sampler", None)  # torch's own, or one of batch_sampler=
+    given = sampler.batch_size if type(sampler) is BatchSampler else None
+    size = (data.batch_size or given) if isinstance(data, DataLoader) else None
+    if isinstance(data, (list, tuple)):  # batches in memory: count their rows
+        rows = [_leading_dim(batch) for batch in data]
+        even = rows and None not in rows and len(set(rows[:-1])) <= 1
+        size, samples = (rows[0], sum(rows)) if even else (None, None)  # type: ignore[arg-type]
     return {"batch_size": size, "samples": samples, "batches": batches_per_epoch(data)}
 
 
-def seen_after_change(data: Any, seen: int, saved: Mapping, now: Mapping) -> int:
-    """The batches of ``now``'s pass over ``data`` that hold ``seen`` batches of ``saved``'s.
+def seen_after_change(
+    data: Any, seen: int, saved: Mapping, now: Mapping, data_state: Mapping
+) -> tuple[int, int, str]:
+    """Where ``seen`` batches of ``saved``'s pass over ``data`` are in ``now``'s: the batches
+    seen whole, the samples seen of the next one (:func:`unseen` leaves them out), and that
+    position in words.
 
-    A changed batch size of a DataLoader that is not stateful is mapped by samples (rounded
-    down: a partly seen batch is read again, no unseen sample skipped); any other change of
-    a started pass cannot be mapped.
+    A changed batch size of a source that is not stateful is mapped by samples; with
+    ``drop_last=True`` (full batches only) a batch the change split is left out of the pass
+    instead, and a position inside the first batch starts the pass again. Any other change
+    of a started pass cannot be mapped.
 
     Raises:
         ValueError: the saved position cannot be mapped onto the pass as it is now.
@@ -84,14 +104,22 @@ def seen_after_change(data: Any, seen: int, saved: Mapping, now: Mapping) -> int
     by_samples = bool(old and new) and not is_stateful(data)
     keys = ("samples", "world_size") + (() if by_samples else ("batch_size", "batches"))
     changed = [f"{k} {saved.get(k)} -> {now.get(k)}" for k in keys if saved.get(k) != now.get(k)]
-    if changed:
+    if changed and seen:
         raise ValueError(
             f"checkpoints: the checkpoint stopped {seen} batches into a pass over data with "
             f"other {', '.join(changed)}; that position cannot be mapped onto the data now "
             "without skipping or repeating samples. Resume with the saved settings until an "
             "epoch ends, or start fresh in another folder."
         )
-    return seen * old // new if by_samples else seen
+    whole, part = divmod(seen * old + _split(data_state, seen), new) if by_samples else (seen, 0)
+    where = f"after {whole} batch{'es' * (whole != 1)}" + f" and {part} samples" * bool(part)
+    if part and getattr(getattr(data, "batch_sampler", None), "drop_last", False):
+        where += f"; drop_last=True leaves out the {new - part} unseen samples of batch {whole + 1}"
+        whole, part = whole + 1, 0
+    elif part and not whole:  # 0 batches seen is a pass not yet started: it starts again
+        where += f"; less than a batch: the pass starts again, {part} samples are trained twice"
+        part = 0
+    return whole, part, where
 
 
 def snapshot(data: Any) -> dict[str, Any]:
@@ -104,21 +132,25 @@ def snapshot(data: Any) -> dict[str, Any]:
     return {"rng": capture_rng(), **kept}
 
 
-def unseen(data: Any, seen: int, snap: Any) -> tuple[Iterator[Any], str | None]:
-    """An iterator over the current pass of ``data`` after its first ``seen`` batches.
+def unseen(data: Any, seen: int, snap: Mapping) -> tuple[Iterator[Any], str | None]:
+    """An iterator over the current pass of ``data`` after its first ``seen`` batches (and
+    the samples of the next one seen before a change of the batch size: ``snap["split"]``).
 
     Returns it with a warning text when the resume is not exact or must read the seen
     batches again (None when it is exact and reads nothing twice).
     """
+    part = _split(snap, seen)
     if isinstance(data, Sequence):  # in memory already: skipping reads nothing
-        return itertools.islice(iter(data), seen, None), _unless_snapshot(snap)
+        rest = itertools.islice(iter(data), seen, None)
+        first = [_rows_after(batch, part) for batch in itertools.islice(rest, 1 if part else 0)]
+        return itertools.chain(first, rest), _unless_snapshot(snap)
     training_state = capture_rng()
-    if snap:
+    if "rng" in snap:
         restore_rng(snap["rng"])
         restore_generators(data, snap)
     try:
         if isinstance(data, DataLoader) and not isinstance(data.dataset, IterableDataset):
-            loader, skipper = _skipping_copy(data, seen)
+            loader, skipper = _skipping_copy(data, seen, part)
             iterator = iter(loader)  # draws the base seed, as the original pass did
             skipper.rest  # noqa: B018 (then the sampler's permutation; skips `seen` batches)
             return iterator, _persistent(data) or _unless_snapshot(snap)
@@ -126,9 +158,21 @@ def unseen(data: Any, seen: int, snap: Any) -> tuple[Iterator[Any], str | None]:
         # pass's own starting randomness.
         iterator = iter(data)
         next(itertools.islice(iterator, seen, seen), None)  # reads `seen` batches
-        return iterator, _reads_again(data, seen)
+        return iterator, _reads_again(data, seen, part)
     finally:
         restore_rng(training_state)
+
+
+def _split(snap: Mapping, seen: int) -> int:
+    """The samples of batch ``seen`` trained before the batch size changed (0: none)."""
+    at, part = snap.get("split", (-1, 0))
+    return int(part) if at == seen else 0
+
+
+def _rows_after(batch: Any, part: int) -> Any:
+    """``batch`` without its first ``part`` rows (the tensors of its leading dimension)."""
+    rows = _leading_dim(batch)
+    return map_nested_tensor(lambda t: t[part:] if t.ndim and len(t) == rows else t, batch)
 
 
 class _SkipFirst:
@@ -139,12 +183,13 @@ class _SkipFirst:
     worker processes the DataLoader starts iterating inside ``iter()``).
     """
 
-    def __init__(self, inner: Any, n: int) -> None:
-        self.inner, self.n = inner, n
+    def __init__(self, inner: Any, n: int, part: int = 0) -> None:
+        self.inner, self.n, self.part = inner, n, part
 
     @functools.cached_property
     def rest(self) -> list[Any]:
-        return list(itertools.islice(self.inner, self.n, None))
+        rest = list(itertools.islice(self.inner, self.n, None))
+        return [rest[0][self.part :], *rest[1:]] if rest and self.part else rest
 
     def __iter__(self) -> Iterator[Any]:  # lazy: iter(loader) draws the base seed first
         yield from self.rest
@@ -153,8 +198,9 @@ class _SkipFirst:
         return max(len(self.inner) - self.n, 0)
 
 
-def _skipping_copy(loader: DataLoader, seen: int) -> tuple[DataLoader, _SkipFirst]:
-    """A shallow copy of ``loader`` whose index sampler skips the first ``seen`` batches.
+def _skipping_copy(loader: DataLoader, seen: int, part: int) -> tuple[DataLoader, _SkipFirst]:
+    """A shallow copy of ``loader`` whose index sampler skips the first ``seen`` batches
+    (and ``part`` samples).
 
     DataLoader refuses to change its sampler once built; the copy is the resumed pass's
     loader only, and the original stays as it was for the passes after it.
@@ -162,7 +208,7 @@ def _skipping_copy(loader: DataLoader, seen: int) -> tuple[DataLoader, _SkipFirs
     clone = copy.copy(loader)
     clone._iterator = None  # not the original's persistent workers
     batched = loader.batch_sampler is not None
-    skipper = _SkipFirst(loader.batch_sampler if batched else loader.sampler, seen)
+    skipper = _SkipFirst(loader.batch_sampler if batched else loader.sampler, seen, part)
     object.__setattr__(clone, "batch_sampler" if batched else "sampler", skipper)
     return clone, skipper
 
@@ -174,17 +220,19 @@ def _persistent(data: Any) -> str | None:
     return None
 
 
-def _unless_snapshot(snap: Any) -> str | None:
+def _unless_snapshot(snap: Mapping) -> str | None:
     why = "the state carries no record of the randomness this pass started from"
-    return None if snap else f"{why} (empty state.data_state), so the order may differ"
+    return None if "rng" in snap else f"{why} (empty state.data_state), so the order may differ"
 
 
-def _reads_again(data: Any, seen: int) -> str:
+def _reads_again(data: Any, seen: int, part: int) -> str:
     said = {Iterator: "a one-shot iterator", DataLoader: "a DataLoader over an IterableDataset"}
     what = next((w for k, w in said.items() if isinstance(data, k)), f"a {type(data).__name__}")
+    again = f"; {part} samples trained before the batch size changed are trained again"
     return (
-        f"resuming {what}: its first {seen} batches of this pass were read again and dropped; "
-        "a DataLoader over a map-style dataset, a list or a StatefulDataLoader skips them unread"
+        f"resuming {what}: its first {seen} batches of this pass were read again and dropped"
+        f"{again * bool(part)}; a DataLoader over a map-style dataset, a list or a "
+        "StatefulDataLoader skips them unread"
     )
 
 

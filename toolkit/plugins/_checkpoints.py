@@ -9,7 +9,6 @@ import errno
 import fcntl
 import os
 import signal
-import socket
 import sys
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -33,13 +32,7 @@ from toolkit.checkpoints._manifest import read_manifest
 from toolkit.checkpoints._model_state import parameter_names, put_model
 from toolkit.checkpoints._retention import Retention, retain
 from toolkit.checkpoints._save import save_checkpoint, save_in_background
-from toolkit.distributed._collectives import (
-    Group,
-    checkpoint_group,
-    groups_of,
-    max_over_ranks,
-    rank_of,
-)
+from toolkit.distributed._collectives import checkpoint_group, groups_of, max_over_ranks, rank_of
 from toolkit.distributed._layout import current_layout
 from toolkit.loop._data import pass_settings, position, restore_generators, seen_after_change
 from toolkit.loop._run import Event, LoopInfo, Plugin, plugin_factory
@@ -48,7 +41,6 @@ from toolkit.step._state import TrainState
 __all__ = ["SIGNAL_EVERY", "checkpoints"]
 
 _SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-_SETTING_TYPES = (int, float, str, type(None))  # a setting, or the items of a tuple of them
 # In state dicts, not settings: parameters, their lr (compared as the optimizer's), what moves.
 _NOT_SETTINGS = {"params", "initial_lr", "base_lrs", "verbose", "last_epoch", "_step_count",
                  "_last_lr", "_is_initial", "_get_lr_called_within_step", "best", "T_cur", "T_i",
@@ -58,87 +50,50 @@ SIGNAL_EVERY = 10  # data-parallel ranks agree on a received signal every this m
 
 
 @dataclasses.dataclass(frozen=True)
-class _Saving:
-    """When and how to save (see :func:`checkpoints`), checked when made."""
+class _Config:
+    """The plugin's arguments (see :func:`checkpoints`), checked when made."""
 
+    folder: Path
+    objects: Mapping[str, Any] | None  # saved with the state, loaded into on resume
     every: int | None
     per_epoch: bool
     at_end: bool
     background: bool
     on_error: str
     trainable_only: bool
+    rules: Retention
+    restore_best: bool
+    resume: str | os.PathLike[str] | None
+    on_change: str
+    signals: tuple[int, ...]
+    exit_code: int | None
 
     def __post_init__(self) -> None:
         if self.every is not None:
             meaning = "applied updates between saves, or None"
             check_count("checkpoints", "every", self.every, 1, meaning)
-        check_one_of("checkpoints", "on_error", self.on_error, ("raise", "warn"))
-        for name in ("per_epoch", "at_end", "background", "trainable_only"):
+        for name in ("per_epoch", "at_end", "background", "trainable_only", "restore_best"):
             check_bool("checkpoints", name, getattr(self, name))
-
-
-@dataclasses.dataclass(frozen=True)
-class _Resuming:
-    """What to resume from, and what a changed configuration does."""
-
-    resume: str | os.PathLike[str] | None
-    on_change: str
-
-    def __post_init__(self) -> None:
-        ok = self.resume is None or isinstance(self.resume, (str, os.PathLike))
-        expected = "'latest', a checkpoint folder or None"
-        check(ok, "checkpoints", "resume", expected, self.resume, "", TypeError)
-        check_one_of("checkpoints", "on_change", self.on_change, ("warn", "error"))
-
-
-@dataclasses.dataclass(frozen=True)
-class _Stopping:
-    """Preemption: the signals that save and stop the run, and the exit status after one."""
-
-    signals: tuple[int, ...]
-    exit_code: int | None
-
-    def __post_init__(self) -> None:
-        ok = all(isinstance(s, int) and not isinstance(s, bool) for s in self.signals)
-        example = "a sequence of signal numbers, e.g. (signal.SIGTERM, signal.SIGUSR1)"
-        check(ok, "checkpoints", "signals", example, self.signals, "", TypeError)
-        ok = self.exit_code is None or type(self.exit_code) is int
-        check(ok, "checkpoints", "exit_code", "an int or None", self.exit_code, "", TypeError)
-
-
-def _retention(keep_best: Any, restore_best: bool, **rules: Any) -> Retention:
-    """The plugin's keep_* arguments as a Retention (``keep_best``: (metric, mode, count))."""
-    check_bool("checkpoints", "restore_best", restore_best)
-    if keep_best is not None or restore_best:
-        ok = isinstance(keep_best, (tuple, list)) and len(keep_best) == 3
-        example = "(metric, mode, count), e.g. ('val/loss', 'min', 3)"
-        fix = "restore_best=True picks the best checkpoint by it." if restore_best else ""
-        check(ok, "checkpoints", "keep_best", example, keep_best, fix, TypeError)
-    metric, mode, count = keep_best or (None, "min", 0)
-    rules["keep_steps"] = tuple(rules["keep_steps"])
-    return Retention(**rules, keep_best=count, metric=metric, mode=mode)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Config:
-    """The plugin's arguments, in pieces."""
-
-    folder: Path
-    objects: Mapping[str, Any] | None  # saved with the state, loaded into on resume
-    saving: _Saving
-    rules: Retention
-    restore_best: bool
-    resuming: _Resuming
-    stopping: _Stopping
+        for name, allowed in (("on_error", ("raise", "warn")), ("on_change", ("warn", "error"))):
+            check_one_of("checkpoints", name, getattr(self, name), allowed)
+        typed = {  # name: (whether its value is of the type expected, what is expected)
+            "resume": (self.resume is None or isinstance(self.resume, (str, os.PathLike)),
+                       "'latest', a checkpoint folder or None"),
+            "signals": (all(isinstance(s, int) and not isinstance(s, bool) for s in self.signals),
+                        "a sequence of signal numbers, e.g. (signal.SIGTERM, signal.SIGUSR1)"),
+            "exit_code": (self.exit_code is None or type(self.exit_code) is int, "an int or None"),
+        }  # fmt: skip
+        for name, (ok, expected) in typed.items():
+            check(ok, "checkpoints", name, expected, getattr(self, name), "", TypeError)
 
 
 @dataclasses.dataclass(slots=True)
 class _Run:
     """What the plugin remembers during one run."""
 
-    group: Group | None  # the data-parallel group that saves together, if any
+    group: Any  # the data-parallel group that saves together (None: this process alone)
     saved_step: int | None = None  # the step of the newest checkpoint written or loaded
-    signum: int | None = None  # set by the signal handler: only a flag, nothing else
+    signum: int | None = None  # the first signal received (the handler only sets this flag)
     handlers: dict[int, Any] = dataclasses.field(default_factory=dict)
     writing: Future[Path] | Path | None = None  # a save whose pointer and pruning are due
     epoch_due: bool = False  # per_epoch: an epoch ended inside an accumulation window
@@ -150,7 +105,7 @@ class _Run:
 
 def _share_signal(config: _Config, run_: _Run) -> None:
     """Give every rank of the group the highest signal any rank received."""
-    if run_.group is not None and config.stopping.signals:
+    if run_.group is not None and config.signals:
         run_.signum = max_over_ranks(run_.signum or 0, run_.group) or None
 
 
@@ -175,10 +130,9 @@ def _saving(config: _Config) -> Iterator[None]:
     try:
         yield
     except Exception as error:
-        if config.saving.on_error == "raise":
+        if config.on_error == "raise":
             raise
-        message = f"checkpoints: a save failed and training goes on (on_error='warn'): {error}"
-        warn(message)
+        warn(f"checkpoints: a save failed and training goes on (on_error='warn'): {error}")
 
 
 def _publish(config: _Config, path: Path) -> None:
@@ -202,21 +156,19 @@ def _save(config: _Config, run_: _Run, state: TrainState, loop: LoopInfo) -> Non
     metrics = _metrics(state, config.rules.metric)  # a keep_best typo raises before a write
     _finish(config, run_)
     state = state.replace(data_state=position(loop.data, state.data_state, not state.batches_seen))
-    save = save_in_background if config.saving.background else save_checkpoint
+    save = save_in_background if config.background else save_checkpoint
     options: dict[str, Any] = {"objects": config.objects, "rules": config.rules}
-    options.update(
-        metrics=metrics, settings=run_.settings, trainable_only=config.saving.trainable_only
-    )
+    options.update(metrics=metrics, settings=run_.settings, trainable_only=config.trainable_only)
     with _saving(config):
         run_.writing = save(state, config.folder / f"step_{state.step:06d}", **options)
         run_.saved_step = state.step
-    if not config.saving.background:
+    if not config.background:
         _finish(config, run_)
 
 
 def _install(signals: Sequence[int], run_: _Run) -> None:
     def handler(signum: int, frame: Any) -> None:
-        run_.signum = signum  # only a flag: the loop acts on it between updates
+        run_.signum = run_.signum or signum  # a flag the loop acts on; the first one stops
 
     if threading.current_thread() is threading.main_thread():  # Python allows no other
         run_.handlers = {signum: signal.signal(signum, handler) for signum in signals}
@@ -225,10 +177,10 @@ def _install(signals: Sequence[int], run_: _Run) -> None:
         warn(f"{message}; {names} keep their handlers.")
 
 
-def _own(root: Path, run_: _Run) -> None:
+def _own(root: Path, run_: _Run) -> bool:
     """Rank 0's, at the start: make ``root``, hold its lock file open and locked in
     ``run_.lock`` (the kernel frees it when the process ends), remove what killed saves left;
-    on storage that cannot be written, only set ``run_.readonly``."""
+    on storage that cannot be written, only return True (read-only)."""
     path = root / ".lock"  # never followed elsewhere (O_NOFOLLOW), nor waited on (a FIFO)
     if path.is_symlink() or (path.exists() and not path.is_file()):
         raise RuntimeError(
@@ -239,23 +191,25 @@ def _own(root: Path, run_: _Run) -> None:
         root.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
     except OSError as error:  # read-only storage: fine for a run with nothing to write
-        run_.readonly = error.errno in (errno.EROFS, errno.EACCES, errno.EPERM)
-        if run_.readonly:
-            return
+        if error.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            return True
         raise
     _LOCKS.append(fd)
+    holder = os.pread(fd, 200, 0).decode(errors="replace").strip()  # emptied when let go
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
         os.close(_LOCKS.pop())
         raise RuntimeError(
-            f"checkpoints: {str(root)!r} is in use by {holder}; two runs in one folder would "
-            "delete each other's checkpoints. Wait for that run to end, or use another folder."
+            f"checkpoints: {str(root)!r} is in use by {holder or 'a run'}; two runs in one folder "
+            "would delete each other's checkpoints. Wait for it to end, or use another folder."
         ) from None
     run_.lock = fd  # from now on, _release frees it
-    os.pwrite(fd, f"the run of pid {os.getpid()} on {socket.gethostname()}".ljust(200).encode(), 0)
+    if holder:
+        warn(f"checkpoints: {holder} ended without letting {str(root)!r} go (killed?); taken over.")
+    os.pwrite(fd, f"the run of pid {os.getpid()} on {os.uname().nodename}".ljust(200).encode(), 0)
     clean_temporaries(root)
+    return False
 
 
 def _settings(state: TrainState, loop: LoopInfo) -> dict[str, Any]:
@@ -281,7 +235,7 @@ def _setting_values(values: Mapping[str, Any]) -> dict[str, Any]:
         value = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
         value = tuple(value) if isinstance(value, list) else value
         items = value if isinstance(value, tuple) else (value,)
-        plain = all(isinstance(v, _SETTING_TYPES) for v in items)
+        plain = all(isinstance(v, (int, float, str, type(None))) for v in items)
         if plain and key.rsplit(".")[-1] not in _NOT_SETTINGS:
             found[key] = value
     return found
@@ -299,39 +253,40 @@ def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {k: v for key, value in pairs for k, v in _flat(value, f"{prefix}{key}.").items()}
 
 
-def _report(config: _Config, run_: _Run, state: TrainState, loop: LoopInfo, path: Path) -> int:
+def _report(
+    config: _Config, run_: _Run, state: TrainState, loop: LoopInfo, path: Path
+) -> tuple[int, int]:
     """Say what the resume from ``path`` did, on rank 0 alone (only its settings reach a
     manifest): every difference of the current settings ``run_.settings`` from the saved
     ones in one warning (``run_.settings`` then takes the saved optimizer and scheduler: what
     the resumed run goes on with, and what its saves record), then one line naming the
-    checkpoint and the position. Returns the pass position in the current batches."""
+    checkpoint and the position. Returns the pass position in the current batches: those seen
+    whole, and the samples seen of the next one."""
     seen, saved = state.batches_seen, read_manifest(path).settings
     was, now = _flat(saved), _flat(run_.settings)
     pairs = {k: (was.get(k, "-"), now.get(k, "-")) for k in sorted(was.keys() | now.keys())}
-    changes = [f"{k} {old} -> {new}" for k, (old, new) in pairs.items() if old != new]
-    if saved and changes and config.resuming.on_change == "error":
+    changes = "; ".join(f"{k} {old} -> {new}" for k, (old, new) in pairs.items() if old != new)
+    changed = f"checkpoints: the run in {str(config.folder)!r} started with other settings "
+    changed += f"(saved -> now): {changes}"
+    if saved and changes and config.on_change == "error":
         raise ValueError(
-            f"checkpoints: the run in {str(config.folder)!r} started with other settings "
-            f"(saved -> now): {'; '.join(changes)}, and on_change='error' refuses a change. "
-            "Resume with the saved settings, or start afresh in another folder."
+            f"{changed}, and on_change='error' refuses a change. Resume with the saved "
+            "settings, or start afresh in another folder."
         )
+    data = (loop.data, seen, saved.get("data", {}), run_.settings["data"], state.data_state)
+    seen, part, where = seen_after_change(*data) if saved else (seen, 0, "")
     if saved and changes:
-        if seen:  # the pass position, in the current batches: no unseen sample skipped
-            seen = seen_after_change(loop.data, seen, saved.get("data", {}), run_.settings["data"])
         run_.settings.update(optimizer=saved.get("optimizer"), scheduler=saved.get("scheduler"))
-        message = (
-            f"checkpoints: the run in {str(config.folder)!r} started with other settings (saved "
-            f"-> now): {'; '.join(changes)}. The checkpoint's optimizer and scheduler values "
-            f"are used, the current data and micro_batches (this pass goes on after {seen} "
-            f"batch{'es' * (seen != 1)}). To start afresh, use another folder; "
-            "on_change='error' refuses a change."
+        warn(
+            f"{changed}. The checkpoint's optimizer and scheduler values are used, the current "
+            f"data and micro_batches (this pass goes on {where}). To start afresh, use another "
+            "folder; on_change='error' refuses a change."
         )
-        warn(message)
     at = f"update {state.step}, epoch {state.epoch}, batch {seen}"
     if _ended(state, loop):
         at += "; the run had already reached its end (raise max_steps or epochs to go on)"
     print(f"checkpoints: resumed from {path} at {at}", file=sys.stderr, flush=True)
-    return seen
+    return seen, part
 
 
 def _ended(state: TrainState, loop: LoopInfo) -> bool:
@@ -340,7 +295,7 @@ def _ended(state: TrainState, loop: LoopInfo) -> bool:
 
 
 def _resumed(config: _Config, run_: _Run, event: Event) -> TrainState:
-    root, state, resume = config.folder, event.state, config.resuming.resume
+    root, state, resume = config.folder, event.state, config.resume
     run_.settings = _settings(state, event.loop)  # the user's, before any load
     if resume is None and (found := list_checkpoints(root)):
         raise ValueError(
@@ -356,8 +311,10 @@ def _resumed(config: _Config, run_: _Run, event: Event) -> TrainState:
         state = load_checkpoint(path, like=state, objects=config.objects)
     if path is None:
         return state
-    seen = on_rank0(run_.group, "checkpoints", _report, config, run_, state, event.loop, path)
-    state = state._evolve({"batches_seen": max_over_ranks(seen or 0, run_.group)})  # rank 0's
+    where = on_rank0(run_.group, "checkpoints", _report, config, run_, state, event.loop, path)
+    seen, part = (max_over_ranks(n, run_.group) for n in where or (0, 0))  # rank 0's
+    split = {**state.data_state, "split": [seen, part]}  # unseen() leaves out `part` samples
+    state = state._evolve({"batches_seen": seen, "data_state": split})
     if not state.batches_seen:  # between passes: the next one draws from the saved generators
         restore_generators(event.loop.data, state.data_state)
     return state
@@ -367,42 +324,39 @@ def _start(config: _Config, event: Event) -> tuple[_Run, TrainState]:
     if event.state.optimizer is not None:  # refuse what no save could name, before training
         parameter_names(event.state.model, event.state.optimizer)
     run_ = _Run(checkpoint_group(event.state.model))
-    ok, expected = run_.group is None or not config.saving.background, "False with a data-"
-    expected += "parallel model (DDP or FSDP2), whose ranks save together"
-    check(ok, "checkpoints", "background", expected, True)
-    _install(config.stopping.signals, run_)
+    expected = "False with a data-parallel model (DDP or FSDP2), whose ranks save together"
+    check(run_.group is None or not config.background, "checkpoints", "background", expected, True)
+    _install(config.signals, run_)
     try:
-        on_rank0(run_.group, "checkpoints", _own, config.folder, run_)  # the others wait
-        run_.readonly = bool(max_over_ranks(run_.readonly, run_.group))  # rank 0's
+        readonly = on_rank0(run_.group, "checkpoints", _own, config.folder, run_)  # the others wait
+        run_.readonly = bool(max_over_ranks(readonly or 0, run_.group))  # rank 0's
         state = _resumed(config, run_, event)
         if run_.readonly and not (_ended(state, event.loop) and run_.saved_step == state.step):
             fix = "copy it to writable storage and pass that, or pass another folder"
-            ok, got = config.saving.on_error == "warn", str(config.folder)
+            ok, got = config.on_error == "warn", str(config.folder)
             expected, said = "writable storage, as this run saves checkpoints", "It is read-only"
             check(ok, "checkpoints", "folder", expected, got, f"{said}: {fix}.", PermissionError)
-            warn(
-                f"checkpoints: {got!r} is read-only: nothing will be saved in this run "
-                f"(on_error='warn'); to save, {fix}."
-            )
+            said = f"checkpoints: {got!r} is read-only: nothing will be saved in this run"
+            warn(f"{said} (on_error='warn'); to save, {fix}.")
     except BaseException:
         _release(run_)
         raise
-    _share_signal(config, run_)
-    if run_.signum is not None:  # a signal while starting: stop before any update
-        state = _stop(config, run_, state, event.loop)
-    return run_, state
+    return run_, _stop(config, run_, state, event.loop) or state  # a signal while starting
 
 
 def _release(run_: _Run, stopped: bool = False) -> None:
-    """Unlock the folder (closing the lock file frees it); put the old handlers back (after
-    a signal-stop, SIGINT's only: see _end)."""
+    """Unlock the folder (closing the lock file frees it); put the old handlers back (when
+    ``stopped``, SIGINT's only, the others ignored at exit: see _end)."""
     if run_.lock is not None:
         _LOCKS.remove(run_.lock)
+        os.ftruncate(run_.lock, 0)  # no holder named: the next run knows this one let it go
         os.close(run_.lock)
         run_.lock = None
     for signum, old in run_.handlers.items():
         if not stopped or signum == signal.SIGINT:
             signal.signal(signum, old)
+        if stopped:  # at exit, Python puts SIG_DFL back: torchrun's SIGTERM would give -15
+            atexit.register(signal.signal, signum, signal.SIG_IGN)
 
 
 def _forget_locks() -> None:
@@ -415,34 +369,17 @@ def _forget_locks() -> None:
 os.register_at_fork(after_in_child=_forget_locks)
 
 
-def _ignore(signals: tuple[int, ...]) -> None:
-    """Ignore ``signals`` while Python shuts down (it puts back SIG_DFL for the handlers it
-    installed, and torchrun's SIGTERM to a rank still exiting would turn 143 into -15)."""
-    for signum in signals:
-        signal.signal(signum, signal.SIG_IGN)
-
-
-def _stop(config: _Config, run_: _Run, state: TrainState, loop: LoopInfo) -> TrainState:
-    assert run_.signum is not None
+def _stop(config: _Config, run_: _Run, state: TrainState, loop: LoopInfo) -> TrainState | None:
+    """At the start, and after every update (under data parallelism every SIGNAL_EVERY-th,
+    where the ranks agree on the signals received): after a signal, save and stop."""
+    if run_.group is not None and run_.steps % SIGNAL_EVERY:
+        return None
+    _share_signal(config, run_)
+    if run_.signum is None:
+        return None
     _save(config, run_, state, loop)
-    name = signal.Signals(run_.signum).name
-    said = f"checkpoints: {name} received; saved step {state.step} in {str(config.folder)!r}"
-    return state.replace(stop=said)
-
-
-def _on_step(config: _Config, run_: _Run, event: Event) -> TrainState | None:
-    state, out, rules = event.state, event.out, config.rules
-    due = run_.epoch_due or state.step in rules.keep_steps
-    due = due or any(n and state.step % n == 0 for n in (config.saving.every, rules.keep_every))
-    if out is not None and out.updated and due:
-        run_.epoch_due = False
-        _save(config, run_, state, event.loop)
-    run_.steps += 1
-    if run_.steps % SIGNAL_EVERY == 0:
-        _share_signal(config, run_)
-    if run_.signum is not None and (run_.group is None or run_.steps % SIGNAL_EVERY == 0):
-        return _stop(config, run_, state, event.loop)
-    return None
+    name, where = signal.Signals(run_.signum).name, str(config.folder)
+    return state.replace(stop=f"checkpoints: {name} received; saved step {state.step} in {where!r}")
 
 
 def _end(config: _Config, run_: _Run, event: Event) -> None:
@@ -451,11 +388,10 @@ def _end(config: _Config, run_: _Run, event: Event) -> None:
         if error is None:
             _share_signal(config, run_)  # a signal after the last update: all save, or none
             if open_ := event.state.window.micro_step:  # its gradients are in no state dict
-                window = f"an open accumulation window ({open_} micro-batches)"
-                message = f"checkpoints: the run ended with {window}, which no checkpoint can "
-                message += f"hold; the newest checkpoint stays step {run_.saved_step}."
-                warn(message)
-            elif run_.signum is not None or config.saving.at_end:
+                said = f"checkpoints: the run ended with an open accumulation window ({open_} "
+                said += "micro-batches), which no checkpoint can hold; the newest checkpoint stays"
+                warn(f"{said} step {run_.saved_step}.")
+            elif run_.signum is not None or config.at_end:
                 _save(config, run_, event.state, event.loop)
         _finish(config, run_)
         if error is None and run_.signum is None and config.rules.metric is not None:
@@ -465,44 +401,31 @@ def _end(config: _Config, run_: _Run, event: Event) -> None:
             raise
         error = caught  # the stop's save failed: said at the exit below
     finally:
-        # After a signal the process is on its way out: SIGTERM and SIGUSR1 stay flag-only,
-        # so that a second one (or torchrun stopping the other ranks) cannot cut short the
-        # "end" of the plugins after this one, nor the exit; SIGINT's handler goes back, for
-        # a process that goes on (a notebook catches the SystemExit).
-        _release(run_, stopped=run_.signum is not None)
+        # After a signal, or any end of a data-parallel run, the process is on its way out
+        # (torchrun sends SIGTERM to the ranks still tearing down when one exits): SIGTERM and
+        # SIGUSR1 stay flag-only until it exits, so that none cuts short the "end" of the
+        # plugins after this one, nor the exit; SIGINT's handler goes back, for a process
+        # that goes on (a notebook catches the SystemExit).
+        _release(run_, stopped=run_.signum is not None or run_.group is not None)
     if run_.signum is None:
         return
-    atexit.register(_ignore, tuple(run_.handlers))
     said = f"checkpoints: {signal.Signals(run_.signum).name} was received"
-    code = 128 + run_.signum if config.stopping.exit_code is None else config.stopping.exit_code
-    if event.error is not None:  # the error that ended training propagates: no silent exit
-        event.error.add_note(f"{said} too; this error replaces the exit with {code}")
-    else:
+    code = 128 + run_.signum if config.exit_code is None else config.exit_code
+    if event.error is None:
         raise SystemExit(code if error is None else f"{said}; then the save failed: {error!r}")
+    event.error.add_note(f"{said} too; this error replaces the exit with {code}")  # it goes on
 
 
 @plugin_factory(order=80)
 def checkpoints(
-    folder: str | os.PathLike[str],
-    *,
-    every: int | None = None,
-    per_epoch: bool = False,
-    at_end: bool = True,
-    keep_last: int = 1,
-    keep_every: int | None = None,
-    keep_steps: Sequence[int] = (),
-    keep_best: tuple[str, str, int] | None = None,
-    resume: str | os.PathLike[str] | None = "latest",
-    signals: Sequence[int] = _SIGNALS,
-    exit_code: int | None = None,
-    restore_best: bool = False,
-    objects: Mapping[str, Any] | None = None,
-    background: bool = False,
-    on_error: str = "raise",
-    keep_full: int | None = None,
-    on_change: str = "warn",
-    trainable_only: bool = False,
-) -> Plugin:
+    folder: str | os.PathLike[str], *, every: int | None = None, per_epoch: bool = False,
+    at_end: bool = True, keep_last: int = 1, keep_every: int | None = None,
+    keep_steps: Sequence[int] = (), keep_best: tuple[str, str, int] | None = None,
+    resume: str | os.PathLike[str] | None = "latest", signals: Sequence[int] = _SIGNALS,
+    exit_code: int | None = None, restore_best: bool = False,
+    objects: Mapping[str, Any] | None = None, background: bool = False, on_error: str = "raise",
+    keep_full: int | None = None, on_change: str = "warn", trainable_only: bool = False,
+) -> Plugin:  # fmt: skip
     """A plugin that saves checkpoints, keeps some, resumes from the newest, stops on a signal.
 
     docs/checkpoints.md tells the whole behaviour; the arguments come in four groups.
@@ -577,16 +500,17 @@ def checkpoints(
         >>> again.step  # resumed at 6, trained 2 more
         8
     """
-    keep = dict(keep_last=keep_last, keep_every=keep_every, keep_steps=keep_steps)
-    config = _Config(
-        check_path("checkpoints", "folder", folder),
-        objects,
-        _Saving(every, per_epoch, at_end, background, on_error, trainable_only),
-        _retention(keep_best, restore_best, **keep, keep_full=keep_full),
-        restore_best,
-        _Resuming(resume, on_change),
-        _Stopping(signals if isinstance(signals, str) else tuple(signals), exit_code),  # type: ignore[arg-type]
-    )
+    folder_ = check_path("checkpoints", "folder", folder)
+    if keep_best is not None or restore_best is True:  # a restore_best of another type: below
+        ok = isinstance(keep_best, (tuple, list)) and len(keep_best) == 3
+        example = "(metric, mode, count), e.g. ('val/loss', 'min', 3)"
+        fix = "restore_best=True picks the best checkpoint by it." if restore_best else ""
+        check(ok, "checkpoints", "keep_best", example, keep_best, fix, TypeError)
+    metric, mode, count = keep_best or (None, "min", 0)
+    rules = Retention(keep_last, keep_every, tuple(keep_steps), count, metric, mode, keep_full)
+    saving = (every, per_epoch, at_end, background, on_error, trainable_only)
+    stopping = (signals if isinstance(signals, str) else tuple(signals), exit_code)
+    config = _Config(folder_, objects, *saving, rules, restore_best, resume, on_change, *stopping)  # type: ignore[arg-type]
     live: dict[str, _Run] = {}  # one run at a time
 
     def plugin(event: Event) -> TrainState | None:
@@ -595,13 +519,21 @@ def checkpoints(
             return state
         if (run_ := live.get("run")) is None:
             return None
-        if event.kind == "step":
-            return _on_step(config, run_, event)
-        epoch_end = event.kind == "epoch_end" and config.saving.per_epoch
-        if epoch_end and event.state.window.micro_step:  # its gradients fit in no checkpoint
-            run_.epoch_due = True  # saved at the update that closes the window
-        elif epoch_end:
-            _save(config, run_, event.state, event.loop)
+        if event.kind == "step":  # a save due after an update; a signal stops the run
+            state, out, rules = event.state, event.out, config.rules
+            due = run_.epoch_due or state.step in rules.keep_steps
+            due = due or any(n and state.step % n == 0 for n in (config.every, rules.keep_every))
+            if out is not None and out.updated and due:
+                run_.epoch_due = False
+                _save(config, run_, state, event.loop)
+            run_.steps += 1
+            return _stop(config, run_, state, event.loop)
+        if event.kind == "epoch_end" and config.per_epoch:
+            # Inside an accumulation window (its gradients fit in no checkpoint): saved at
+            # the update that closes it.
+            run_.epoch_due = bool(event.state.window.micro_step)
+            if not run_.epoch_due:
+                _save(config, run_, event.state, event.loop)
         elif event.kind == "end":
             _end(config, live.pop("run"), event)
         return None
@@ -613,14 +545,13 @@ def _best(config: _Config, model: torch.nn.Module) -> None:
     """``restore_best``: load the best checkpoint's weights into ``model``; and warn when no
     checkpoint holds the ``keep_best`` metric (a typo that no save could tell)."""
     infos = {i.name: i for i in list_checkpoints(config.folder) if i.intact and i.step is not None}
-    best_only = dataclasses.replace(config.rules, keep_best=1)
-    kept = retain(((i.name, i.step, i.metrics) for i in infos.values()), best_only)  # type: ignore[misc]
+    rules = dataclasses.replace(config.rules, keep_best=1)  # the best one only
+    kept = retain(((i.name, i.step, i.metrics) for i in infos.values()), rules)  # type: ignore[misc]
     best = [infos[name].path for name, why in kept.items() if "keep_best" in why]
     if best and config.restore_best:
         manifest = verified_manifest(best[0])
         put_model(model, full_model(manifest, partial=True), strict=manifest.frozen is None)
     elif not best:
         then = "; the model keeps its final weights." if config.restore_best else "."
-        message = f"checkpoints: no checkpoint in {str(config.folder)!r} holds keep_best's "
-        message += f"{config.rules.metric!r}: no plugin published it at a save (a typo?){then}"
-        warn(message)
+        said = f"checkpoints: no checkpoint in {str(config.folder)!r} holds keep_best's "
+        warn(f"{said}{config.rules.metric!r}: no plugin published it at a save (a typo?){then}")
