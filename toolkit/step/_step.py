@@ -15,6 +15,7 @@ import torch
 
 import toolkit.step._phases as phases
 from toolkit._checks import check, warn
+from toolkit._tree import check_weight
 from toolkit.distributed._collectives import (
     all_reduce_,
     bucket_flags,
@@ -173,18 +174,12 @@ def _parse(result: Any) -> tuple[torch.Tensor, torch.Tensor | float | None, Mapp
 
 def _checked_count(count: Any) -> torch.Tensor | float:
     """A LossSum count as a number >= 0 or a one-element real tensor (checked at the close)."""
-    tensor = isinstance(count, torch.Tensor)
-    if tensor and count.numel() == 1 and not count.is_complex() and count.dtype != torch.bool:
-        return count.detach().reshape(())
-    if tensor or isinstance(count, bool) or not isinstance(count, (int, float)):
-        got = f"{type(count).__name__} {count!r:.40}"
-        got = f"a {count.dtype} tensor of shape {tuple(count.shape)}" if tensor else got
-        raise TypeError(
-            f"LossSum.count: expected a number >= 0 or a one-element tensor; got {got}."
-        )
+    count = check_weight("LossSum", "count", count)
+    if isinstance(count, torch.Tensor):
+        return count.detach()
     fix = "A negative count would turn the update into gradient ascent."
     check(0 <= count < math.inf, "LossSum", "count", "a finite number >= 0", count, fix)
-    return count
+    return count  # type: ignore[no-any-return]
 
 
 @dataclasses.dataclass(frozen=True)
