@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 
 import torch
 
 __all__ = ["to_host"]
-
-
-def _all_on_cpu(tensors: Sequence[torch.Tensor]) -> bool:  # tests stand the CPU in for a GPU
-    return all(map(_IS_CPU, tensors))  # in C: a generator's steps were a tenth of a read
-
-
-_IS_CPU = operator.attrgetter("is_cpu")
 
 
 def to_host(tensors: Sequence[torch.Tensor]) -> list[float]:
@@ -33,7 +25,7 @@ def to_host(tensors: Sequence[torch.Tensor]) -> list[float]:
         [0.5, 3, 2.0]
     """
     if _all_on_cpu(tensors):
-        return list(map(torch.Tensor.item, tensors))  # in C: no Python step per value
+        return [tensor.item() for tensor in tensors]
     groups: dict[torch.device, dict[torch.dtype, list[int]]] = {}  # indices by device, dtype
     for i, t in enumerate(tensors):
         groups.setdefault(t.device, {}).setdefault(t.dtype, []).append(i)
@@ -44,6 +36,10 @@ def to_host(tensors: Sequence[torch.Tensor]) -> list[float]:
         for i, value in zip((i for ix in by_dtype.values() for i in ix), flat):
             values[i] = _python_type(tensors[i].dtype)(value)
     return values
+
+
+def _all_on_cpu(tensors: Sequence[torch.Tensor]) -> bool:  # tests stand the CPU in for a GPU
+    return all(tensor.is_cpu for tensor in tensors)
 
 
 def _python_type(dtype: torch.dtype) -> type:

@@ -150,10 +150,10 @@ def _counted(count):
         (-2, ValueError, "LossSum: count must be a finite number >= 0; got -2. A negative count"),
         (math.inf, ValueError, "LossSum: count must be a finite number >= 0; got inf."),
         (math.nan, ValueError, "LossSum: count must be a finite number >= 0; got nan."),
-        ("8", TypeError, "LossSum.count: expected a number >= 0 or a one-element tensor; got str"),
-        (True, TypeError, "LossSum.count: expected a number >= 0 or a one-element tensor"),
-        (torch.tensor([3, 4]), TypeError, "got a torch.int64 tensor of shape (2,)"),
-        (torch.tensor(2.0j), TypeError, "one-element tensor; got a torch.complex64 tensor"),
+        ("8", TypeError, "LossSum: count is a str ('8'); expected a number >= 0 or a one-elem"),
+        (True, TypeError, "LossSum: count is a bool (True); expected a number >= 0 or a one-el"),
+        (torch.tensor([3, 4]), TypeError, "count is a torch.int64 tensor of shape (2,); expected"),
+        (torch.tensor(2.0j), TypeError, "count is a torch.complex64 tensor of shape (); expected"),
     ],
 )
 def test_a_bad_count_is_refused_before_backward(count, error: type, message: str) -> None:

@@ -182,7 +182,7 @@ class ClipConfig:
 def by_mesh(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     """``tensors`` in lists that one foreach kernel takes: plain tensors together, DTensors
     by device mesh (a model tensor-parallel in part holds both, on several meshes)."""
-    if {*map(type, tensors)} <= {torch.Tensor}:  # the common case (or none), in C
+    if {type(tensor) for tensor in tensors} <= {torch.Tensor}:  # no DTensor (or none)
         return [tensors]
     lists: dict[Any, list[torch.Tensor]] = {}
     for tensor in tensors:

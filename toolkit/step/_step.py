@@ -15,6 +15,7 @@ import torch
 
 import toolkit.step._phases as phases
 from toolkit._checks import check, warn
+from toolkit._tree import check_weight
 from toolkit.distributed._collectives import (
     all_reduce_,
     bucket_flags,
@@ -173,18 +174,12 @@ def _parse(result: Any) -> tuple[torch.Tensor, torch.Tensor | float | None, Mapp
 
 def _checked_count(count: Any) -> torch.Tensor | float:
     """A LossSum count as a number >= 0 or a one-element real tensor (checked at the close)."""
-    tensor = isinstance(count, torch.Tensor)
-    if tensor and count.numel() == 1 and not count.is_complex() and count.dtype != torch.bool:
-        return count.detach().reshape(())
-    if tensor or isinstance(count, bool) or not isinstance(count, (int, float)):
-        got = f"{type(count).__name__} {count!r:.40}"
-        got = f"a {count.dtype} tensor of shape {tuple(count.shape)}" if tensor else got
-        raise TypeError(
-            f"LossSum.count: expected a number >= 0 or a one-element tensor; got {got}."
-        )
+    count = check_weight("LossSum", "count", count)
+    if isinstance(count, torch.Tensor):
+        return count.detach()
     fix = "A negative count would turn the update into gradient ascent."
     check(0 <= count < math.inf, "LossSum", "count", "a finite number >= 0", count, fix)
-    return count
+    return count  # type: ignore[no-any-return]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,7 +240,11 @@ class Step:
         Under data parallelism give it on every rank alike.
         """
         _check_state(state, self._k)
-        state, scaler = self._with_scaler(state)
+        scaler = None  # under fp16: ours, made on the first step (not one left by someone else)
+        if self.amp is not None and self.amp.fp16:
+            if state.scaler is None:
+                state = state.replace(scaler=self.amp.make_scaler(state.optimizer))
+            scaler = state.scaler
         sync = sync_kind(state.model)  # "none", "ddp" or "fsdp2"
         closes = close or state.window.micro_step + 1 == self._k
         if closes or sync == "none":
@@ -264,21 +263,15 @@ class Step:
             return state._evolve({"window": window, "_graph": loss}, consume=True), out
         return self._close(state, window, out, loss, scaler, sync)
 
-    def _with_scaler(self, state: TrainState) -> tuple[TrainState, Scaler]:
-        """The state with the fp16 GradScaler this step uses (made on the first step), or
-        None: a scaler left in the state by someone else is not ours to use."""
-        if self.amp is None or not self.amp.fp16:
-            return state, None
-        if state.scaler is None:
-            state = state.replace(scaler=self.amp.make_scaler(state.optimizer))
-        return state, state.scaler
-
     def _micro_batch(
         self, state: TrainState, batch: Any, closes: bool, scaler: Scaler, sync: str
     ) -> tuple[WindowState | None, StepOutput, torch.Tensor | None]:
         """Phases 1-3: the advanced window (None when skipped), the output and the loss."""
         # 1. forward, under autocast; loss_fn(model, batch, step=...) reads the update number
-        result = self._forward(state, batch)
+        keywords = {"step": state.step} if self._with_step else {}
+        amp = self.amp
+        with amp.autocast(state.optimizer) if amp is not None else contextlib.nullcontext():
+            result = self.loss_fn(state.model, batch, **keywords)
         if result is None:
             return None, _SKIPPED, None
         loss, count, records = _parse(result)
@@ -296,31 +289,41 @@ class Step:
         shown = loss.detach() if count is None else loss.detach() / count
         return window, StepOutput(shown, records, count, _leading_dim(batch), False, False), loss
 
-    def _forward(self, state: TrainState, batch: Any) -> Any:
-        """Phase 1: the loss function's result."""
-        keywords = {"step": state.step} if self._with_step else {}
-        amp = self.amp
-        with amp.autocast(state.optimizer) if amp is not None else contextlib.nullcontext():
-            return self.loss_fn(state.model, batch, **keywords)
-
     def _close(
         self, state: TrainState, window: WindowState, out: StepOutput, loss: Any, scaler: Scaler,
         sync: str,
     ) -> tuple[TrainState, StepOutput]:  # fmt: skip
         """Phases 4-11 (docs/architecture.md), once per window, whose gradients are complete
         (and synced)."""
-        optimizer, clipping = state.optimizer, self.clipping
-        tokens, everyone = _groups(state.model, sync)
-        params, grads = _with_grads(optimizer) if self._reads_grads(window) else ([], [])
+        optimizer, clipping, guard = state.optimizer, self.clipping, self.guard
+        # The ranks over which counts are summed, and those that agree on the verdict
+        # (docs/distributed.md, "Meshes"); None and None for one process.
+        tokens = everyone = None
+        if sync != "none" or current_layout() is not None:
+            groups = groups_of(state.model)
+            tokens, everyone = groups.tokens, groups.everyone
+        # Phases 5-7 read the gradients; a plain update leaves them to the optimizer.
+        short = window.micro_step != window.length  # closed early: close=True
+        reads = window.count is not None or short or self.grad_transforms or clipping or guard
+        params, grads = _with_grads(optimizer) if reads else ([], [])
         if scaler is not None:  # 4. unscale, exactly once
             scaler.unscale_(optimizer)
         total, empty = _normalise(grads, window, tokens)  # 5. by the count, or a short window
         if self.grad_transforms is not None and grads:  # 5b. your gradient transforms
             grads = self.grad_transforms.apply(params, grads)
-        norm = None  # 6. finite check: one host sync, the same decision on every rank
-        if clipping is not None or self.guard is not None:
+        norm, found = None, phases.APPLY  # 6. finite check: one host sync, alike on every rank
+        if clipping is not None or guard is not None:
             norm = phases.total_norm(grads, clipping.norm_type if clipping else 2.0)
-        found = self._verdict(state, window, norm, total, everyone, tokens, scaler, sync)
+        if guard is not None or scaler is not None or everyone is not None:
+            # DDP: the ranks' flags that rode on the gradient all-reduce, if they did.
+            ddp = sync == "ddp" and self.grad_transforms is None
+            flags = bucket_flags(state.model) if ddp else None
+            found = phases.verdict_of_window(
+                window, norm, total, guard=guard, scaler=scaler, amp=self.amp,
+                optimizer=optimizer, group=everyone,
+                carried=flags.receive() if flags is not None else None,
+                replicated=tokens is not everyone,
+            )  # fmt: skip
         outcome = self._outcome(state, window, found, empty, norm, everyone, total)
         lr = optimizer.param_groups[0]["lr"]
         if outcome.apply:
@@ -349,30 +352,6 @@ class Step:
         v = outcome.verdict
         return new, StepOutput(out.loss, out.records, out.count, out.samples, outcome.apply, True,
                                False, v.nonfinite, v.overflow, v.empty, norm, lr)  # fmt: skip
-
-    def _reads_grads(self, window: WindowState) -> bool:
-        """Whether phases 5-7 read the gradients (a plain update leaves them to the optimizer)."""
-        short = window.micro_step != window.length  # closed early: close=True
-        return bool(window.count is not None or short or self.grad_transforms or self.clipping
-                    or self.guard)  # fmt: skip
-
-    def _verdict(
-        self, state: TrainState, window: WindowState, norm: Any, total: Any, everyone: Any,
-        tokens: Any, scaler: Scaler, sync: str,
-    ) -> phases.Verdict:  # fmt: skip
-        """Phase 6's flags, agreed by every rank (APPLY when nothing is checked)."""
-        if self.guard is None and scaler is None and everyone is None:
-            return phases.APPLY
-        # DDP: the ranks' flags that rode on the gradient all-reduce, if they did.
-        flags = (
-            bucket_flags(state.model) if sync == "ddp" and self.grad_transforms is None else None
-        )
-        return phases.verdict_of_window(
-            window, norm, total, guard=self.guard, scaler=scaler, amp=self.amp,
-            optimizer=state.optimizer, group=everyone,
-            carried=flags.receive() if flags is not None else None,
-            replicated=tokens is not everyone,
-        )  # fmt: skip
 
     def _close_skipped(
         self, state: TrainState, window: WindowState, scaler: Scaler
@@ -479,15 +458,6 @@ def _added(
         count if window.count is None else window.count if count is None else window.count + count
     )
     return WindowState(window.micro_step + 1, counted, summed, k, window.skipped)
-
-
-def _groups(model: torch.nn.Module, sync: str) -> tuple[Any, Any]:
-    """(tokens, everyone): the ranks over which counts are summed, and those that agree on
-    the verdict (docs/distributed.md, "Meshes"); None and None for one process."""
-    if sync == "none" and current_layout() is None:
-        return None, None
-    groups = groups_of(model)
-    return groups.tokens, groups.everyone
 
 
 def _normalise(
