@@ -22,16 +22,6 @@ import torch
 from toolkit.checkpoints._model_state import expand, few, model_part, split_aliases
 from toolkit.step._state import TrainState
 
-__all__ = [
-    "compare",
-    "extras_fit",
-    "field_values",
-    "is_namedtuple",
-    "model_fit",
-    "optimizer_fit",
-    "settings_fit",
-]
-
 
 def compare(what: str, saved: Mapping[str, Any], live: Mapping[str, Any]) -> list[str]:
     """The keys one of ``saved`` and ``live`` lacks, and those whose values differ.
@@ -40,19 +30,16 @@ def compare(what: str, saved: Mapping[str, Any], live: Mapping[str, Any]) -> lis
         >>> compare("components", {"optimizer": "SGD"}, {"optimizer": "AdamW"})
         ["components: 'optimizer': SGD in the checkpoint, AdamW in the template"]
     """
-    lacking = {
-        "in the template, not the checkpoint": live.keys() - saved.keys(),
-        "in the checkpoint, not the template": saved.keys() - live.keys(),
-    }
+    lacking = {"in the template, not the checkpoint": live.keys() - saved.keys()}
+    lacking["in the checkpoint, not the template"] = saved.keys() - live.keys()
     out = [f"{what}: {where}: {few(keys)}" for where, keys in lacking.items() if keys]
     diff = [key for key in sorted(saved.keys() & live.keys()) if saved[key] != live[key]]
-    return out + [
-        f"{what}: {k!r}: {saved[k]} in the checkpoint, {live[k]} in the template" for k in diff
-    ]
+    line = "{}: {!r}: {} in the checkpoint, {} in the template"
+    return out + [line.format(what, k, saved[k], live[k]) for k in diff]
 
 
 def model_fit(
-    model: torch.nn.Module, shapes: Mapping[str, Any], aliases: Mapping[str, str], frozen: Any
+    model: torch.nn.Module, shapes: Mapping, aliases: Mapping[str, str], frozen: Any
 ) -> list[str]:
     """How a saved model (names -> shapes, aliases) differs from ``model``.
 
@@ -143,9 +130,7 @@ def settings_fit(where: str, saved: Any, template: Any, like: TrainState, alike:
     return _mismatches(where, saved, template.state_dict(), settings, False)
 
 
-def optimizer_fit(
-    where: str, saved: Any, template: Any, like: TrainState, alike: bool
-) -> list[str]:
+def optimizer_fit(path: str, saved: Any, template: Any, like: TrainState, alike: bool) -> list[str]:
     """The same parameters in the same groups; then, of the template's class (``alike``),
     state and hyperparameters as the template's (all of it strict) and each saved group
     through the optimizer's own argument checks (Adam's betas in [0, 1), lr >= 0, ...)."""
@@ -153,21 +138,18 @@ def optimizer_fit(
     out = compare("optimizer parameters", {**stateless, **_groups(saved)}, _groups(template))
     if out or not alike:
         return out
-    out = _mismatches(where, saved, template, None, True)
+    out = _mismatches(path, saved, template, None, True)
     members = getattr(like.optimizer, "optimizers", [like.optimizer])
     kinds = [(type(o), [*g["params"], torch.empty(0)][0]) for o in members for g in o.param_groups]
-    for i, ((kind, param), group) in enumerate(
-        zip(kinds, saved["param_groups"]) if not out else ()
-    ):
+    groups = [] if out else saved["param_groups"]
+    for i, ((kind, param), group) in enumerate(zip(kinds, groups)):
         names = inspect.signature(kind).parameters.keys() - {"params"}
         # A new optimizer over one new tensor of the parameter's kind (Muon takes 2-D ones).
         scratch = param.new_zeros((1,) * param.dim(), requires_grad=True)
         try:
             kind([scratch], **{name: group[name] for name in names & group.keys()})
-        except TypeError:  # a constructor of other arguments: its checks cannot be run
-            pass
-        except (ValueError, RuntimeError) as error:
-            out.append(f"{where}: param_groups[{i}]: {error}")
+        except (TypeError, ValueError, RuntimeError) as error:  # TypeError: other arguments
+            out += [] if isinstance(error, TypeError) else [f"{path}: param_groups[{i}]: {error}"]
     return out
 
 
@@ -189,9 +171,7 @@ def is_namedtuple(value: Any) -> bool:
     return isinstance(value, tuple) and hasattr(value, "_fields")
 
 
-def field_values(
-    saved: Mapping[str, Any], live: Mapping[str, Any], differences: list[str]
-) -> dict[str, Any]:
+def field_values(saved: Mapping, live: Mapping[str, Any], differences: list[str]) -> dict[str, Any]:
     """The saved ``state`` component as TrainState values (``live``: the template's);
     NamedTuples rebuilt with the template's type. A field the checkpoint lacks (added
     to TrainState later) keeps the template's value; one the template lacks is a difference.

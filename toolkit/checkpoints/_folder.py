@@ -1,4 +1,5 @@
-"""A folder of checkpoints: listing, verifying, the newest intact one, pointer, cleanup, pruning.
+"""A folder of checkpoints: listing, verifying, the newest intact one, pointer, cleanup, pruning,
+and the shell tool of ``python -m toolkit.checkpoints`` (:func:`main`).
 
 The folder (e.g. ``runs/a/ckpt/``) holds one sub-folder per checkpoint (any visible name;
 the checkpoints plugin uses ``step_000100``), a ``latest`` pointer file naming the newest,
@@ -13,11 +14,14 @@ gives the same answers after a restart.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import re
 import shutil
-from collections.abc import Callable, Mapping
+import sys
+import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,19 +29,16 @@ from toolkit._checks import check, warn
 from toolkit.checkpoints._files import fsync_dir, read_regular, replace_file, temp_name, write_bytes
 from toolkit.checkpoints._load import content_problems, load_checkpoint
 from toolkit.checkpoints._manifest import (
+    MANIFEST,
     DamagedCheckpointError,
     file_problems,
     read_manifest,
     reduce_to_model,
 )
 from toolkit.checkpoints._retention import Retention, retain, retention_from_document
-from toolkit.distributed._collectives import Group, agree, broadcast_text, checkpoint_group, rank_of
+from toolkit.checkpoints._save import on_rank0
+from toolkit.distributed._collectives import broadcast_text, checkpoint_group
 from toolkit.step._state import TrainState
-
-__all__ = [
-    "POINTER", "CheckpointInfo", "clean_temporaries", "latest_checkpoint", "list_checkpoints",
-    "load_latest", "prune_checkpoints", "read_pointer", "verify_checkpoint", "write_pointer"
-]  # fmt: skip
 
 POINTER = "latest"
 
@@ -208,12 +209,9 @@ def latest_checkpoint(root: str | os.PathLike[str], *, checksums: bool = True) -
 
 
 def load_latest(
-    root: str | os.PathLike[str],
-    like: TrainState,
-    *,
-    objects: Mapping[str, Any] | None = None,
+    root: str | os.PathLike[str], like: TrainState, *, objects: Mapping[str, Any] | None = None,
     rng: bool = True,
-) -> tuple[TrainState, Path] | None:
+) -> tuple[TrainState, Path] | None:  # fmt: skip
     """Load the newest checkpoint of ``root`` that is intact, falling back past damaged ones.
 
     Rank 0 (or this process alone) picks the newest checkpoint whose every checksum is
@@ -272,19 +270,6 @@ def _pick(root: str | os.PathLike[str]) -> str:
     return found.name if found else ""
 
 
-def on_rank0(group: Group | None, who: str, work: Callable[..., Any], *args: Any) -> Any:
-    """``work(*args)`` on rank 0 alone (``None`` on the others); its error raised on every
-    rank, as ``who``'s."""
-    error, result = None, None
-    try:
-        if rank_of(group)[0] == 0:
-            result = work(*args)
-    except Exception as caught:
-        error = caught
-    agree(error, group, who)
-    return result
-
-
 def write_pointer(root: str | os.PathLike[str], checkpoint: str | os.PathLike[str]) -> Path:
     """Atomically point ``root/latest`` at ``checkpoint`` (a text file holding its name).
 
@@ -311,9 +296,8 @@ def write_pointer(root: str | os.PathLike[str], checkpoint: str | os.PathLike[st
     root, name = Path(root), Path(checkpoint).name
     ok = (root / name).is_dir() and not name.startswith(".")
     check(ok, "write_pointer", "checkpoint", f"a checkpoint folder inside {root}", str(checkpoint))
-    pointer = root / POINTER
-    replace_file(pointer, lambda temp: write_bytes(temp, f"{name}\n".encode()))
-    return pointer
+    replace_file(root / POINTER, lambda temp: write_bytes(temp, f"{name}\n".encode()))
+    return root / POINTER
 
 
 def read_pointer(root: str | os.PathLike[str]) -> Path | None:
@@ -380,10 +364,7 @@ def clean_temporaries(root: str | os.PathLike[str]) -> list[Path]:
         if leftover[1] == "old" and not (root / leftover[2]).exists():
             os.rename(entry, root / leftover[2])  # the new one never got its name: put back
             continue
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry)
-        else:
-            entry.unlink()
+        shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
         removed.append(entry)
     fsync_dir(root)
     return removed
@@ -437,3 +418,89 @@ def prune_checkpoints(
     for info in full[: -rules.keep_full] if rules.keep_full else ():  # oldest first
         reduce_to_model(info.path)
     return doomed
+
+
+def _size(size: float) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if size < 1024:
+            return f"{size} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"
+
+
+def _table(infos: Sequence[CheckpointInfo], rules: Retention | None) -> None:
+    readable = [(c.name, c.step, c.metrics) for c in infos if c.step is not None]
+    # Without recorded rules only the newest is known to be kept.
+    reasons = retain(readable, rules or Retention(keep_last=0))
+    other = "-" if rules is None else "none (pruned at the next save)"
+    rows = [["step", "name", "saved", "size", "metrics", "kept by", "check"]]
+    for c in infos:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.time or 0))
+        metrics = ", ".join(f"{k}={v:.4g}" for k, v in sorted(c.metrics.items())) or "-"
+        step, size = ("-", "-") if c.step is None else (str(c.step), _size(c.size))
+        check = ("ok" if c.intact else "DAMAGED") + (", model-only" if c.model_only else "")
+        check += ", trainable only" if c.trainable_only else ""
+        kept = (", ".join(reasons[c.name]) or other) if c.name in reasons else "-"
+        rows.append([step, c.name, "-" if c.time is None else stamp, size, metrics, kept, check])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for problems, row in zip([(), *(c.problems for c in infos)], rows):
+        cells = [row[0].rjust(widths[0])] + [cell.ljust(w) for cell, w in zip(row[1:], widths[1:])]
+        print("  ".join(cells).rstrip())
+        for problem in problems:
+            print(f"    {problem}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """List (and with ``--verify`` check) the checkpoints of a folder; see the module docs.
+
+    Args:
+        argv: the command-line arguments (``sys.argv[1:]`` when ``None``).
+
+    Returns:
+        The exit status: 0 fine, 1 damage found by ``--verify``, 2 no such folder.
+
+    Raises:
+        SystemExit: from argparse, on bad arguments (status 2).
+
+    Example:
+        >>> import torch
+        >>> from toolkit import TrainState, save_checkpoint
+        >>> from toolkit.checkpoints import main
+        >>> _ = save_checkpoint(TrainState(model=torch.nn.Linear(1, 1)), "ckpt/step_000000")
+        >>> main(["ckpt", "--verify"])  # doctest: +ELLIPSIS
+        ckpt: 1 checkpoint, ... KiB
+        step  name         saved ...  kept by  check
+           0  step_000000  ...        newest   ok
+        checked: manifests, sizes, checksums and contents
+        0
+    """
+    what = "List the checkpoints of a folder (step, time, size, metrics, which retention rule "
+    what += "keeps each); --verify also checks every file's checksum and content."
+    parser = argparse.ArgumentParser(prog="python -m toolkit.checkpoints", description=what)
+    parser.add_argument("dir", type=Path, help="a folder of checkpoints, or one checkpoint")
+    parser.add_argument("--verify", action="store_true", help="check as a load does")
+    args = parser.parse_args(argv)
+    root: Path = args.dir
+    if not root.is_dir():
+        print(f"{root}: no such folder", file=sys.stderr)
+        return 2
+    one = (root / MANIFEST).is_file()  # one checkpoint folder
+    infos = [_info(root, args.verify)] if one else list_checkpoints(root, checksums=args.verify)
+    pointer, names = (None, []) if one else (read_pointer(root), [p.name for p in root.iterdir()])
+    leftovers = sorted(n for n in names if n.startswith((".tmp-", ".old-", ".del-")))
+    plural = "" if len(infos) == 1 else "s"
+    head = f"{root}: {len(infos)} checkpoint{plural}, {_size(sum(c.size for c in infos))}"
+    print(head + (f"; latest: {pointer.name}" if pointer is not None else ""))
+    rules, source = next(((c.rules, c.name) for c in reversed(infos) if c.rules), (None, ""))
+    if rules is not None:
+        print(f"retention (recorded by {source}): {rules.describe()}")
+    checked = "manifests, sizes, checksums and contents" if args.verify else "manifests and sizes"
+    if infos:
+        _table(infos, rules)
+    print(f"checked: {checked}" + ("" if args.verify else " (--verify: also checksums, contents)"))
+    for name in leftovers:
+        print(f"leftover of an interrupted save or prune: {name} (clean_temporaries removes it)")
+    damaged = sum(not c.intact for c in infos)
+    if damaged:
+        print(f"{damaged} of {len(infos)} checkpoint{plural} damaged")
+    return 1 if args.verify and damaged else 0

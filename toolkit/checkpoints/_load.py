@@ -29,8 +29,8 @@ from toolkit.checkpoints._files import read_json
 from toolkit.checkpoints._fit import compare, field_values, model_fit
 from toolkit.checkpoints._manifest import DamagedCheckpointError, Manifest, verified_manifest
 from toolkit.checkpoints._model_state import SHARDS, expand, load_shards, model_state, saved_shapes
-from toolkit.checkpoints._save import rank_component
-from toolkit.distributed._collectives import Group, agree, checkpoint_group, rank_of
+from toolkit.checkpoints._save import on_rank0, rank_component
+from toolkit.distributed._collectives import Group, checkpoint_group, rank_of
 from toolkit.step._state import TrainState, WindowState
 
 
@@ -80,9 +80,7 @@ def read_tree(
 def _empty(manifest: Manifest, prefix: str = "") -> dict[str, torch.Tensor]:
     """New tensors of the saved shapes for the sharded keys starting with ``prefix``."""
     shapes = _shapes(manifest).items()
-    return {
-        k: torch.empty(size, dtype=dtype) for k, (size, dtype) in shapes if k.startswith(prefix)
-    }
+    return {k: torch.empty(s, dtype=dtype) for k, (s, dtype) in shapes if k.startswith(prefix)}
 
 
 def full_model(manifest: Manifest, partial: bool = False) -> dict[str, torch.Tensor]:
@@ -119,8 +117,8 @@ def _differences(
 ) -> list[str]:  # fmt: skip
     """How the decoded components differ from the template (the model aside): first the
     recorded classes (the objects' one by one), then each component's ``fit``."""
-    kinds = [c.name for c in COMPONENTS if c.kind is not None]
-    saved = {n: manifest.classes.get(n) for n in kinds if trees.get(n) is not None}
+    has = [c.name for c in COMPONENTS if c.kind is not None and trees.get(c.name) is not None]
+    saved = {name: manifest.classes.get(name) for name in has}
     live = {c.name: kind for c in COMPONENTS if c.kind and (kind := c.kind(like, objects))}
     if like.scaler is None and "scaler" in saved:  # one is built for the saved state
         live["scaler"] = saved["scaler"]
@@ -137,12 +135,9 @@ def _differences(
 
 
 def load_checkpoint(
-    path: str | os.PathLike[str],
-    like: TrainState,
-    *,
-    objects: Mapping[str, Any] | None = None,
+    path: str | os.PathLike[str], like: TrainState, *, objects: Mapping[str, Any] | None = None,
     rng: bool = True,
-) -> TrainState:
+) -> TrainState:  # fmt: skip
     """Restore a checkpoint into the objects of a template state built the normal way.
 
     Every file the manifest lists is checked (a regular file inside the folder, its size
@@ -218,14 +213,7 @@ def load_checkpoint(
     who = "load_checkpoint"
     check_type(isinstance(like, TrainState), who, "like", "a TrainState (the template)", like)
     objects, group = check_objects(objects, who), checkpoint_group(like.model)
-    restore, error = None, None  # type: Callable[[], TrainState] | None, BaseException | None
-    try:
-        restore = _plan(path, like, objects, rng, group)
-    except Exception as caught:
-        error = caught
-    agree(error, group, who)  # all ranks restore, or none
-    assert restore is not None
-    return restore()
+    return on_rank0(group, who, _plan, path, like, objects, rng, group, every=True)()
 
 
 def _rank_state(manifest: Manifest, rank: int, trees: dict[str, Any]) -> dict[str, Any]:
@@ -251,49 +239,45 @@ def _rank_state(manifest: Manifest, rank: int, trees: dict[str, Any]) -> dict[st
     return {}
 
 
-def _trees(
-    manifest: Manifest, like: TrainState, shapes: Mapping[str, Any], differences: list[str]
-) -> tuple[dict[str, Any], dict[str, Any], dict[str, torch.Tensor]]:
+def _read(manifest: Manifest, like: TrainState | None, out: list[str]) -> tuple[dict, dict, dict]:
     """``(trees, templates, shards)``: each component the checkpoint holds, decoded against
     its template (``trees["model"]``: the saved model state dict, or (sharded) the
     template's); the templates; and what DCP fills in place: each sharded tensor (the
-    template's, once its saved shape matches)."""
-    shards: dict[str, torch.Tensor] = {}
+    template's, once its saved shape matches). Without a template (``like=None``): every
+    listed JSON file, its sharded tensors as stand-ins of their saved shapes."""
+    shapes, shards = _shapes(manifest), dict[str, torch.Tensor]()
 
     def take(key: str, template: Any) -> torch.Tensor:
-        saved = f"shape {list(shapes[key][0])}" if key in shapes else "not in the files"
+        size, dtype = shapes[key]  # a key not in the files: a KeyError, damage
+        saved = f"shape {list(size)}"
         live = f"shape {list(template.shape)}" if isinstance(template, torch.Tensor) else "none"
-        if saved == live:
+        if like is not None and saved == live:
             return shards.setdefault(key, template)
         line = f"sharded tensors: {key!r}: {saved} in the checkpoint, {live} in the template"
-        if line not in differences:  # a tensor held twice in a tree is stored once
-            differences.append(line)
-        # A stand-in keeps decoding, of the saved shape and dtype: the extras' comparison
-        # quotes it as the checkpoint's.
-        size, dtype = shapes.get(key, ((0,), torch.float32))
+        if like is not None and line not in out:  # a tensor held twice is stored once
+            out.append(line)
+        # A stand-in of the saved shape and dtype: the extras' comparison quotes it.
         return torch.empty(size, dtype=dtype, device="meta")
 
     if manifest.sharded:
-        model = model_state(like.model)
+        model = model_state(like.model) if like is not None else {}
         shards.update({f"model/{name}": value for name, value in model.items()})
-        found = {k: size for k, (size, _) in shapes.items() if k.startswith("model/")}
-        saved = {key.removeprefix("model/"): size for key, size in found.items()}
-        differences += model_fit(like.model, saved, {}, None)
+        saved = {k[6:]: size for k, (size, _) in shapes.items() if k[:6] == "model/"}
     else:
         tensors = _tensors(manifest, "model.safetensors")
-        saved = {name: tensor.shape for name, tensor in tensors.items()}
-        differences += model_fit(like.model, saved, manifest.aliases, manifest.frozen)
-        model = expand(tensors, manifest.aliases)
-    templates = {
-        c.name: c.template(like, manifest.sharded) for c in COMPONENTS if manifest.has(c.name)
-    }
+        saved, model = {n: t.shape for n, t in tensors.items()}, expand(tensors, manifest.aliases)
+    if like is not None:
+        aliases = {} if manifest.sharded else manifest.aliases
+        out += model_fit(like.model, saved, aliases, manifest.frozen)
+        has = [c for c in COMPONENTS if manifest.has(c.name)]
+        templates = {c.name: c.template(like, manifest.sharded) for c in has}
+    else:
+        templates = {n[:-5]: None for n in manifest.files if n.endswith(".json") and "/" not in n}
     trees = {n: read_tree(manifest, n, like=t, sharded=take) for n, t in templates.items()}
     return {**trees, "model": model}, templates, shards
 
 
-def _content_problems(
-    folder: Path, trees: Mapping[str, Any], fields: Mapping[str, Any] | None
-) -> list[str]:
+def _content_problems(folder: Path, trees: Mapping[str, Any], fields: Mapping | None) -> list[str]:
     """What no save writes, found without a template (a load and verify_checkpoint refuse it).
 
     A component that is not a JSON object; an optimizer state without parameter groups or
@@ -331,13 +315,7 @@ def content_problems(manifest: Manifest) -> list[str]:
     """
     differences: list[str] = []
     try:
-        shapes = _shapes(manifest)
-        if not manifest.sharded:  # its header, and the aliases' tensors in it
-            _tensors(manifest, "model.safetensors")
-        names = [n[:-5] for n in manifest.files if n.endswith(".json") and "/" not in n]
-        # A sharded tensor a tree names must be in sharded/ (else a KeyError: damage).
-        take = lambda key, _: torch.empty(len(shapes[key]) * 0)  # noqa: E731
-        trees = {n: read_tree(manifest, n, sharded=take) for n in names}
+        trees = _read(manifest, None, differences)[0]
     except DamagedCheckpointError as error:
         return list(error.problems)
     live = fields_of(TrainState(model=torch.nn.Module()), plain=False)
@@ -358,7 +336,7 @@ def _plan(
             " state); pass a template without optimizer, or resume from a full checkpoint."
         )
     differences: list[str] = []
-    trees, templates, shards = _trees(manifest, like, _shapes(manifest), differences)
+    trees, templates, shards = _read(manifest, like, differences)
     own = _rank_state(manifest, rank_of(group)[0], trees)
     trees["rng"] = trees.get("rng") if rng else None
     live = fields_of(like, plain=False)
@@ -380,8 +358,7 @@ def _plan(
     values = {field.name: getattr(like, field.name) for field in dataclasses.fields(like)}
     values.update(fields, extras={**like.extras, **(trees.get("extras") or {})}, scaler=scaler)
     state = TrainState(**values)
-    partial = manifest.frozen is not None
-    restoring = Restoring(manifest.path, objects, manifest.sharded, partial, shards, group)
+    restoring = Restoring(manifest, objects, shards, group)
 
     def restore() -> TrainState:
         """Restore in the table's order, which keeps each object's saved values."""

@@ -140,15 +140,13 @@ def _parsed(folder: Path) -> dict[str, Any]:
     path = folder / MANIFEST
     try:
         document = read_json(path)
-    except FileNotFoundError:
-        raise DamagedCheckpointError(folder, [f"{path}: missing"]) from None
     except (OSError, ValueError, RecursionError) as error:  # not JSON, or not a regular file
-        raise DamagedCheckpointError(folder, [f"{path}: unreadable ({error})"]) from None
-    if not isinstance(document, dict):
-        raise DamagedCheckpointError(folder, [f"{path}: not a JSON object"])
-    if document.get(_SELF) != _digest(document):
-        problem = f"{path}: content does not match its own checksum (edited or corrupted)"
-        raise DamagedCheckpointError(folder, [problem])
+        what = "missing" if isinstance(error, FileNotFoundError) else f"unreadable ({error})"
+        raise DamagedCheckpointError(folder, [f"{path}: {what}"]) from None
+    what = "content does not match its own checksum (edited or corrupted)"
+    if not isinstance(document, dict) or document.get(_SELF) != _digest(document):
+        what = what if isinstance(document, dict) else "not a JSON object"
+        raise DamagedCheckpointError(folder, [f"{path}: {what}"])
     kind = (document.get("format"), document.get("version"))
     if kind != (FORMAT, VERSION):
         raise ValueError(
