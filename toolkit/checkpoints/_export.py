@@ -15,7 +15,8 @@ from toolkit._checks import check, check_one_of, check_type
 from toolkit._unwrap import unwrap
 from toolkit.checkpoints._codec import host_tensor, separate_shared
 from toolkit.checkpoints._files import replace_file, write_tensors
-from toolkit.checkpoints._load import full_model, full_tree, verified_manifest
+from toolkit.checkpoints._load import content_problems, full_model, full_tree, verified_manifest
+from toolkit.checkpoints._manifest import DamagedCheckpointError
 from toolkit.checkpoints._model_state import is_sharded, model_state, split_aliases
 from toolkit.step._state import TrainState
 
@@ -177,7 +178,9 @@ def _read(source: Any, weights: str, key: str, who: str) -> tuple[dict[str, Any]
     check_one_of(who, "weights", weights, ("model", "ema"))
     model, ema = None, weights == "ema"
     if isinstance(source, (str, os.PathLike)):
-        manifest = verified_manifest(source)
+        manifest = verified_manifest(source)  # and what a load checks without a template:
+        if problems := content_problems(manifest, allow_nonfinite=True):
+            raise DamagedCheckpointError(manifest.path, problems)
         full, aliases, where = full_model(manifest), manifest.aliases, f"checkpoint {source}"
         extras = full_tree(manifest, "extras") if ema and manifest.has("extras") else {}
     else:
@@ -211,5 +214,7 @@ def _read(source: Any, weights: str, key: str, who: str) -> tuple[dict[str, Any]
     unknown = sorted(set(averaged) - set(full))
     fix = "It was made for another model."
     check(not unknown, who, "the EMA's names", "the model's", unknown[:5], fix)
+    wrong = sorted(n for n, t in averaged.items() if getattr(t, "shape", None) != full[n].shape)
+    check(not wrong, who, "the shapes of the EMA's tensors", "the model's", wrong[:5], fix)
     tied = {alias: averaged[name] for alias, name in aliases.items() if name in averaged}
     return {**full, **averaged, **tied}, model  # the EMA names a tied tensor once

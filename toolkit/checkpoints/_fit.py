@@ -41,7 +41,7 @@ def compare(what: str, saved: Mapping[str, Any], live: Mapping[str, Any]) -> lis
 def model_fit(
     model: torch.nn.Module, shapes: Mapping, aliases: Mapping[str, str], frozen: Any
 ) -> list[str]:
-    """How a saved model (names -> shapes, aliases) differs from ``model``.
+    """How a saved model (names -> shapes and dtypes, aliases) differs from ``model``.
 
     With ``frozen`` (the fingerprint of a trainable-only save) the saved names are compared
     with ``model``'s trainable part and ``frozen`` with the fingerprint of the rest.
@@ -53,9 +53,16 @@ def model_fit(
         "(the same pretrained weights, the same parameters frozen)."
     ]  # fmt: skip
     live, live_aliases = split_aliases(live, "load_checkpoint")
-    saved = {n: f"shape {list(shapes[aliases.get(n, n)])}" for n in [*shapes, *aliases]}
-    full = {n: f"shape {list(t.shape)}" for n, t in expand(live, live_aliases).items()}
+    stored = {n: shapes[aliases.get(n, n)] for n in [*shapes, *aliases]}
+    tensors = expand(live, live_aliases)
+    saved = {n: f"shape {list(shape)}" for n, (shape, _) in stored.items()}
+    full = {n: f"shape {list(t.shape)}" for n, t in tensors.items()}
     common = saved.keys() & full.keys()
+    out += [
+        f"model: {n!r}: {stored[n][1]} in the checkpoint, {tensors[n].dtype} in the template; "
+        f"cast the model first, e.g. model.to({stored[n][1]})"
+        for n in sorted(common) if stored[n][1] != tensors[n].dtype
+    ]  # fmt: skip
     theirs, ours = _ties(aliases, common), _ties(live_aliases, common)
     differ = {(theirs[n], ours[n]) for n in common if theirs[n] != ours[n]}
     return out + compare("model", saved, full) + [
@@ -73,14 +80,14 @@ def _ties(aliases: Mapping[str, str], names: set[str]) -> dict[str, frozenset[st
     return {name: frozenset(groups[aliases.get(name, name)]) for name in names}
 
 
-def _kind(value: Any) -> str:
+def kind_of(value: Any) -> str:
     tensor = isinstance(value, torch.Tensor)
     return f"shape {list(value.shape)} {value.dtype}" if tensor else repr(value)[:40]
 
 
 def _fits(saved: Any, live: Any, strict: bool) -> bool:
     if isinstance(live, torch.Tensor):
-        return isinstance(saved, torch.Tensor) and _kind(saved) == _kind(live)
+        return isinstance(saved, torch.Tensor) and kind_of(saved) == kind_of(live)
     if isinstance(live, bool):
         return isinstance(saved, bool)
     if isinstance(live, (int, float)):
@@ -112,7 +119,7 @@ def _mismatches(where: str, saved: Any, live: Any, settings: Any, strict: bool) 
         if len(saved) != len(live):
             return [f"{where}: {len(saved)} items in the checkpoint, {len(live)} in the template"]
     else:
-        differ = f"{where}: {_kind(saved)} in the checkpoint, {_kind(live)} in the template"
+        differ = f"{where}: {kind_of(saved)} in the checkpoint, {kind_of(live)} in the template"
         return [] if _fits(saved, live, strict) else [differ]
     nested = (_mismatches(f"{where}[{k!r}]", s, v, settings, q) for k, s, v, q in children)
     return out + [m for found in nested for m in found]

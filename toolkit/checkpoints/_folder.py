@@ -88,7 +88,7 @@ class CheckpointInfo:
         return not self.problems
 
 
-def _info(folder: Path, checksums: bool) -> CheckpointInfo:
+def _info(folder: Path, checksums: bool, allow_nonfinite: bool = False) -> CheckpointInfo:
     try:
         manifest = read_manifest(folder)
     except (DamagedCheckpointError, ValueError) as error:  # ValueError: another format
@@ -96,7 +96,7 @@ def _info(folder: Path, checksums: bool) -> CheckpointInfo:
         return CheckpointInfo(folder, None, None, 0, {}, None, tuple(problems))
     problems = file_problems(manifest, checksums=checksums)
     if checksums and not problems:  # what a load checks beyond the files' bytes
-        problems = content_problems(manifest)
+        problems = content_problems(manifest, allow_nonfinite)
     rules = retention_from_document(manifest.rules) if manifest.rules is not None else None
     fields = (manifest.step, manifest.time, manifest.size, manifest.metrics, rules)
     flags = (manifest.model_only, manifest.frozen is not None)
@@ -143,7 +143,9 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> list[str]:
 
     The manifest, every listed file (a regular file inside the folder, its size and
     checksum), every safetensors header and JSON tree, the RNG states and TrainState's
-    fields; a load then compares shapes, dtypes and hyperparameters with its template.
+    fields, and what the checkpoint says about itself (optimizer state against the saved
+    parameters, steps, an EMA against the model, no NaN or inf in the model); a load then
+    compares shapes, dtypes and hyperparameters with its template.
 
     Args:
         path: the checkpoint folder.
@@ -170,7 +172,9 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> list[str]:
     return list(_info(Path(path), checksums=True).problems)
 
 
-def latest_checkpoint(root: str | os.PathLike[str], *, checksums: bool = True) -> Path | None:
+def latest_checkpoint(
+    root: str | os.PathLike[str], *, checksums: bool = True, allow_nonfinite: bool = False
+) -> Path | None:
     """The newest intact full checkpoint of ``root`` (highest step; not a model-only one),
     warning about damaged newer ones.
 
@@ -179,6 +183,8 @@ def latest_checkpoint(root: str | os.PathLike[str], *, checksums: bool = True) -
         checksums: verify checksums too (reads every byte of the newest intact one and of
             any newer damaged ones); with ``False`` only manifests and sizes are checked, and
             :func:`load_checkpoint` verifies the rest (see :func:`load_latest`).
+        allow_nonfinite: a checkpoint whose model holds NaN or inf is intact (with
+            ``checksums``; else it is damaged, as :func:`load_checkpoint` finds it).
 
     Returns:
         The folder's path, or ``None`` when ``root`` holds no intact checkpoint.
@@ -200,7 +206,7 @@ def latest_checkpoint(root: str | os.PathLike[str], *, checksums: bool = True) -
     unknown = [c for c in found if c.step is None]  # warned first: each might be the newest
     for info in unknown + [c for c in reversed(found) if c.step is not None]:
         if info.intact and checksums:
-            info = _info(info.path, checksums=True)
+            info = _info(info.path, True, allow_nonfinite)
         if info.intact:
             return info.path
         lines = "\n  ".join(info.problems)
@@ -210,7 +216,7 @@ def latest_checkpoint(root: str | os.PathLike[str], *, checksums: bool = True) -
 
 def load_latest(
     root: str | os.PathLike[str], like: TrainState, *, objects: Mapping[str, Any] | None = None,
-    rng: bool = True,
+    rng: bool = True, allow_nonfinite: bool = False,
 ) -> tuple[TrainState, Path] | None:  # fmt: skip
     """Load the newest checkpoint of ``root`` that is intact, falling back past damaged ones.
 
@@ -225,6 +231,8 @@ def load_latest(
         like: the template state (see :func:`load_checkpoint`).
         objects: extra stateful objects, as for :func:`load_checkpoint`.
         rng: restore the RNG states.
+        allow_nonfinite: load a model holding NaN or inf (else such a checkpoint is
+            skipped as damaged), as for :func:`load_checkpoint`.
 
     Returns:
         ``(state, path)`` of the checkpoint loaded, or ``None`` when ``root`` holds no
@@ -250,21 +258,23 @@ def load_latest(
     """
     group = checkpoint_group(like.model) if isinstance(like, TrainState) else None
     # One rank picks, so that ranks cannot disagree.
-    choice = broadcast_text(on_rank0(group, "load_latest", _pick, root) or "", group)
+    finite = not allow_nonfinite
+    choice = broadcast_text(on_rank0(group, "load_latest", _pick, root, finite) or "", group)
     if not choice:
         return None
     path = Path(root) / choice
-    return load_checkpoint(path, like, objects=objects, rng=rng), path
+    loaded = load_checkpoint(path, like, objects=objects, rng=rng, allow_nonfinite=not finite)
+    return loaded, path
 
 
-def _pick(root: str | os.PathLike[str]) -> str:
+def _pick(root: str | os.PathLike[str], finite: bool) -> str:
     """The name of ``root``'s newest intact full checkpoint, "" for none; an error when
     ``root`` holds checkpoints but none of them will do."""
-    found = latest_checkpoint(root)
+    found = latest_checkpoint(root, allow_nonfinite=not finite)
     infos = list_checkpoints(root) if found is None else []
     full = [c.path for c in infos if not c.model_only]
     if full:  # each was damaged: the newest one's problems, checksums included
-        raise DamagedCheckpointError(full[-1], _info(full[-1], checksums=True).problems)
+        raise DamagedCheckpointError(full[-1], _info(full[-1], True, not finite).problems)
     fix = "Its checkpoints are model-only (keep_full removed their optimizer state)."
     check(not infos, "load_latest", "root", "a folder of full checkpoints", str(root), fix)
     return found.name if found else ""
@@ -484,7 +494,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not root.is_dir():
         print(f"{root}: no such folder", file=sys.stderr)
         return 2
-    one = (root / MANIFEST).is_file()  # one checkpoint folder
+    one = any(os.path.lexists(root / n) for n in (MANIFEST, "model.safetensors", "sharded"))
     infos = [_info(root, args.verify)] if one else list_checkpoints(root, checksums=args.verify)
     pointer, names = (None, []) if one else (read_pointer(root), [p.name for p in root.iterdir()])
     leftovers = sorted(n for n in names if n.startswith((".tmp-", ".old-", ".del-")))
@@ -500,6 +510,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"checked: {checked}" + ("" if args.verify else " (--verify: also checksums, contents)"))
     for name in leftovers:
         print(f"leftover of an interrupted save or prune: {name} (clean_temporaries removes it)")
+    if POINTER in names and (pointer is None or pointer.name not in {c.name for c in infos}):
+        print(f"{root / POINTER}: ignored, not a small file naming a checkpoint folder here")
+    for name in sorted(n for n in names if (root / n).is_symlink() and n != POINTER):
+        print(f"{root / name}: ignored, a symbolic link (checkpoints are folders inside {root})")
     damaged = sum(not c.intact for c in infos)
     if damaged:
         print(f"{damaged} of {len(infos)} checkpoint{plural} damaged")

@@ -178,6 +178,13 @@ def _fields(document: dict[str, Any]) -> dict[str, Any] | None:
         return None
 
 
+def step_of(folder: Path) -> int | None:
+    """The step a checkpoint folder's name states, as the checkpoints plugin names them
+    (``step_`` and six digits or more: ``step_000100`` is 100), else None."""
+    named = re.fullmatch(r"step_(\d{6,})", folder.name)
+    return int(named[1]) if named else None
+
+
 def read_manifest(folder: str | os.PathLike[str]) -> Manifest:
     """Parse and check ``folder/manifest.json`` (not the files it lists).
 
@@ -197,6 +204,8 @@ def read_manifest(folder: str | os.PathLike[str]) -> Manifest:
     fields = _fields(document)
     if fields is None:
         problems.append(f"{path}: not a manifest (step, time, files or metrics malformed)")
+    elif step_of(folder) not in (None, fields["step"]):  # a step_000006 of step 10**30
+        problems.append(f"{path}: step {fields['step']}, the folder's name {folder.name!r}")
     if problems:
         raise DamagedCheckpointError(folder, problems)
     return Manifest(path=folder, **fields)  # type: ignore[arg-type]

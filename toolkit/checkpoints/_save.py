@@ -285,6 +285,9 @@ def _prepare(
             f"{state.window.micro_step}), and its gradients are in no state dict; save "
             "after the update that closes the window (when out.updated is true)."
         )
+    named = re.fullmatch(r"step_(\d{6,})", path.name)  # a load refuses another step's name
+    what = f"named after the state's step (step_{state.step:06d}), or not step_NNNNNN"
+    check(not named or int(named[1]) == state.step, who, "path", what, path.name)
     ok = rules is None or isinstance(rules, Retention)
     check(ok, who, "rules", "a Retention or None", rules, "", TypeError)
     if path.exists() and not (path / MANIFEST).is_file():
