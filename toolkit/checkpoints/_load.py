@@ -222,8 +222,8 @@ def load_checkpoint(
     who = "load_checkpoint"
     check_type(isinstance(like, TrainState), who, "like", "a TrainState (the template)", like)
     objects, group = check_objects(objects, who), checkpoint_group(like.model)
-    args = (path, like, objects, rng, allow_nonfinite, group)
-    return on_rank0(group, who, _plan, *args, every=True)()  # all ranks restore, or none
+    plan = on_rank0(group, who, _plan, path, like, objects, rng, allow_nonfinite, group, every=True)
+    return plan()  # every rank restores, or none
 
 
 def _rank_state(manifest: Manifest, rank: int, trees: dict[str, Any]) -> dict[str, Any]:
@@ -326,12 +326,9 @@ def _itself(manifest: Manifest, trees: Mapping[str, Any], model: Mapping, finite
 
 
 def _content_problems(
-    manifest: Manifest,
-    trees: Mapping[str, Any],
-    fields: Mapping | None,
-    model: Mapping,
+    manifest: Manifest, trees: Mapping[str, Any], fields: Mapping | None, model: Mapping,
     finite: bool,
-) -> list[str]:
+) -> list[str]:  # fmt: skip
     """What no save writes, found without a template (a load and verify_checkpoint refuse it).
 
     A component that is not a JSON object; an optimizer state without parameter groups or

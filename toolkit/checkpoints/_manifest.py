@@ -194,13 +194,10 @@ def read_manifest(folder: str | os.PathLike[str]) -> Manifest:
     """
     folder = Path(folder)
     path, document = folder / MANIFEST, _parsed(folder)
-    files = document.get("files")
-    problems = [
-        f"{path}: lists {name!r}, not a .json/.safetensors name in the folder (or in its "
-        f"{SHARDS}/ sub-folder)"
-        for name in (files if isinstance(files, dict) else {})
-        if not (isinstance(name, str) and _NAME.fullmatch(name))
-    ]
+    files = document["files"] if isinstance(document.get("files"), dict) else {}
+    bad = [n for n in files if not (isinstance(n, str) and _NAME.fullmatch(n))]
+    where = f"not a .json/.safetensors name in the folder (or in its {SHARDS}/ sub-folder)"
+    problems = [f"{path}: lists {name!r}, {where}" for name in bad]
     fields = _fields(document)
     if fields is None:
         problems.append(f"{path}: not a manifest (step, time, files or metrics malformed)")
