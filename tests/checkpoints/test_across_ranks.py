@@ -111,7 +111,7 @@ def _scenarios(rank: int, wrap: str, folder: Path) -> dict:
     # A save that fails on rank 1 only fails on both, with one message, and writes nothing.
     bad = state.replace(extras={"bad": object()} if rank == 1 else {})
     try:
-        save_checkpoint(bad, folder / "step_000009")
+        save_checkpoint(bad, folder / "failed")
     except TypeError as error:
         report["error"] = str(error)
     report["leftovers"] = sorted(p.name for p in folder.iterdir() if p.name != "step_000002")

@@ -4,8 +4,12 @@ One checkpoint (a model with buffers, AdamW state in two parameter
 groups, a SequentialLR, the RNG states, an extra object, an EMA of the ema plugin) is
 written once; each case copies it and corrupts the copy in one way (bit flips anywhere,
 also in manifest.json and safetensors headers; truncation; appended bytes; two files
-swapped; a file deleted or emptied; a JSON value replaced), or leaves it untouched (the
-control, which must load exactly). About half the cases are then
+swapped; a file deleted or emptied; a JSON value replaced; and, always re-signed, what a
+checkpoint says about itself made to disagree: optimizer state of another shape or dtype
+than its parameter, a tensor reference to bytes of another dtype and shape, a parameter
+the model lacks, a step that state.json or the folder's name contradicts, model weights
+re-typed or not finite, an EMA of another shape or name: these must be refused), or leaves
+it untouched (the control, which must load exactly). About half the other cases are then
 "re-signed": the manifest's sizes and checksums (and its own checksum) are recomputed, as
 a buggy writer or a hostile hand would, so that the content checks behind the checksums
 are exercised, not only the checksums. Each case must end in one of:
@@ -19,13 +23,21 @@ are exercised, not only the checksums. Each case must end in one of:
 
 No case may hang (each has a deadline) or raise another exception type, and
 :func:`verify_checkpoint` must agree with the load: damage it reports is refused by the
-load, and damage the load reports (DamagedCheckpointError) is reported by it.
+load, and damage the load reports (DamagedCheckpointError) is reported by it; so must
+``python -m toolkit.checkpoints CASE --verify`` (exit 1 with the same line, else 0).
+
+Pointers and links in the folder of checkpoints (a ``latest`` that is a FIFO, a sparse
+gigabyte, a name or a link leading outside, a newer ``step_*`` linked outside) are said by
+the listing and ``--verify`` and skipped by load_latest, which loads the intact checkpoint
+exactly.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import io
 import json
 import math
 import os
@@ -44,15 +56,16 @@ import numpy
 import pytest
 import torch
 import xxhash
+from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.optim import lr_scheduler as lrs
 from torch.utils.data import DataLoader, TensorDataset
 
 from toolkit import TrainState, load_checkpoint, make_step, run, save_checkpoint
-from toolkit.checkpoints import DamagedCheckpointError, verify_checkpoint
+from toolkit.checkpoints import DamagedCheckpointError, load_latest, main, verify_checkpoint
 from toolkit.plugins import ema
 
-CASES = 440
+CASES = 600
 SEED = 17
 DEADLINE_S = 10  # per case: a load that takes longer is a hang
 MANIFEST = "manifest.json"
@@ -303,6 +316,71 @@ def replace_value(folder: Path, rng: random.Random) -> str:
     return f"replace: {path.name}{shown[:120]} {what}"
 
 
+def _edit_json(path: Path, change: Callable[[Any], None]) -> None:
+    document = json.loads(path.read_bytes())
+    change(document)
+    path.write_text(json.dumps(document))
+
+
+def _edit_tensor(path: Path, rng: random.Random, new: Callable[[torch.Tensor], Any]) -> str:
+    tensors = load_file(path)
+    name = rng.choice(sorted(tensors))
+    tensors[name] = new(tensors[name])
+    save_file(tensors, path, metadata={"format": "pt"})
+    return name
+
+
+def optimizer_state(folder: Path, rng: random.Random) -> str:
+    """State of another shape or dtype than its parameter, a reference to bytes of another
+    dtype and shape, or a parameter the model lacks."""
+    how = rng.choice(["shape [3]", "int32", "float64", "complex128 [99999]", "a ghost"])
+    path, document = folder / "optimizer.json", json.loads((folder / "optimizer.json").read_text())
+    param = rng.choice(sorted(document["state"]))
+    if how == "a ghost":
+        group = next(g for g in document["param_groups"] if param in g["params"])
+        group["params"][group["params"].index(param)] = "ghost"
+        document["state"]["ghost"] = document["state"].pop(param)
+    elif how.startswith("complex"):
+        document["state"][param]["exp_avg"].update(dtype="complex128", shape=[99999])
+    else:
+        new = lambda t: torch.zeros(3) if how.startswith("shape") else t.to(getattr(torch, how))  # noqa: E731
+        tensors = load_file(folder / "optimizer.safetensors")
+        tensors[f"optimizer/state/{param}/exp_avg"] = new(
+            tensors[f"optimizer/state/{param}/exp_avg"]
+        )
+        save_file(tensors, folder / "optimizer.safetensors")
+    path.write_text(json.dumps(document))
+    return f"optimizer state: {param} {how}"
+
+
+def step_claim(folder: Path, rng: random.Random) -> str:
+    """A step that state.json (or the manifest) and the folder's name contradict."""
+    file, step = rng.choice([("manifest.json", 10**30), ("manifest.json", 4), ("state.json", 2)])
+    _edit_json(folder / file, lambda document: document.update(step=step))
+    return f"step: {file} says {step}"
+
+
+def model_dtype(folder: Path, rng: random.Random) -> str:
+    """A model tensor re-typed (float64, int8, bool) or made all NaN or inf."""
+    how = rng.choice(["float64", "int8", "bool", "nan", "inf"])
+    kind = {"float64": torch.float64, "int8": torch.int8, "bool": torch.bool}.get(how)
+    new = (lambda t: t.to(kind)) if kind else (lambda t: torch.full(t.shape, float(how)))
+    name = _edit_tensor(folder / "model.safetensors", rng, new)
+    return f"model tensor: {name} {how}"
+
+
+def ema_state(folder: Path, rng: random.Random) -> str:
+    """An EMA tensor of another shape, or named after a tensor the model lacks."""
+    if rng.random() < 0.5:
+        name = _edit_tensor(folder / "extras.safetensors", rng, lambda t: torch.zeros(7))
+        return f"ema: {name} of shape [7]"
+    _edit_json(
+        folder / "extras.json",
+        lambda d: d["ema"]["params"].update(ghost=d["ema"]["params"].popitem()[1]),
+    )
+    return "ema: a tensor named ghost"
+
+
 KINDS: list[Callable[[Path, random.Random], str]] = [
     untouched,
     flip,
@@ -315,7 +393,13 @@ KINDS: list[Callable[[Path, random.Random], str]] = [
     replace_value,
     replace_value,
     replace_value,
+    optimizer_state,
+    optimizer_state,
+    step_claim,
+    model_dtype,
+    ema_state,
 ]
+SIGNED = (optimizer_state, step_claim, model_dtype, ema_state)  # always re-signed
 
 
 def resign(folder: Path) -> bool:
@@ -417,6 +501,10 @@ def _case(
             except Exception as raised:
                 problems.append(f"verify_checkpoint raised {type(raised).__name__}: {raised}")
                 reported = [f"raised {type(raised).__name__}"]
+            with contextlib.redirect_stdout(io.StringIO()) as shown:
+                status = main([str(folder), "--verify"])  # the shell tool agrees with it
+            if status != (1 if reported else 0) or not all(p in shown.getvalue() for p in reported):
+                problems.append(f"--verify exited {status}: {shown.getvalue()[-300:]!r}")
     except Hang:
         return "hang", [f"no result after {DEADLINE_S} s"]
     finally:
@@ -447,7 +535,7 @@ def _case(
 def test_corrupted_checkpoints_are_refused_cleanly_or_load_exactly(tmp_path: Path) -> None:
     state, meter = _build(seed=0, updates=3)  # mid-pass: the data position matters
     assert state.optimizer.state and state.extras["ema"]["params"] and state.batches_seen == 3
-    original = tmp_path / "original"
+    original = tmp_path / "original" / "step_000003"  # as the checkpoints plugin names it
     torch.manual_seed(5), random.seed(5), numpy.random.seed(5)
     expected = _snapshot(state, meter)
     save_checkpoint(state, original, objects={"meter": meter}, metrics={"loss": 0.5})
@@ -458,18 +546,61 @@ def test_corrupted_checkpoints_are_refused_cleanly_or_load_exactly(tmp_path: Pat
     previous = signal.signal(signal.SIGALRM, _on_alarm)
     try:
         for number in range(CASES):
-            folder = tmp_path / f"case_{number:03d}"
+            folder = tmp_path / f"case_{number:03d}" / original.name
             shutil.copytree(original, folder)
             corruption = KINDS[number % len(KINDS)]
             how = corruption(folder, rng)
-            resigned = rng.random() < 0.5 and resign(folder)
+            resigned = (corruption in SIGNED or rng.random() < 0.5) and resign(folder)
             how += " (re-signed)" if resigned else ""
             outcome, problems = _case(folder, expected, resigned, number)
+            if corruption in SIGNED and outcome.startswith("loaded"):
+                problems.append("loaded, although it disagrees with itself")
             outcomes[f"{corruption.__name__}{'+resign' if resigned else ''} -> {outcome}"] += 1
             failures += [f"case {number}: {how}: {p}" for p in problems]
-            shutil.rmtree(folder)
+            shutil.rmtree(folder.parent)
     finally:
         signal.signal(signal.SIGALRM, previous)
     summary = "\n".join(f"{count:4d}  {kind}" for kind, count in sorted(outcomes.items()))
     print(f"\n{CASES} cases:\n{summary}")
     assert not failures, f"{len(failures)} problem(s):\n" + "\n".join(failures) + "\n" + summary
+
+
+def _sparse(path: Path) -> None:
+    with open(path, "wb") as file:
+        file.truncate(1 << 30)
+
+
+POINTERS: dict[str, Callable[[Path, Path], None]] = {
+    "latest is a FIFO": lambda root, outside: os.mkfifo(root / "latest"),
+    "latest is a sparse gigabyte": lambda root, outside: _sparse(root / "latest"),
+    "latest names a folder outside": lambda root, outside: (root / "latest").write_text(
+        f"../{outside.parent.name}/{outside.name}\n"
+    ),
+    "latest links outside": lambda root, outside: (root / "latest").symlink_to(outside),
+    "a newer step_* links outside": lambda root, outside: (root / "step_000099").symlink_to(
+        outside
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", list(POINTERS))
+def test_hostile_pointers_and_links_are_said_skipped_and_the_checkpoint_loads_exactly(
+    kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before: the listing and --verify said nothing of them (a newer linked step_* was
+    # dropped silently); load_latest skipped them, as it still must.
+    state, meter = _build(seed=0, updates=3)
+    root, outside = tmp_path / "ckpt", tmp_path / "elsewhere" / "step_000099"
+    torch.manual_seed(5), random.seed(5), numpy.random.seed(5)
+    expected = _snapshot(state, meter)
+    save_checkpoint(state, root / "step_000003", objects={"meter": meter})
+    save_checkpoint(state.replace(step=99), outside, objects={"meter": meter})
+    POINTERS[kind](root, outside)
+    name = "step_000099" if kind.startswith("a newer") else "latest"
+    for verify in ([], ["--verify"]):
+        assert main([str(root), *verify]) == 0
+        assert f"{root / name}: ignored" in capsys.readouterr().out
+    template, other = _build(seed=1, updates=1)
+    loaded = load_latest(root, like=template, objects={"meter": other})
+    assert loaded is not None and loaded[1] == root / "step_000003"
+    assert list(_differ(expected, _snapshot(loaded[0], other))) == []

@@ -927,7 +927,7 @@ def test_a_full_disk_during_a_save_leaves_earlier_checkpoints_intact(
     state, step, plugins = build("adam_ema", seed=0)
     state = run(step, state, batches(2), epochs=1, plugins=plugins)
     root = tmp_path / "ckpt"
-    first = save_checkpoint(state, root / "step_000001")
+    first = save_checkpoint(state.replace(step=1), root / "step_000001")
     second = save_checkpoint(state.replace(step=2), root / "step_000002")
     real = getattr(save_module, failing)
     calls = []
@@ -943,7 +943,7 @@ def test_a_full_disk_during_a_save_leaves_earlier_checkpoints_intact(
     monkeypatch.setattr(save_module, failing, full_disk)
     path = root / ("step_000003" if target == "new" else "step_000002")
     with pytest.raises(OSError) as error:
-        save_checkpoint(state.replace(step=3), path)
+        save_checkpoint(state.replace(step=int(path.name[5:])), path)
     assert error.value.errno == errno.ENOSPC
     assert str(error.value) == (
         f"[Errno {errno.ENOSPC}] save_checkpoint: could not write the checkpoint {path} (No "

@@ -114,7 +114,8 @@ def test_exporting_the_ema_allocates_the_model_and_the_ema_not_the_optimizer_sta
 
     def recording(*size: Any, **kwargs: Any) -> torch.Tensor:
         out = empty(*size, **kwargs)
-        requested.append(tuple(out.shape))
+        if out.device.type != "meta":  # the checks' stand-ins of saved shapes hold no memory
+            requested.append(tuple(out.shape))
         return out
 
     monkeypatch.setattr(torch, "empty", recording)

@@ -14,7 +14,6 @@ on; :func:`toolkit.save_checkpoint` and :func:`toolkit.load_checkpoint` write an
 checkpoint.
 """
 
-from toolkit.checkpoints._cli import main
 from toolkit.checkpoints._codec import TreeError
 from toolkit.checkpoints._folder import (
     POINTER,
@@ -23,6 +22,7 @@ from toolkit.checkpoints._folder import (
     latest_checkpoint,
     list_checkpoints,
     load_latest,
+    main,
     prune_checkpoints,
     read_pointer,
     verify_checkpoint,

@@ -1,5 +1,5 @@
 """``python -m toolkit.checkpoints DIR [--verify]``: see :mod:`toolkit.checkpoints`."""
 
-from toolkit.checkpoints._cli import main
+from toolkit.checkpoints._folder import main
 
 raise SystemExit(main())

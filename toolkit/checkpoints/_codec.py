@@ -85,11 +85,9 @@ def _cannot_store(root: str, path: tuple[Any, ...], what: str, fix: str) -> Tree
 
 
 def _refused(root: str, path: tuple[Any, ...], value: Any) -> TreeError:
-    hint = ""
-    if type(value).__module__ == "numpy":
-        hint = " Convert NumPy arrays with torch.from_numpy()."
-    elif isinstance(value, tuple):
-        hint = " Store a dict of its fields (value._asdict()) instead."
+    hints = {"numpy": " Convert NumPy arrays with torch.from_numpy()."}
+    hints["tuple"] = " Store a dict of its fields (value._asdict()) instead."
+    hint = hints.get("tuple" if isinstance(value, tuple) else type(value).__module__, "")
     keep = "keep only tensors, numbers, strings, bools, None, lists, tuples and dicts"
     return _cannot_store(root, path, describe(value), f"{keep} in checkpointed state.{hint}")
 
@@ -165,15 +163,12 @@ def encode(
 
 
 def _unstorable(value: torch.Tensor) -> str:
-    if type(value) not in (torch.Tensor, torch.nn.Parameter):
-        return f"a {type(value).__name__} (sharded or subclassed tensors are not supported)"
-    if value.layout != torch.strided:
-        return f"a tensor with layout {value.layout}"
-    if value.is_quantized:
-        return "a quantized tensor"
-    if value.device.type == "meta":
-        return "a tensor on the meta device (no data)"
-    return ""
+    subclass = f"a {type(value).__name__} (sharded or subclassed tensors are not supported)"
+    found = {subclass: type(value) not in (torch.Tensor, torch.nn.Parameter)}
+    found[f"a tensor with layout {value.layout}"] = value.layout != torch.strided
+    found["a quantized tensor"] = value.is_quantized
+    found["a tensor on the meta device (no data)"] = value.device.type == "meta"
+    return next((why for why, bad in found.items() if bad), "")
 
 
 def host_tensor(value: torch.Tensor, copy: bool = False) -> torch.Tensor:
@@ -198,10 +193,8 @@ def _hashable(value: Any) -> Any:
 def _child(template: Any, key: Any) -> Any:
     if isinstance(template, Mapping):  # .get: a defaultdict must not grow an entry
         return template.get(key)
-    try:  # the template's entry at key, if any
-        return template[key] if isinstance(template, (list, tuple)) else None
-    except (IndexError, TypeError):
-        return None
+    listed = isinstance(template, (list, tuple)) and type(key) is int and key < len(template)
+    return template[key] if listed else None  # the template's entry at key, if any
 
 
 def decode(

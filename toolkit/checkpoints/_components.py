@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,17 +34,13 @@ from toolkit.checkpoints._model_state import (
 )
 from toolkit.step._state import TrainState
 
-__all__ = ["COMPONENTS", "Component", "Restoring", "check_objects", "fields_of", "is_namedtuple"]
-
 
 @dataclasses.dataclass(frozen=True)
 class Restoring:
     """What a component's ``put`` may need besides its tree: the load's context."""
 
-    path: Path  # the checkpoint folder
+    manifest: Any  # the checkpoint's (._manifest.Manifest)
     objects: Mapping[str, Any]  # the extra objects given to the load
-    sharded: bool  # the checkpoint's model is in sharded/
-    partial: bool  # a trainable-only checkpoint: the model's frozen parameters are not in it
     shards: dict[str, torch.Tensor]  # what DCP fills in place, before the model is put
     group: Any  # the data-parallel group that loads together, or None
 
@@ -87,15 +82,6 @@ class Component:
     shard: Callable[[torch.Tensor], bool] = is_dtensor
 
 
-def _class_of(field: str) -> Callable[[TrainState, Mapping[str, Any]], str | None]:
-    def kind(state: TrainState, objects: Mapping[str, Any]) -> str | None:
-        value = getattr(state, field)
-        enabled = value is not None and getattr(value, "is_enabled", lambda: True)()
-        return type(value).__name__ if enabled else None  # a disabled GradScaler: none
-
-    return kind
-
-
 def _optimizer(state: TrainState, keep: bool) -> Any:
     """The optimizer's state keyed by parameter name; ``keep``: the zero state made for an
     optimizer without state stays (DCP loads a sharded checkpoint into it)."""
@@ -109,15 +95,21 @@ def _put_objects(state: TrainState, tree: Any, restoring: Restoring) -> None:
 
 def _put_model(state: TrainState, model: Any, restoring: Restoring) -> None:
     if restoring.shards:
-        load_shards(restoring.shards, restoring.path, restoring.group)  # every one, in place
-    put_model(state.model, model, not restoring.sharded, not restoring.partial)
+        load_shards(restoring.shards, restoring.manifest.path, restoring.group)  # all, in place
+    manifest = restoring.manifest  # a trainable-only one lacks the frozen parameters: not strict
+    put_model(state.model, model, not manifest.sharded, manifest.frozen is None)
     model.clear()  # drop the file mapping
 
 
 def _stateful(field: str, **entry: Any) -> Component:
     """The entry of a TrainState field that holds an object with ``state_dict`` and
     ``load_state_dict`` (none saved for ``None`` or a disabled GradScaler)."""
-    kind = _class_of(field)
+
+    def kind(state: TrainState, objects: Mapping[str, Any]) -> str | None:
+        value = getattr(state, field)
+        enabled = value is not None and getattr(value, "is_enabled", lambda: True)()
+        return type(value).__name__ if enabled else None  # a disabled GradScaler: none
+
     return Component(**{  # type: ignore[arg-type]
         "name": field, "field": field, "kind": kind,
         "take": lambda s, objects: kind(s, objects) and getattr(s, field).state_dict(),
@@ -128,35 +120,25 @@ def _stateful(field: str, **entry: Any) -> Component:
 
 COMPONENTS = (
     Component(
-        "objects",
-        take=lambda s, objects: {n: o.state_dict() for n, o in objects.items()} or None,
-        put=_put_objects,
-        kind=lambda s, objects: {n: type(o).__name__ for n, o in objects.items()},
+        "objects", lambda s, objects: {n: o.state_dict() for n, o in objects.items()} or None,
+        _put_objects, kind=lambda s, objects: {n: type(o).__name__ for n, o in objects.items()},
     ),
     Component("model", lambda s, objects: None, _put_model, "model", model_only=True),
     _stateful("scheduler", fit=settings_fit),
     _stateful(
-        "optimizer",
-        take=lambda s, objects: _optimizer(s, False),
-        put=lambda s, tree, restoring: put_optimizer(
-            s.model, s.optimizer, tree, not restoring.sharded
-        ),
+        "optimizer", take=lambda s, objects: _optimizer(s, False), fit=optimizer_fit,
+        put=lambda s, tree, r: put_optimizer(s.model, s.optimizer, tree, not r.manifest.sharded),
         template=_optimizer,  # sharded: DCP fills the template's own state (zero state if none)
-        fit=optimizer_fit,
         shard=lambda tensor: True,  # all of it: DCP loads it back as one
     ),
     _stateful("scaler", fit=settings_fit),  # the load builds one when the template has none
     Component("state", lambda s, objects: fields_of(s), model_only=True),
-    Component(
-        "extras",
-        take=lambda s, objects: dict(s.extras),
-        field="extras",
-        template=lambda like, sharded: dict(like.extras),
-        fit=extras_fit,
-        model_only=True,  # the EMA
+    Component(  # the EMA is model_only
+        "extras", lambda s, objects: dict(s.extras), field="extras", fit=extras_fit,
+        template=lambda like, sharded: dict(like.extras), model_only=True,
     ),
     Component("rng", lambda s, objects: capture_rng(), lambda s, tree, _: restore_rng(tree)),
-)
+)  # fmt: skip
 
 
 def fields_of(state: TrainState, plain: bool = True) -> dict[str, Any]:

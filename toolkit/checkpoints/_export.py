@@ -10,25 +10,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from toolkit._checks import check, check_one_of, check_type
 from toolkit._unwrap import unwrap
 from toolkit.checkpoints._codec import host_tensor, separate_shared
 from toolkit.checkpoints._files import replace_file, write_tensors
-from toolkit.checkpoints._load import full_model, full_tree, verified_manifest
-from toolkit.checkpoints._model_state import is_sharded, split_aliases
+from toolkit.checkpoints._load import content_problems, full_model, full_tree, verified_manifest
+from toolkit.checkpoints._manifest import DamagedCheckpointError
+from toolkit.checkpoints._model_state import is_sharded, model_state, split_aliases
 from toolkit.step._state import TrainState
 
 
 def export_model(
-    source: torch.nn.Module | TrainState | str | os.PathLike[str],
-    path: str | os.PathLike[str],
-    *,
-    weights: str = "model",
-    key: str = "ema",
-    dtype: torch.dtype | None = None,
-) -> Path:
+    source: torch.nn.Module | TrainState | str | os.PathLike[str], path: str | os.PathLike[str],
+    *, weights: str = "model", key: str = "ema", dtype: torch.dtype | None = None,
+) -> Path:  # fmt: skip
     """Write a model's weights as one plain safetensors file, for inference and hub tools.
 
     The names are the unwrapped model's (no ``_orig_mod.``/``module.`` prefixes), so
@@ -72,30 +68,21 @@ def export_model(
         >>> torch.nn.Linear(2, 1).load_state_dict(load_file(path), strict=True)
         <All keys matched successfully>
     """
-    full = _read(source, weights, key, "export_model")[0]
-    if full is None:  # another rank writes
-        return Path(path)
-    if dtype is not None:
-        full = {n: v.to(dtype) if v.is_floating_point() else v for n, v in full.items()}
-    tensors = {name: host_tensor(value) for name, value in full.items()}
-    separate_shared(tensors)  # a tied tensor is written under each name: copies
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    replace_file(path, lambda temp: write_tensors(temp, tensors, {"format": "pt"}))
+    full, path = _read(source, weights, key, "export_model")[0], Path(path)
+    if full is not None:  # else another rank writes
+        cast = {n: v.to(dtype) for n, v in full.items() if dtype and v.is_floating_point()}
+        tensors = {name: host_tensor(value) for name, value in {**full, **cast}.items()}
+        separate_shared(tensors)  # a tied tensor is written under each name: copies
+        path.parent.mkdir(parents=True, exist_ok=True)
+        replace_file(path, lambda temp: write_tensors(temp, tensors, {"format": "pt"}))
     return path
 
 
 def export_pretrained(
-    source: torch.nn.Module | TrainState | str | os.PathLike[str],
-    folder: str | os.PathLike[str],
-    *,
-    model: torch.nn.Module | None = None,
-    weights: str = "model",
-    key: str = "ema",
-    merge: bool = False,
-    max_shard_size: int | str = "5GB",
-    tokenizer: Any = None,
-) -> Path:
+    source: torch.nn.Module | TrainState | str | os.PathLike[str], folder: str | os.PathLike[str],
+    *, model: torch.nn.Module | None = None, weights: str = "model", key: str = "ema",
+    merge: bool = False, max_shard_size: int | str = "5GB", tokenizer: Any = None,
+) -> Path:  # fmt: skip
     """Write a folder that ``from_pretrained`` loads: a transformers model or a peft adapter.
 
     The weights (of ``source``, or its EMA) are handed to the model's own ``save_pretrained``
@@ -152,9 +139,9 @@ def export_pretrained(
     """
     who = "export_pretrained"
     live = source.model if isinstance(source, TrainState) else source
-    if merge and isinstance(live, torch.nn.Module) and is_sharded(live):  # before the gather
-        fix = "Export the folder save_checkpoint writes: it merges into a whole copy."
-        check(False, who, "merge", "False for a live FSDP2 model", merge, fix)
+    fix = "Export the folder save_checkpoint writes: it merges into a whole copy."
+    sharded = isinstance(live, torch.nn.Module) and is_sharded(live)  # refused before the gather
+    check(not (merge and sharded), who, "merge", "False for a live FSDP2 model", merge, fix)
     full, own = _read(source, weights, key, who)
     target: Any = own if model is None else model
     target = unwrap(target) if isinstance(target, torch.nn.Module) else target
@@ -191,7 +178,9 @@ def _read(source: Any, weights: str, key: str, who: str) -> tuple[dict[str, Any]
     check_one_of(who, "weights", weights, ("model", "ema"))
     model, ema = None, weights == "ema"
     if isinstance(source, (str, os.PathLike)):
-        manifest = verified_manifest(source)
+        manifest = verified_manifest(source)  # and what a load checks without a template:
+        if problems := content_problems(manifest, allow_nonfinite=True):
+            raise DamagedCheckpointError(manifest.path, problems)
         full, aliases, where = full_model(manifest), manifest.aliases, f"checkpoint {source}"
         extras = full_tree(manifest, "extras") if ema and manifest.has("extras") else {}
     else:
@@ -201,8 +190,7 @@ def _read(source: Any, weights: str, key: str, who: str) -> tuple[dict[str, Any]
         sharded = is_sharded(model)  # FSDP2: gathered (a collective), whole on rank 0's CPU
         fix = "export the folder save_checkpoint writes (it puts the EMA together)."
         check(not (ema and sharded), who, "weights", "'model' for an FSDP2 model", weights, fix)
-        options = StateDictOptions(full_state_dict=sharded, cpu_offload=sharded)
-        full, where = get_model_state_dict(unwrap(model), options=options), "the state"  # type: ignore[assignment]
+        full, where = model_state(model, sharded), "the state"
         aliases = split_aliases(full, who)[1]  # and a clear error for a non-tensor entry
         extras = source.extras if isinstance(source, TrainState) else None
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
@@ -226,5 +214,7 @@ def _read(source: Any, weights: str, key: str, who: str) -> tuple[dict[str, Any]
     unknown = sorted(set(averaged) - set(full))
     fix = "It was made for another model."
     check(not unknown, who, "the EMA's names", "the model's", unknown[:5], fix)
+    wrong = sorted(n for n, t in averaged.items() if getattr(t, "shape", None) != full[n].shape)
+    check(not wrong, who, "the shapes of the EMA's tensors", "the model's", wrong[:5], fix)
     tied = {alias: averaged[name] for alias, name in aliases.items() if name in averaged}
     return {**full, **averaged, **tied}, model  # the EMA names a tied tensor once

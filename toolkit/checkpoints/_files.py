@@ -49,9 +49,8 @@ def new_token() -> int:
 
 def write_bytes(path: Path, data: bytes) -> None:
     """Write a new file and fsync it."""
-    with open(path, "xb") as file:
+    with open(path, "xb", buffering=0) as file:  # unbuffered: written when fsync'ed
         file.write(data)
-        file.flush()
         os.fsync(file.fileno())
 
 

@@ -22,16 +22,6 @@ import torch
 from toolkit.checkpoints._model_state import expand, few, model_part, split_aliases
 from toolkit.step._state import TrainState
 
-__all__ = [
-    "compare",
-    "extras_fit",
-    "field_values",
-    "is_namedtuple",
-    "model_fit",
-    "optimizer_fit",
-    "settings_fit",
-]
-
 
 def compare(what: str, saved: Mapping[str, Any], live: Mapping[str, Any]) -> list[str]:
     """The keys one of ``saved`` and ``live`` lacks, and those whose values differ.
@@ -40,21 +30,18 @@ def compare(what: str, saved: Mapping[str, Any], live: Mapping[str, Any]) -> lis
         >>> compare("components", {"optimizer": "SGD"}, {"optimizer": "AdamW"})
         ["components: 'optimizer': SGD in the checkpoint, AdamW in the template"]
     """
-    lacking = {
-        "in the template, not the checkpoint": live.keys() - saved.keys(),
-        "in the checkpoint, not the template": saved.keys() - live.keys(),
-    }
+    lacking = {"in the template, not the checkpoint": live.keys() - saved.keys()}
+    lacking["in the checkpoint, not the template"] = saved.keys() - live.keys()
     out = [f"{what}: {where}: {few(keys)}" for where, keys in lacking.items() if keys]
     diff = [key for key in sorted(saved.keys() & live.keys()) if saved[key] != live[key]]
-    return out + [
-        f"{what}: {k!r}: {saved[k]} in the checkpoint, {live[k]} in the template" for k in diff
-    ]
+    line = "{}: {!r}: {} in the checkpoint, {} in the template"
+    return out + [line.format(what, k, saved[k], live[k]) for k in diff]
 
 
 def model_fit(
-    model: torch.nn.Module, shapes: Mapping[str, Any], aliases: Mapping[str, str], frozen: Any
+    model: torch.nn.Module, shapes: Mapping, aliases: Mapping[str, str], frozen: Any
 ) -> list[str]:
-    """How a saved model (names -> shapes, aliases) differs from ``model``.
+    """How a saved model (names -> shapes and dtypes, aliases) differs from ``model``.
 
     With ``frozen`` (the fingerprint of a trainable-only save) the saved names are compared
     with ``model``'s trainable part and ``frozen`` with the fingerprint of the rest.
@@ -66,9 +53,16 @@ def model_fit(
         "(the same pretrained weights, the same parameters frozen)."
     ]  # fmt: skip
     live, live_aliases = split_aliases(live, "load_checkpoint")
-    saved = {n: f"shape {list(shapes[aliases.get(n, n)])}" for n in [*shapes, *aliases]}
-    full = {n: f"shape {list(t.shape)}" for n, t in expand(live, live_aliases).items()}
+    stored = {n: shapes[aliases.get(n, n)] for n in [*shapes, *aliases]}
+    tensors = expand(live, live_aliases)
+    saved = {n: f"shape {list(shape)}" for n, (shape, _) in stored.items()}
+    full = {n: f"shape {list(t.shape)}" for n, t in tensors.items()}
     common = saved.keys() & full.keys()
+    out += [
+        f"model: {n!r}: {stored[n][1]} in the checkpoint, {tensors[n].dtype} in the template; "
+        f"cast the model first, e.g. model.to({stored[n][1]})"
+        for n in sorted(common) if stored[n][1] != tensors[n].dtype
+    ]  # fmt: skip
     theirs, ours = _ties(aliases, common), _ties(live_aliases, common)
     differ = {(theirs[n], ours[n]) for n in common if theirs[n] != ours[n]}
     return out + compare("model", saved, full) + [
@@ -86,14 +80,14 @@ def _ties(aliases: Mapping[str, str], names: set[str]) -> dict[str, frozenset[st
     return {name: frozenset(groups[aliases.get(name, name)]) for name in names}
 
 
-def _kind(value: Any) -> str:
+def kind_of(value: Any) -> str:
     tensor = isinstance(value, torch.Tensor)
     return f"shape {list(value.shape)} {value.dtype}" if tensor else repr(value)[:40]
 
 
 def _fits(saved: Any, live: Any, strict: bool) -> bool:
     if isinstance(live, torch.Tensor):
-        return isinstance(saved, torch.Tensor) and _kind(saved) == _kind(live)
+        return isinstance(saved, torch.Tensor) and kind_of(saved) == kind_of(live)
     if isinstance(live, bool):
         return isinstance(saved, bool)
     if isinstance(live, (int, float)):
@@ -125,7 +119,7 @@ def _mismatches(where: str, saved: Any, live: Any, settings: Any, strict: bool) 
         if len(saved) != len(live):
             return [f"{where}: {len(saved)} items in the checkpoint, {len(live)} in the template"]
     else:
-        differ = f"{where}: {_kind(saved)} in the checkpoint, {_kind(live)} in the template"
+        differ = f"{where}: {kind_of(saved)} in the checkpoint, {kind_of(live)} in the template"
         return [] if _fits(saved, live, strict) else [differ]
     nested = (_mismatches(f"{where}[{k!r}]", s, v, settings, q) for k, s, v, q in children)
     return out + [m for found in nested for m in found]
@@ -143,9 +137,7 @@ def settings_fit(where: str, saved: Any, template: Any, like: TrainState, alike:
     return _mismatches(where, saved, template.state_dict(), settings, False)
 
 
-def optimizer_fit(
-    where: str, saved: Any, template: Any, like: TrainState, alike: bool
-) -> list[str]:
+def optimizer_fit(path: str, saved: Any, template: Any, like: TrainState, alike: bool) -> list[str]:
     """The same parameters in the same groups; then, of the template's class (``alike``),
     state and hyperparameters as the template's (all of it strict) and each saved group
     through the optimizer's own argument checks (Adam's betas in [0, 1), lr >= 0, ...)."""
@@ -153,21 +145,18 @@ def optimizer_fit(
     out = compare("optimizer parameters", {**stateless, **_groups(saved)}, _groups(template))
     if out or not alike:
         return out
-    out = _mismatches(where, saved, template, None, True)
+    out = _mismatches(path, saved, template, None, True)
     members = getattr(like.optimizer, "optimizers", [like.optimizer])
     kinds = [(type(o), [*g["params"], torch.empty(0)][0]) for o in members for g in o.param_groups]
-    for i, ((kind, param), group) in enumerate(
-        zip(kinds, saved["param_groups"]) if not out else ()
-    ):
+    groups = [] if out else saved["param_groups"]
+    for i, ((kind, param), group) in enumerate(zip(kinds, groups)):
         names = inspect.signature(kind).parameters.keys() - {"params"}
         # A new optimizer over one new tensor of the parameter's kind (Muon takes 2-D ones).
         scratch = param.new_zeros((1,) * param.dim(), requires_grad=True)
         try:
             kind([scratch], **{name: group[name] for name in names & group.keys()})
-        except TypeError:  # a constructor of other arguments: its checks cannot be run
-            pass
-        except (ValueError, RuntimeError) as error:
-            out.append(f"{where}: param_groups[{i}]: {error}")
+        except (TypeError, ValueError, RuntimeError) as error:  # TypeError: other arguments
+            out += [] if isinstance(error, TypeError) else [f"{path}: param_groups[{i}]: {error}"]
     return out
 
 
@@ -189,9 +178,7 @@ def is_namedtuple(value: Any) -> bool:
     return isinstance(value, tuple) and hasattr(value, "_fields")
 
 
-def field_values(
-    saved: Mapping[str, Any], live: Mapping[str, Any], differences: list[str]
-) -> dict[str, Any]:
+def field_values(saved: Mapping, live: Mapping[str, Any], differences: list[str]) -> dict[str, Any]:
     """The saved ``state`` component as TrainState values (``live``: the template's);
     NamedTuples rebuilt with the template's type. A field the checkpoint lacks (added
     to TrainState later) keeps the template's value; one the template lacks is a difference.

@@ -1,4 +1,5 @@
-"""A folder of checkpoints: listing, verifying, the newest intact one, pointer, cleanup, pruning.
+"""A folder of checkpoints: listing, verifying, the newest intact one, pointer, cleanup, pruning,
+and the shell tool of ``python -m toolkit.checkpoints`` (:func:`main`).
 
 The folder (e.g. ``runs/a/ckpt/``) holds one sub-folder per checkpoint (any visible name;
 the checkpoints plugin uses ``step_000100``), a ``latest`` pointer file naming the newest,
@@ -13,11 +14,14 @@ gives the same answers after a restart.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import re
 import shutil
-from collections.abc import Callable, Mapping
+import sys
+import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,19 +29,16 @@ from toolkit._checks import check, warn
 from toolkit.checkpoints._files import fsync_dir, read_regular, replace_file, temp_name, write_bytes
 from toolkit.checkpoints._load import content_problems, load_checkpoint
 from toolkit.checkpoints._manifest import (
+    MANIFEST,
     DamagedCheckpointError,
     file_problems,
     read_manifest,
     reduce_to_model,
 )
 from toolkit.checkpoints._retention import Retention, retain, retention_from_document
-from toolkit.distributed._collectives import Group, agree, broadcast_text, checkpoint_group, rank_of
+from toolkit.checkpoints._save import on_rank0
+from toolkit.distributed._collectives import broadcast_text, checkpoint_group
 from toolkit.step._state import TrainState
-
-__all__ = [
-    "POINTER", "CheckpointInfo", "clean_temporaries", "latest_checkpoint", "list_checkpoints",
-    "load_latest", "prune_checkpoints", "read_pointer", "verify_checkpoint", "write_pointer"
-]  # fmt: skip
 
 POINTER = "latest"
 
@@ -87,7 +88,7 @@ class CheckpointInfo:
         return not self.problems
 
 
-def _info(folder: Path, checksums: bool) -> CheckpointInfo:
+def _info(folder: Path, checksums: bool, allow_nonfinite: bool = False) -> CheckpointInfo:
     try:
         manifest = read_manifest(folder)
     except (DamagedCheckpointError, ValueError) as error:  # ValueError: another format
@@ -95,7 +96,7 @@ def _info(folder: Path, checksums: bool) -> CheckpointInfo:
         return CheckpointInfo(folder, None, None, 0, {}, None, tuple(problems))
     problems = file_problems(manifest, checksums=checksums)
     if checksums and not problems:  # what a load checks beyond the files' bytes
-        problems = content_problems(manifest)
+        problems = content_problems(manifest, allow_nonfinite)
     rules = retention_from_document(manifest.rules) if manifest.rules is not None else None
     fields = (manifest.step, manifest.time, manifest.size, manifest.metrics, rules)
     flags = (manifest.model_only, manifest.frozen is not None)
@@ -142,7 +143,9 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> list[str]:
 
     The manifest, every listed file (a regular file inside the folder, its size and
     checksum), every safetensors header and JSON tree, the RNG states and TrainState's
-    fields; a load then compares shapes, dtypes and hyperparameters with its template.
+    fields, and what the checkpoint says about itself (optimizer state against the saved
+    parameters, steps, an EMA against the model, no NaN or inf in the model); a load then
+    compares shapes, dtypes and hyperparameters with its template.
 
     Args:
         path: the checkpoint folder.
@@ -169,7 +172,9 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> list[str]:
     return list(_info(Path(path), checksums=True).problems)
 
 
-def latest_checkpoint(root: str | os.PathLike[str], *, checksums: bool = True) -> Path | None:
+def latest_checkpoint(
+    root: str | os.PathLike[str], *, checksums: bool = True, allow_nonfinite: bool = False
+) -> Path | None:
     """The newest intact full checkpoint of ``root`` (highest step; not a model-only one),
     warning about damaged newer ones.
 
@@ -178,6 +183,8 @@ def latest_checkpoint(root: str | os.PathLike[str], *, checksums: bool = True) -
         checksums: verify checksums too (reads every byte of the newest intact one and of
             any newer damaged ones); with ``False`` only manifests and sizes are checked, and
             :func:`load_checkpoint` verifies the rest (see :func:`load_latest`).
+        allow_nonfinite: a checkpoint whose model holds NaN or inf is intact (with
+            ``checksums``; else it is damaged, as :func:`load_checkpoint` finds it).
 
     Returns:
         The folder's path, or ``None`` when ``root`` holds no intact checkpoint.
@@ -199,7 +206,7 @@ def latest_checkpoint(root: str | os.PathLike[str], *, checksums: bool = True) -
     unknown = [c for c in found if c.step is None]  # warned first: each might be the newest
     for info in unknown + [c for c in reversed(found) if c.step is not None]:
         if info.intact and checksums:
-            info = _info(info.path, checksums=True)
+            info = _info(info.path, True, allow_nonfinite)
         if info.intact:
             return info.path
         lines = "\n  ".join(info.problems)
@@ -208,12 +215,9 @@ def latest_checkpoint(root: str | os.PathLike[str], *, checksums: bool = True) -
 
 
 def load_latest(
-    root: str | os.PathLike[str],
-    like: TrainState,
-    *,
-    objects: Mapping[str, Any] | None = None,
-    rng: bool = True,
-) -> tuple[TrainState, Path] | None:
+    root: str | os.PathLike[str], like: TrainState, *, objects: Mapping[str, Any] | None = None,
+    rng: bool = True, allow_nonfinite: bool = False,
+) -> tuple[TrainState, Path] | None:  # fmt: skip
     """Load the newest checkpoint of ``root`` that is intact, falling back past damaged ones.
 
     Rank 0 (or this process alone) picks the newest checkpoint whose every checksum is
@@ -227,6 +231,8 @@ def load_latest(
         like: the template state (see :func:`load_checkpoint`).
         objects: extra stateful objects, as for :func:`load_checkpoint`.
         rng: restore the RNG states.
+        allow_nonfinite: load a model holding NaN or inf (else such a checkpoint is
+            skipped as damaged), as for :func:`load_checkpoint`.
 
     Returns:
         ``(state, path)`` of the checkpoint loaded, or ``None`` when ``root`` holds no
@@ -252,37 +258,26 @@ def load_latest(
     """
     group = checkpoint_group(like.model) if isinstance(like, TrainState) else None
     # One rank picks, so that ranks cannot disagree.
-    choice = broadcast_text(on_rank0(group, "load_latest", _pick, root) or "", group)
+    finite = not allow_nonfinite
+    choice = broadcast_text(on_rank0(group, "load_latest", _pick, root, finite) or "", group)
     if not choice:
         return None
     path = Path(root) / choice
-    return load_checkpoint(path, like, objects=objects, rng=rng), path
+    loaded = load_checkpoint(path, like, objects=objects, rng=rng, allow_nonfinite=not finite)
+    return loaded, path
 
 
-def _pick(root: str | os.PathLike[str]) -> str:
+def _pick(root: str | os.PathLike[str], finite: bool) -> str:
     """The name of ``root``'s newest intact full checkpoint, "" for none; an error when
     ``root`` holds checkpoints but none of them will do."""
-    found = latest_checkpoint(root)
+    found = latest_checkpoint(root, allow_nonfinite=not finite)
     infos = list_checkpoints(root) if found is None else []
     full = [c.path for c in infos if not c.model_only]
     if full:  # each was damaged: the newest one's problems, checksums included
-        raise DamagedCheckpointError(full[-1], _info(full[-1], checksums=True).problems)
+        raise DamagedCheckpointError(full[-1], _info(full[-1], True, not finite).problems)
     fix = "Its checkpoints are model-only (keep_full removed their optimizer state)."
     check(not infos, "load_latest", "root", "a folder of full checkpoints", str(root), fix)
     return found.name if found else ""
-
-
-def on_rank0(group: Group | None, who: str, work: Callable[..., Any], *args: Any) -> Any:
-    """``work(*args)`` on rank 0 alone (``None`` on the others); its error raised on every
-    rank, as ``who``'s."""
-    error, result = None, None
-    try:
-        if rank_of(group)[0] == 0:
-            result = work(*args)
-    except Exception as caught:
-        error = caught
-    agree(error, group, who)
-    return result
 
 
 def write_pointer(root: str | os.PathLike[str], checkpoint: str | os.PathLike[str]) -> Path:
@@ -311,9 +306,8 @@ def write_pointer(root: str | os.PathLike[str], checkpoint: str | os.PathLike[st
     root, name = Path(root), Path(checkpoint).name
     ok = (root / name).is_dir() and not name.startswith(".")
     check(ok, "write_pointer", "checkpoint", f"a checkpoint folder inside {root}", str(checkpoint))
-    pointer = root / POINTER
-    replace_file(pointer, lambda temp: write_bytes(temp, f"{name}\n".encode()))
-    return pointer
+    replace_file(root / POINTER, lambda temp: write_bytes(temp, f"{name}\n".encode()))
+    return root / POINTER
 
 
 def read_pointer(root: str | os.PathLike[str]) -> Path | None:
@@ -380,10 +374,7 @@ def clean_temporaries(root: str | os.PathLike[str]) -> list[Path]:
         if leftover[1] == "old" and not (root / leftover[2]).exists():
             os.rename(entry, root / leftover[2])  # the new one never got its name: put back
             continue
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry)
-        else:
-            entry.unlink()
+        shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
         removed.append(entry)
     fsync_dir(root)
     return removed
@@ -437,3 +428,93 @@ def prune_checkpoints(
     for info in full[: -rules.keep_full] if rules.keep_full else ():  # oldest first
         reduce_to_model(info.path)
     return doomed
+
+
+def _size(size: float) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if size < 1024:
+            return f"{size} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"
+
+
+def _table(infos: Sequence[CheckpointInfo], rules: Retention | None) -> None:
+    readable = [(c.name, c.step, c.metrics) for c in infos if c.step is not None]
+    # Without recorded rules only the newest is known to be kept.
+    reasons = retain(readable, rules or Retention(keep_last=0))
+    other = "-" if rules is None else "none (pruned at the next save)"
+    rows = [["step", "name", "saved", "size", "metrics", "kept by", "check"]]
+    for c in infos:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.time or 0))
+        metrics = ", ".join(f"{k}={v:.4g}" for k, v in sorted(c.metrics.items())) or "-"
+        step, size = ("-", "-") if c.step is None else (str(c.step), _size(c.size))
+        check = ("ok" if c.intact else "DAMAGED") + (", model-only" if c.model_only else "")
+        check += ", trainable only" if c.trainable_only else ""
+        kept = (", ".join(reasons[c.name]) or other) if c.name in reasons else "-"
+        rows.append([step, c.name, "-" if c.time is None else stamp, size, metrics, kept, check])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for problems, row in zip([(), *(c.problems for c in infos)], rows):
+        cells = [row[0].rjust(widths[0])] + [cell.ljust(w) for cell, w in zip(row[1:], widths[1:])]
+        print("  ".join(cells).rstrip())
+        for problem in problems:
+            print(f"    {problem}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """List (and with ``--verify`` check) the checkpoints of a folder; see the module docs.
+
+    Args:
+        argv: the command-line arguments (``sys.argv[1:]`` when ``None``).
+
+    Returns:
+        The exit status: 0 fine, 1 damage found by ``--verify``, 2 no such folder.
+
+    Raises:
+        SystemExit: from argparse, on bad arguments (status 2).
+
+    Example:
+        >>> import torch
+        >>> from toolkit import TrainState, save_checkpoint
+        >>> from toolkit.checkpoints import main
+        >>> _ = save_checkpoint(TrainState(model=torch.nn.Linear(1, 1)), "ckpt/step_000000")
+        >>> main(["ckpt", "--verify"])  # doctest: +ELLIPSIS
+        ckpt: 1 checkpoint, ... KiB
+        step  name         saved ...  kept by  check
+           0  step_000000  ...        newest   ok
+        checked: manifests, sizes, checksums and contents
+        0
+    """
+    what = "List the checkpoints of a folder (step, time, size, metrics, which retention rule "
+    what += "keeps each); --verify also checks every file's checksum and content."
+    parser = argparse.ArgumentParser(prog="python -m toolkit.checkpoints", description=what)
+    parser.add_argument("dir", type=Path, help="a folder of checkpoints, or one checkpoint")
+    parser.add_argument("--verify", action="store_true", help="check as a load does")
+    args = parser.parse_args(argv)
+    root: Path = args.dir
+    if not root.is_dir():
+        print(f"{root}: no such folder", file=sys.stderr)
+        return 2
+    one = any(os.path.lexists(root / n) for n in (MANIFEST, "model.safetensors", "sharded"))
+    infos = [_info(root, args.verify)] if one else list_checkpoints(root, checksums=args.verify)
+    pointer, names = (None, []) if one else (read_pointer(root), [p.name for p in root.iterdir()])
+    leftovers = sorted(n for n in names if n.startswith((".tmp-", ".old-", ".del-")))
+    plural = "" if len(infos) == 1 else "s"
+    head = f"{root}: {len(infos)} checkpoint{plural}, {_size(sum(c.size for c in infos))}"
+    print(head + (f"; latest: {pointer.name}" if pointer is not None else ""))
+    rules, source = next(((c.rules, c.name) for c in reversed(infos) if c.rules), (None, ""))
+    if rules is not None:
+        print(f"retention (recorded by {source}): {rules.describe()}")
+    checked = "manifests, sizes, checksums and contents" if args.verify else "manifests and sizes"
+    if infos:
+        _table(infos, rules)
+    print(f"checked: {checked}" + ("" if args.verify else " (--verify: also checksums, contents)"))
+    for name in leftovers:
+        print(f"leftover of an interrupted save or prune: {name} (clean_temporaries removes it)")
+    if POINTER in names and (pointer is None or pointer.name not in {c.name for c in infos}):
+        print(f"{root / POINTER}: ignored, not a small file naming a checkpoint folder here")
+    for name in sorted(n for n in names if (root / n).is_symlink() and n != POINTER):
+        print(f"{root / name}: ignored, a symbolic link (checkpoints are folders inside {root})")
+    damaged = sum(not c.intact for c in infos)
+    if damaged:
+        print(f"{damaged} of {len(infos)} checkpoint{plural} damaged")
+    return 1 if args.verify and damaged else 0

@@ -14,7 +14,6 @@ import dataclasses
 import math
 import os
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 import optree
@@ -26,12 +25,16 @@ from toolkit._rng import restore_rng
 from toolkit.checkpoints._codec import TreeError, decode
 from toolkit.checkpoints._components import COMPONENTS, Restoring, check_objects, fields_of
 from toolkit.checkpoints._files import read_json
-from toolkit.checkpoints._fit import compare, field_values, model_fit
+from toolkit.checkpoints._fit import compare, field_values, kind_of, model_fit
 from toolkit.checkpoints._manifest import DamagedCheckpointError, Manifest, verified_manifest
 from toolkit.checkpoints._model_state import SHARDS, expand, load_shards, model_state, saved_shapes
-from toolkit.checkpoints._save import rank_component
-from toolkit.distributed._collectives import Group, agree, checkpoint_group, rank_of
+from toolkit.checkpoints._save import on_rank0, rank_component
+from toolkit.distributed._collectives import Group, checkpoint_group, rank_of
 from toolkit.step._state import TrainState, WindowState
+
+# Optimizers whose per-parameter state tensors have their parameter's shape and dtype.
+MIRRORED = {"SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta"}
+MIRRORED |= {"Rprop", "ASGD", "SparseAdam", "Muon"}
 
 
 def _tensors(manifest: Manifest, name: str, owned: bool = False) -> dict[str, torch.Tensor]:
@@ -80,9 +83,7 @@ def read_tree(
 def _empty(manifest: Manifest, prefix: str = "") -> dict[str, torch.Tensor]:
     """New tensors of the saved shapes for the sharded keys starting with ``prefix``."""
     shapes = _shapes(manifest).items()
-    return {
-        k: torch.empty(size, dtype=dtype) for k, (size, dtype) in shapes if k.startswith(prefix)
-    }
+    return {k: torch.empty(s, dtype=dtype) for k, (s, dtype) in shapes if k.startswith(prefix)}
 
 
 def full_model(manifest: Manifest, partial: bool = False) -> dict[str, torch.Tensor]:
@@ -119,8 +120,8 @@ def _differences(
 ) -> list[str]:  # fmt: skip
     """How the decoded components differ from the template (the model aside): first the
     recorded classes (the objects' one by one), then each component's ``fit``."""
-    kinds = [c.name for c in COMPONENTS if c.kind is not None]
-    saved = {n: manifest.classes.get(n) for n in kinds if trees.get(n) is not None}
+    has = [c.name for c in COMPONENTS if c.kind is not None and trees.get(c.name) is not None]
+    saved = {name: manifest.classes.get(name) for name in has}
     live = {c.name: kind for c in COMPONENTS if c.kind and (kind := c.kind(like, objects))}
     if like.scaler is None and "scaler" in saved:  # one is built for the saved state
         live["scaler"] = saved["scaler"]
@@ -137,19 +138,20 @@ def _differences(
 
 
 def load_checkpoint(
-    path: str | os.PathLike[str],
-    like: TrainState,
-    *,
-    objects: Mapping[str, Any] | None = None,
-    rng: bool = True,
-) -> TrainState:
+    path: str | os.PathLike[str], like: TrainState, *, objects: Mapping[str, Any] | None = None,
+    rng: bool = True, allow_nonfinite: bool = False,
+) -> TrainState:  # fmt: skip
     """Restore a checkpoint into the objects of a template state built the normal way.
 
     Every file the manifest lists is checked (a regular file inside the folder, its size
     and xxh3 checksum) first; files it does not list are never opened, and only JSON and
     safetensors are read (nothing is unpickled). Then what no save writes is refused
     (counters below 0 or not ints, an open window, RNG states a generator refuses,
-    non-finite hyperparameters), and the checkpoint is compared with the template. In the
+    non-finite hyperparameters), and what the checkpoint says about itself must agree (the
+    optimizer's state with its parameters' shapes and dtypes, the manifest's step with
+    ``state.json``'s and the folder's name, an EMA with the model's names and shapes, no
+    NaN or inf in the model unless ``allow_nonfinite``); then the checkpoint is compared with
+    the template (the model: names, shapes, dtypes and ties). In the
     optimizer, scheduler, scaler and each ``extras`` entry that holds tensors (an EMA's):
     every tensor of the same shape and dtype, a number (not NaN) where the template has
     one. In the optimizer and the scheduler's and scaler's settings (constructor
@@ -186,6 +188,7 @@ def load_checkpoint(
             scheduler (and scaler) as the saved run, e.g. freshly built.
         objects: the extra stateful objects saved with ``objects=``, by the same names.
         rng: restore the Python, NumPy, torch and CUDA RNG states.
+        allow_nonfinite: load model weights that hold NaN or inf (else they are damage).
 
     Returns:
         A new TrainState with the template's handles (now holding the saved state), every
@@ -195,8 +198,9 @@ def load_checkpoint(
 
     Raises:
         DamagedCheckpointError: a listed file is missing, truncated, corrupted or not a
-            regular file inside the folder, the manifest is damaged, or a file holds what
-            no save writes; the message names each file.
+            regular file inside the folder, the manifest is damaged, a file holds what
+            no save writes, or the checkpoint disagrees with itself; the message names each
+            file (and tensor).
         ValueError: the checkpoint does not fit the template (the message lists every
             difference; a trainable-only one's frozen parameters among them), it is of
             another format or version, or it is model-only (``Retention.keep_full``) and
@@ -218,14 +222,8 @@ def load_checkpoint(
     who = "load_checkpoint"
     check_type(isinstance(like, TrainState), who, "like", "a TrainState (the template)", like)
     objects, group = check_objects(objects, who), checkpoint_group(like.model)
-    restore, error = None, None  # type: Callable[[], TrainState] | None, BaseException | None
-    try:
-        restore = _plan(path, like, objects, rng, group)
-    except Exception as caught:
-        error = caught
-    agree(error, group, who)  # all ranks restore, or none
-    assert restore is not None
-    return restore()
+    plan = on_rank0(group, who, _plan, path, like, objects, rng, allow_nonfinite, group, every=True)
+    return plan()  # every rank restores, or none
 
 
 def _rank_state(manifest: Manifest, rank: int, trees: dict[str, Any]) -> dict[str, Any]:
@@ -251,59 +249,99 @@ def _rank_state(manifest: Manifest, rank: int, trees: dict[str, Any]) -> dict[st
     return {}
 
 
-def _trees(
-    manifest: Manifest, like: TrainState, shapes: Mapping[str, Any], differences: list[str]
-) -> tuple[dict[str, Any], dict[str, Any], dict[str, torch.Tensor]]:
-    """``(trees, templates, shards)``: each component the checkpoint holds, decoded against
-    its template (``trees["model"]``: the saved model state dict, or (sharded) the
-    template's); the templates; and what DCP fills in place: each sharded tensor (the
-    template's, once its saved shape matches)."""
-    shards: dict[str, torch.Tensor] = {}
+def _read(manifest: Manifest, like: TrainState | None, out: list[str]) -> tuple[dict, ...]:
+    """``(trees, templates, shards, kinds)``: each component the checkpoint holds, decoded
+    against its template (``trees["model"]``: the saved model state dict, or (sharded) the
+    template's); the templates; what DCP fills in place: each sharded tensor (the
+    template's, once its saved shape matches); each saved model tensor's (shape, dtype).
+    Without a template (``like=None``): every listed JSON file, its sharded tensors as
+    stand-ins of their saved shapes."""
+    shapes, shards = _shapes(manifest), dict[str, torch.Tensor]()
 
     def take(key: str, template: Any) -> torch.Tensor:
-        saved = f"shape {list(shapes[key][0])}" if key in shapes else "not in the files"
+        size, dtype = shapes[key]  # a key not in the files: a KeyError, damage
+        saved = f"shape {list(size)}"
         live = f"shape {list(template.shape)}" if isinstance(template, torch.Tensor) else "none"
-        if saved == live:
+        if like is not None and saved == live:
             return shards.setdefault(key, template)
         line = f"sharded tensors: {key!r}: {saved} in the checkpoint, {live} in the template"
-        if line not in differences:  # a tensor held twice in a tree is stored once
-            differences.append(line)
-        # A stand-in keeps decoding, of the saved shape and dtype: the extras' comparison
-        # quotes it as the checkpoint's.
-        size, dtype = shapes.get(key, ((0,), torch.float32))
+        if like is not None and line not in out:  # a tensor held twice is stored once
+            out.append(line)
+        # A stand-in of the saved shape and dtype: the extras' comparison quotes it.
         return torch.empty(size, dtype=dtype, device="meta")
 
     if manifest.sharded:
-        model = model_state(like.model)
+        model = model_state(like.model) if like is not None else {}
         shards.update({f"model/{name}": value for name, value in model.items()})
-        found = {k: size for k, (size, _) in shapes.items() if k.startswith("model/")}
-        saved = {key.removeprefix("model/"): size for key, size in found.items()}
-        differences += model_fit(like.model, saved, {}, None)
+        saved = {k[6:]: kind for k, kind in shapes.items() if k[:6] == "model/"}
     else:
         tensors = _tensors(manifest, "model.safetensors")
-        saved = {name: tensor.shape for name, tensor in tensors.items()}
-        differences += model_fit(like.model, saved, manifest.aliases, manifest.frozen)
         model = expand(tensors, manifest.aliases)
-    templates = {
-        c.name: c.template(like, manifest.sharded) for c in COMPONENTS if manifest.has(c.name)
-    }
+        saved = {n: (t.shape, t.dtype) for n, t in tensors.items()}
+    if like is not None:
+        aliases = {} if manifest.sharded else manifest.aliases
+        out += model_fit(like.model, saved, aliases, manifest.frozen)
+        has = [c for c in COMPONENTS if manifest.has(c.name)]
+        templates = {c.name: c.template(like, manifest.sharded) for c in has}
+    else:
+        templates = {n[:-5]: None for n in manifest.files if n.endswith(".json") and "/" not in n}
     trees = {n: read_tree(manifest, n, like=t, sharded=take) for n, t in templates.items()}
-    return {**trees, "model": model}, templates, shards
+    kinds = {n: (t.shape, t.dtype) for n, t in model.items()} if not manifest.sharded else saved
+    return {**trees, "model": model}, templates, shards, kinds
+
+
+def _itself(manifest: Manifest, trees: Mapping[str, Any], model: Mapping, finite: bool) -> list:
+    """Where a checkpoint disagrees with itself, seen on what a load reads anyway: optimizer
+    parameters that are no floating tensor of the saved model; per-parameter state of
+    another shape or dtype than its parameter's (optimizers of :data:`MIRRORED`; a scalar
+    ``step`` is fine); an EMA (``extras[key]["params"]``, ``["buffers"]``) of names or
+    shapes the saved model lacks; ``finite``: NaN or inf in the model file's tensors."""
+    out, partial = [], manifest.frozen is not None  # trainable-only: frozen names are absent
+    have = {n: f"shape {list(shape)} {dtype}" for n, (shape, dtype) in model.items()}
+    optimizer = trees.get("optimizer") or {"state": {}, "param_groups": []}
+    where, states = f"{manifest.path}/optimizer.json", optimizer["state"]
+    mirrored = manifest.classes.get("optimizer") in MIRRORED
+    for name in {n for g in optimizer["param_groups"] for n in g["params"]} | states.keys():
+        dtype, state = model.get(name, (0, torch.int8))[1], states.get(name)
+        if not (dtype.is_floating_point or dtype.is_complex or (partial and name not in model)):
+            out.append(f"{where}: parameter {name!r}, in the model {have.get(name, 'absent')}")
+        pairs = state.items() if mirrored and name in have and type(state) is dict else ()
+        for key, value in pairs:
+            if isinstance(value, torch.Tensor) and value.dim() and kind_of(value) != have[name]:
+                out.append(f"{where}: state[{name!r}][{key!r}]: {kind_of(value)}, of {have[name]}")
+    for key, entry in (trees.get("extras") or {}).items():
+        ema = entry if isinstance(entry, dict) and isinstance(entry.get("params"), dict) else {}
+        buffers: Any = ema.get("buffers") if isinstance(ema.get("buffers"), dict) else {}
+        for name, value in {**ema.get("params", {}), **buffers}.items():
+            shape = getattr(value, "shape", None)
+            if (name in model or not partial) and shape != model.get(name, (None,))[0]:
+                where = f"{manifest.path}/extras.json: [{key!r}][{name!r}]"
+                out.append(f"{where}: {kind_of(value)}, in the model {have.get(name, 'absent')}")
+    unique = {id(t): (n, t) for n, t in trees["model"].items() if t.dtype.is_floating_point}
+    for name, t in unique.values() if finite and not manifest.sharded else ():
+        if not t.sum().isfinite() and not t.isfinite().all():  # a sum (or overflow): 15x faster
+            out.append(f"{manifest.path}/model.safetensors: {name!r} holds NaN or inf "
+                       "(load_checkpoint(..., allow_nonfinite=True) loads it)")  # fmt: skip
+    return out
 
 
 def _content_problems(
-    folder: Path, trees: Mapping[str, Any], fields: Mapping[str, Any] | None
-) -> list[str]:
+    manifest: Manifest, trees: Mapping[str, Any], fields: Mapping | None, model: Mapping,
+    finite: bool,
+) -> list[str]:  # fmt: skip
     """What no save writes, found without a template (a load and verify_checkpoint refuse it).
 
     A component that is not a JSON object; an optimizer state without parameter groups or
     with a non-finite hyperparameter; RNG states that a generator refuses (tried on new
-    ones); TrainState fields that TrainState refuses, a negative counter or an open window.
+    ones); TrainState fields that TrainState refuses, a negative counter or an open window,
+    a step other than the manifest's; then :func:`_itself` once the optimizer state is sound.
     """
+    folder = manifest.path
     optimizer: Any = trees.get("optimizer") or {"state": {}, "param_groups": []}
     groups = optimizer.get("param_groups")
     ok = isinstance(optimizer.get("state"), dict) and isinstance(groups, list)
     ok = ok and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)
+    ok = ok and all(type(name) is str for g in groups for name in g["params"])
     ok = ok and all(math.isfinite(v) for v in optree.tree_leaves(groups) if type(v) is float)
     out = [] if ok else [f"{folder}/optimizer.json: not parameter groups of finite numbers"]
     for name, tree in trees.items():
@@ -318,10 +356,13 @@ def _content_problems(
         bad = "" if guard and state.window == WindowState() else "an open window or a bad counter"
     except (TypeError, ValueError) as error:
         bad = str(error)
-    return out + ([f"{folder}/state.json: not what a save writes ({bad})"] if bad else [])
+    if not bad and (step := (fields or {}).get("step", manifest.step)) != manifest.step:
+        bad = f"step {step}, the manifest's is {manifest.step}"
+    out += [f"{folder}/state.json: not what a save writes ({bad})"] if bad else []
+    return out + (_itself(manifest, trees, model, finite) if ok else [])
 
 
-def content_problems(manifest: Manifest) -> list[str]:
+def content_problems(manifest: Manifest, allow_nonfinite: bool = False) -> list[str]:
     """What a load refuses in a checkpoint whose files are intact, found without a template.
 
     Every safetensors header and JSON tree is read (tensors the trees name must be in
@@ -331,23 +372,17 @@ def content_problems(manifest: Manifest) -> list[str]:
     """
     differences: list[str] = []
     try:
-        shapes = _shapes(manifest)
-        if not manifest.sharded:  # its header, and the aliases' tensors in it
-            _tensors(manifest, "model.safetensors")
-        names = [n[:-5] for n in manifest.files if n.endswith(".json") and "/" not in n]
-        # A sharded tensor a tree names must be in sharded/ (else a KeyError: damage).
-        take = lambda key, _: torch.empty(len(shapes[key]) * 0)  # noqa: E731
-        trees = {n: read_tree(manifest, n, sharded=take) for n in names}
+        trees, _, _, model = _read(manifest, None, differences)
     except DamagedCheckpointError as error:
         return list(error.problems)
     live = fields_of(TrainState(model=torch.nn.Module()), plain=False)
     fields = field_values(trees.get("state", {}), live, differences)
-    return _content_problems(manifest.path, trees, fields) + differences
+    return _content_problems(manifest, trees, fields, model, not allow_nonfinite) + differences
 
 
 def _plan(
     path: str | os.PathLike[str], like: TrainState, objects: dict[str, Any], rng: bool,
-    group: Group | None,
+    allow_nonfinite: bool, group: Group | None,
 ) -> Callable[[], TrainState]:  # fmt: skip
     """Read and check everything against the template; return the restore, to call once all
     ranks of ``group`` agree (nothing is touched before)."""
@@ -358,12 +393,12 @@ def _plan(
             " state); pass a template without optimizer, or resume from a full checkpoint."
         )
     differences: list[str] = []
-    trees, templates, shards = _trees(manifest, like, _shapes(manifest), differences)
+    trees, templates, shards, model = _read(manifest, like, differences)
     own = _rank_state(manifest, rank_of(group)[0], trees)
     trees["rng"] = trees.get("rng") if rng else None
     live = fields_of(like, plain=False)
     fields = {**field_values(trees.get("state") or {}, live, differences), **own}
-    if damage := _content_problems(manifest.path, trees, fields):
+    if damage := _content_problems(manifest, trees, fields, model, not allow_nonfinite):
         raise DamagedCheckpointError(manifest.path, damage)
     differences += _differences(manifest, like, objects, trees, templates)
     if differences:
@@ -380,8 +415,7 @@ def _plan(
     values = {field.name: getattr(like, field.name) for field in dataclasses.fields(like)}
     values.update(fields, extras={**like.extras, **(trees.get("extras") or {})}, scaler=scaler)
     state = TrainState(**values)
-    partial = manifest.frozen is not None
-    restoring = Restoring(manifest.path, objects, manifest.sharded, partial, shards, group)
+    restoring = Restoring(manifest, objects, shards, group)
 
     def restore() -> TrainState:
         """Restore in the table's order, which keeps each object's saved values."""

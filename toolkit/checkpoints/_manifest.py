@@ -140,15 +140,13 @@ def _parsed(folder: Path) -> dict[str, Any]:
     path = folder / MANIFEST
     try:
         document = read_json(path)
-    except FileNotFoundError:
-        raise DamagedCheckpointError(folder, [f"{path}: missing"]) from None
     except (OSError, ValueError, RecursionError) as error:  # not JSON, or not a regular file
-        raise DamagedCheckpointError(folder, [f"{path}: unreadable ({error})"]) from None
-    if not isinstance(document, dict):
-        raise DamagedCheckpointError(folder, [f"{path}: not a JSON object"])
-    if document.get(_SELF) != _digest(document):
-        problem = f"{path}: content does not match its own checksum (edited or corrupted)"
-        raise DamagedCheckpointError(folder, [problem])
+        what = "missing" if isinstance(error, FileNotFoundError) else f"unreadable ({error})"
+        raise DamagedCheckpointError(folder, [f"{path}: {what}"]) from None
+    what = "content does not match its own checksum (edited or corrupted)"
+    if not isinstance(document, dict) or document.get(_SELF) != _digest(document):
+        what = what if isinstance(document, dict) else "not a JSON object"
+        raise DamagedCheckpointError(folder, [f"{path}: {what}"])
     kind = (document.get("format"), document.get("version"))
     if kind != (FORMAT, VERSION):
         raise ValueError(
@@ -180,6 +178,13 @@ def _fields(document: dict[str, Any]) -> dict[str, Any] | None:
         return None
 
 
+def step_of(folder: Path) -> int | None:
+    """The step a checkpoint folder's name states, as the checkpoints plugin names them
+    (``step_`` and six digits or more: ``step_000100`` is 100), else None."""
+    named = re.fullmatch(r"step_(\d{6,})", folder.name)
+    return int(named[1]) if named else None
+
+
 def read_manifest(folder: str | os.PathLike[str]) -> Manifest:
     """Parse and check ``folder/manifest.json`` (not the files it lists).
 
@@ -189,16 +194,15 @@ def read_manifest(folder: str | os.PathLike[str]) -> Manifest:
     """
     folder = Path(folder)
     path, document = folder / MANIFEST, _parsed(folder)
-    files = document.get("files")
-    problems = [
-        f"{path}: lists {name!r}, not a .json/.safetensors name in the folder (or in its "
-        f"{SHARDS}/ sub-folder)"
-        for name in (files if isinstance(files, dict) else {})
-        if not (isinstance(name, str) and _NAME.fullmatch(name))
-    ]
+    files = document["files"] if isinstance(document.get("files"), dict) else {}
+    bad = [n for n in files if not (isinstance(n, str) and _NAME.fullmatch(n))]
+    where = f"not a .json/.safetensors name in the folder (or in its {SHARDS}/ sub-folder)"
+    problems = [f"{path}: lists {name!r}, {where}" for name in bad]
     fields = _fields(document)
     if fields is None:
         problems.append(f"{path}: not a manifest (step, time, files or metrics malformed)")
+    elif step_of(folder) not in (None, fields["step"]):  # a step_000006 of step 10**30
+        problems.append(f"{path}: step {fields['step']}, the folder's name {folder.name!r}")
     if problems:
         raise DamagedCheckpointError(folder, problems)
     return Manifest(path=folder, **fields)  # type: ignore[arg-type]

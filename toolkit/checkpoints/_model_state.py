@@ -51,9 +51,11 @@ from toolkit.checkpoints._files import CHECKSUM, fsync_dir
 SHARDS = "sharded"  # the sub-folder of a checkpoint that holds DCP's files
 
 
-def model_state(model: torch.nn.Module) -> dict[str, Any]:
-    """The unwrapped model's state dict (DTensors kept sharded), no copies."""
-    return get_model_state_dict(unwrap(model))  # unwrap: nn.DataParallel's prefix too
+def model_state(model: torch.nn.Module, whole: bool = False) -> dict[str, Any]:
+    """The unwrapped model's state dict: DTensors kept sharded, no copies; ``whole``: a
+    sharded model gathered (a collective), whole on rank 0's CPU."""
+    options = StateDictOptions(full_state_dict=whole, cpu_offload=whole)
+    return get_model_state_dict(unwrap(model), options=options)  # unwrap: DataParallel's too
 
 
 def model_part(model: torch.nn.Module, trainable_only: bool, who: str) -> tuple[dict, str | None]:
@@ -80,8 +82,9 @@ def put_model(
     if full and not is_sharded(model):  # set_model_state_dict would copy every tensor
         unwrap(model).load_state_dict(dict(state), strict=strict)
     else:
-        options = StateDictOptions(full_state_dict=full)
-        set_model_state_dict(unwrap(model), dict(state), options=options)
+        set_model_state_dict(
+            unwrap(model), dict(state), options=StateDictOptions(full_state_dict=full)
+        )
 
 
 def parameter_names(model: torch.nn.Module, optimizer: Any) -> list[list[str]]:
@@ -129,13 +132,9 @@ def put_optimizer(model: torch.nn.Module, optimizer: Any, state: Any, full: bool
     set_optimizer_state_dict(unwrap(model), _optimizers(optimizer), state, options=options)
 
 
-def split_aliases(
-    state_dict: Mapping[str, Any], who: str
-) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def split_aliases(state_dict: Mapping[str, Any], who: str) -> tuple[dict, dict[str, str]]:
     """``(tensors by first name, {alias: first name})`` of a state dict with tied entries."""
-    first: dict[tuple[Any, ...], str] = {}
-    tensors: dict[str, torch.Tensor] = {}
-    aliases: dict[str, str] = {}
+    first, tensors, aliases = dict[tuple, str](), dict[str, torch.Tensor](), dict[str, str]()
     for name, value in state_dict.items():
         if not isinstance(value, torch.Tensor):
             raise TreeError(

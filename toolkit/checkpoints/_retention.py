@@ -16,8 +16,6 @@ from typing import Any
 
 from toolkit._checks import check, check_count, check_one_of
 
-__all__ = ["RULE_NAMES", "Retention", "retain", "retention_from_document"]
-
 RULE_NAMES = ("newest", "keep_last", "keep_every", "keep_steps", "keep_best")
 
 
@@ -68,10 +66,8 @@ class Retention:
         object.__setattr__(self, "keep_steps", tuple(sorted(set(steps))))
         check_one_of(who, "mode", self.mode, ("min", "max"))
         named = not self.keep_best or (isinstance(self.metric, str) and bool(self.metric))
-        expected = (
-            f"the manifest metric to rank by (e.g. 'val/loss') with keep_best={self.keep_best}"
-        )
-        check(named, who, "metric", expected, self.metric)
+        what = f"the manifest metric to rank by (e.g. 'val/loss') with keep_best={self.keep_best}"
+        check(named, who, "metric", what, self.metric)
 
     def to_document(self) -> dict[str, Any]:
         """The rules as a JSON object (as recorded in each manifest)."""

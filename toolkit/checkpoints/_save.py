@@ -17,7 +17,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -64,7 +64,6 @@ def _snapshot(
     if not sharded:
         trees["model"] = (None, {name: host_tensor(value, copy) for name, value in model.items()})
         separate_shared(trees["model"][1])  # distinct views of one buffer
-    classes: dict[str, Any] = {}
     for component in COMPONENTS:
         if (tree := component.take(state, objects)) is None:
             continue
@@ -72,8 +71,7 @@ def _snapshot(
         document, tensors = encode(tree, component.name, copy=copy, external=outside)
         shards.update({n: tensors.pop(n) for n in list(tensors) if outside and outside(tensors[n])})
         trees[component.name] = (document, tensors)
-        if component.kind is not None:
-            classes[component.name] = component.kind(state, objects)
+    classes = {c.name: c.kind(state, objects) for c in COMPONENTS if c.kind and c.name in trees}
     own = encode({"rng": capture_rng(), "data_state": dict(state.data_state)}, "rank", copy=copy)
     fields = {"step": state.step, "classes": classes, "aliases": aliases, "sharded": sharded}
     return _Snapshot({**fields, "frozen": frozen, **recorded}, trees, shards, own)
@@ -83,12 +81,10 @@ def _write_parts(snapshot: _Snapshot, folder: Path, rank: int) -> None:
     """Write this rank's files of the snapshot into ``folder``."""
     trees = snapshot.trees if rank == 0 else {rank_component(rank): snapshot.own}
     for name, (document, tensors) in trees.items():
-        if name == "model":  # a plain state dict that safetensors and hub tools open alone
-            write_tensors(folder / "model.safetensors", tensors, {"format": "pt"})
-            continue
-        write_json(folder / f"{name}.json", document)
-        if tensors:
-            write_tensors(folder / f"{name}.safetensors", tensors)
+        if name != "model":  # the model: a plain state dict that safetensors opens alone
+            write_json(folder / f"{name}.json", document)
+        if tensors or name == "model":
+            write_tensors(folder / f"{name}.safetensors", tensors, {"format": "pt"})
 
 
 def _publish(temp: Path, path: Path) -> None:
@@ -194,16 +190,24 @@ def save_checkpoint(
         ['bias', 'weight']
     """
     group = checkpoint_group(state.model) if isinstance(state, TrainState) else None
-    snapshot, error = None, None
+    args = (state, Path(path), False, objects, metrics, rules, settings, trainable_only)
+    snapshot = on_rank0(group, "save_checkpoint", _prepare, *args, every=True)
+    return _write(snapshot, Path(path), group)
+
+
+def on_rank0(
+    group: Group | None, who: str, work: Callable[..., Any], *args: Any, every: bool = False
+) -> Any:
+    """``work(*args)`` on rank 0 alone (``None`` on the others), or on ``every`` rank; an
+    error of any rank raised on every rank, as ``who``'s."""
+    error, result = None, None
     try:
-        snapshot = _prepare(
-            state, Path(path), False, objects, metrics, rules, settings, trainable_only
-        )
+        if every or rank_of(group)[0] == 0:
+            result = work(*args)
     except Exception as caught:
         error = caught
-    agree(error, group, "save_checkpoint")
-    assert snapshot is not None
-    return _write(snapshot, Path(path), group)
+    agree(error, group, who)
+    return result
 
 
 def save_in_background(
@@ -253,10 +257,7 @@ def save_in_background(
             "save_in_background: expected a model of this process alone, got a data-parallel "
             "one (DDP or FSDP2), whose ranks save together; use save_checkpoint on every rank."
         )
-    snapshot = _prepare(
-        state, path, copy=True, objects=objects, metrics=metrics, rules=rules,
-        settings=settings, trainable_only=trainable_only,
-    )  # fmt: skip
+    snapshot = _prepare(state, path, True, objects, metrics, rules, settings, trainable_only)
     # Its worker is joined at interpreter exit (as a non-daemon thread would be).
     pool = ThreadPoolExecutor(1, thread_name_prefix=f"save_checkpoint {path}")
     future = pool.submit(_write, snapshot, path, None)
@@ -284,6 +285,9 @@ def _prepare(
             f"{state.window.micro_step}), and its gradients are in no state dict; save "
             "after the update that closes the window (when out.updated is true)."
         )
+    named = re.fullmatch(r"step_(\d{6,})", path.name)  # a load refuses another step's name
+    what = f"named after the state's step (step_{state.step:06d}), or not step_NNNNNN"
+    check(not named or int(named[1]) == state.step, who, "path", what, path.name)
     ok = rules is None or isinstance(rules, Retention)
     check(ok, who, "rules", "a Retention or None", rules, "", TypeError)
     if path.exists() and not (path / MANIFEST).is_file():
@@ -345,13 +349,10 @@ def _wrapped(error: BaseException, path: Path) -> BaseException:
     found = re.search(r"\(os error (\d+)\)", str(error))
     if not isinstance(error, OSError) and found is None:
         return error
-    code = (error.errno or 0) if isinstance(error, OSError) else int(found.group(1))  # type: ignore[union-attr]
-    reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
-    wrapped = OSError(
-        code,
-        f"save_checkpoint: could not write the checkpoint {path} ({reason}); earlier "
-        "checkpoints are untouched and the temporary folder was removed. Free space or "
-        "save elsewhere.",
-    )
+    code = error.errno if isinstance(error, OSError) else int(found.group(1))  # type: ignore[union-attr]
+    reason = getattr(error, "strerror", None) or str(error)
+    fix = "earlier checkpoints are untouched and the temporary folder was removed. Free space"
+    wrapped = OSError(code or 0, f"save_checkpoint: could not write the checkpoint {path} "
+                      f"({reason}); {fix} or save elsewhere.")  # fmt: skip
     wrapped.__cause__ = error
     return wrapped
