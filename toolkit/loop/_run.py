@@ -70,7 +70,7 @@ class Event(NamedTuple):
         kind: ``"restore"`` (first: a plugin that loads a checkpoint returns the restored
             state; the others ignore it), ``"start"`` (before the first batch),
             ``"epoch_start"`` (before each pass over the data, a resumed pass included:
-            then ``state.batches_seen > 0``),
+            then ``state.batches_seen > 0``, unless a changed batch size split its first batch),
             ``"step"`` (once per optimizer update:
             after the micro-batch that closes an accumulation window, whether the update
             was applied, rejected by the guard or skipped by the fp16 scaler),
