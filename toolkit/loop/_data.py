@@ -27,7 +27,7 @@ from toolkit._tree import map_nested_tensor
 from toolkit.step._step import _leading_dim
 
 __all__ = ["batches_per_epoch", "is_stateful", "pass_settings", "position",
-           "restore_generators", "seen_after_change", "snapshot", "unseen"]  # fmt: skip
+           "restore_generators", "seen_after_change", "snapshot", "split_at", "unseen"]  # fmt: skip
 
 # Where a DataLoader keeps the generators its passes draw from.
 _ROLES = ("generator", "sampler.generator", "batch_sampler.sampler.generator")
@@ -94,8 +94,7 @@ def seen_after_change(
 
     A changed batch size of a source that is not stateful is mapped by samples; with
     ``drop_last=True`` (full batches only) a batch the change split is left out of the pass
-    instead, and a position inside the first batch starts the pass again. Any other change
-    of a started pass cannot be mapped.
+    instead. Any other change of a started pass cannot be mapped.
 
     Raises:
         ValueError: the saved position cannot be mapped onto the pass as it is now.
@@ -111,14 +110,11 @@ def seen_after_change(
             "without skipping or repeating samples. Resume with the saved settings until an "
             "epoch ends, or start fresh in another folder."
         )
-    whole, part = divmod(seen * old + _split(data_state, seen), new) if by_samples else (seen, 0)
+    whole, part = divmod(seen * old + split_at(data_state, seen), new) if by_samples else (seen, 0)
     where = f"after {whole} batch{'es' * (whole != 1)}" + f" and {part} samples" * bool(part)
     if part and getattr(getattr(data, "batch_sampler", None), "drop_last", False):
         where += f"; drop_last=True leaves out the {new - part} unseen samples of batch {whole + 1}"
         whole, part = whole + 1, 0
-    elif part and not whole:  # 0 batches seen is a pass not yet started: it starts again
-        where += f"; less than a batch: the pass starts again, {part} samples are trained twice"
-        part = 0
     return whole, part, where
 
 
@@ -139,7 +135,7 @@ def unseen(data: Any, seen: int, snap: Mapping) -> tuple[Iterator[Any], str | No
     Returns it with a warning text when the resume is not exact or must read the seen
     batches again (None when it is exact and reads nothing twice).
     """
-    part = _split(snap, seen)
+    part = split_at(snap, seen)
     if isinstance(data, Sequence):  # in memory already: skipping reads nothing
         rest = itertools.islice(iter(data), seen, None)
         first = [_rows_after(batch, part) for batch in itertools.islice(rest, 1 if part else 0)]
@@ -163,7 +159,7 @@ def unseen(data: Any, seen: int, snap: Mapping) -> tuple[Iterator[Any], str | No
         restore_rng(training_state)
 
 
-def _split(snap: Mapping, seen: int) -> int:
+def split_at(snap: Mapping, seen: int) -> int:
     """The samples of batch ``seen`` trained before the batch size changed (0: none)."""
     at, part = snap.get("split", (-1, 0))
     return int(part) if at == seen else 0

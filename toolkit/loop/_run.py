@@ -16,7 +16,7 @@ from torch.optim.lr_scheduler import ReduceLROnPlateau
 from toolkit._checks import check_count, check_one_of, check_type, warn
 from toolkit._unwrap import unwrap
 from toolkit.distributed._collectives import check_even, groups_of
-from toolkit.loop._data import batches_per_epoch, is_stateful, snapshot, unseen
+from toolkit.loop._data import batches_per_epoch, is_stateful, snapshot, split_at, unseen
 from toolkit.step._multi import epoch_schedulers
 from toolkit.step._state import TrainState
 from toolkit.step._step import StepOutput
@@ -70,7 +70,7 @@ class Event(NamedTuple):
         kind: ``"restore"`` (first: a plugin that loads a checkpoint returns the restored
             state; the others ignore it), ``"start"`` (before the first batch),
             ``"epoch_start"`` (before each pass over the data, a resumed pass included:
-            then ``state.batches_seen > 0``),
+            then ``state.batches_seen > 0``, unless a changed batch size split its first batch),
             ``"step"`` (once per optimizer update:
             after the micro-batch that closes an accumulation window, whether the update
             was applied, rejected by the guard or skipped by the fp16 scaler),
@@ -410,7 +410,9 @@ def run(
             state, ran_out = _pass(step, state, loop, plugins, window, partial_window)
             if not ran_out:
                 break
-            state = state._evolve({"epoch": state.epoch + 1, "batches_seen": 0})
+            # The next pass is fresh: its batch 0 is not one that a batch size change split.
+            kept = {k: v for k, v in state.data_state.items() if k != "split"}
+            state = state._evolve({"epoch": state.epoch + 1, "batches_seen": 0, "data_state": kept})
             # Before the plugins: a checkpoint taken at "epoch_end" holds the stepped one.
             for scheduler in epoch_schedulers(state.scheduler):
                 scheduler.step()
@@ -496,8 +498,12 @@ def _pass(
 
 
 def _open(state: TrainState, data: Any, window: _BetweenPasses) -> tuple[TrainState, Iterator[Any]]:
-    """The pass's iterator (the rest of a resumed pass), and the state recording the pass."""
-    if state.batches_seen == 0:
+    """The pass's iterator (the rest of a resumed pass), and the state recording the pass.
+
+    A pass 0 batches in is fresh, unless a changed batch size split its first batch (then it
+    goes on after the samples trained of that batch).
+    """
+    if state.batches_seen == 0 and not split_at(state.data_state, 0):
         if not isinstance(data, Iterator):  # what the pass draws its order from, for a resume
             state = state._evolve({"data_state": snapshot(data)})
         return state, iter(data)
