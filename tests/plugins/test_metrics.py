@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import json
 import math
-import os
 import time
 import weakref
 from collections.abc import Callable, Iterable
@@ -19,7 +18,6 @@ from counting import CountSyncs, count_tolists, read_as_on_an_accelerator
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from rich.console import Console
-from spawning import gloo_group, name_the_data_ranks, spawn
 
 from toolkit import (
     Event,
@@ -586,41 +584,6 @@ def test_only_rank_zero_writes_but_every_rank_syncs(monkeypatch: pytest.MonkeyPa
     rows, closes, sink = recorder()
     drive(log_metrics(1, sinks=[sink]), [out(1.0), out(2.0)])
     assert rows == [] and tolists == [1, 1] and closes == [1]
-
-
-def _distributed_worker(rank: int, store: str, path: str) -> None:
-    with gloo_group(rank, 2, store):
-        name_the_data_ranks(2)  # the replayed model has no data-parallel wrapper
-        sink = jsonl(f"{path}.rank{rank}")
-        plugin = log_metrics(2, sinks=[sink])
-        # Rank 0: 1 token of loss 1 and 1 of loss 3; rank 1: 3 tokens of loss 2, 1 of 6.
-        losses = [(1.0, 1), (3.0, 1)] if rank == 0 else [(2.0, 3), (6.0, 1)]
-        outs = [out(v, count=c, samples=c, records={"r": torch.tensor(v)}) for v, c in losses]
-        drive(plugin, outs)
-        # Different record keys on the ranks are refused, on every rank alike.
-        plugin = log_metrics(1, sinks=[recorder()[2]])
-        try:
-            drive(plugin, [out(1.0, records={f"key{rank}": 1.0})])
-        except ValueError as exc:
-            assert f"different keys (this rank: ['key{rank}', 'loss'])" in str(exc)
-        else:
-            raise AssertionError("mismatched record keys were not detected")
-
-
-@pytest.mark.slow
-def test_data_parallel_ranks_publish_the_global_weighted_mean(tmp_path: Path) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-
-    def attempt_args(attempt: int) -> tuple[str, str]:
-        return str(tmp_path / f"store{attempt}"), str(tmp_path / f"metrics{attempt}.jsonl")
-
-    spawn(_distributed_worker, attempt_args, nprocs=2)
-    path = max(tmp_path.glob("metrics*.jsonl.rank0")).with_suffix("")  # the completed attempt
-    (row,) = [json.loads(line) for line in Path(f"{path}.rank0").read_text().splitlines()]
-    assert not Path(f"{path}.rank1").exists()  # other ranks write nothing
-    assert row["step"] == 2
-    assert row["train/loss"] == pytest.approx((1 + 3 + 2 * 3 + 6) / 6)
-    assert row["train/r"] == pytest.approx((1 + 3 + 2 * 3 + 6) / 6)
 
 
 # ---------------------------------------------------------------- bad input

@@ -1,16 +1,15 @@
-"""log_metrics on 2 gloo ranks: the global count-weighted mean, one collective per publish."""
+"""log_metrics on 2 gloo ranks: the global count-weighted mean, one collective per publish;
+record keys that differ between the ranks refused on every rank."""
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch.distributed as dist
-from spawning import gloo_group, name_the_data_ranks, spawn
-from test_metrics import LOOP, frozen_state, out, recorder
+from spawning import name_the_data_ranks, spawn_reports
+from test_metrics import LOOP, drive, frozen_state, out, recorder
 
 from toolkit import Event
 from toolkit.plugins._metrics import log_metrics
@@ -19,71 +18,71 @@ from toolkit.plugins._metrics import log_metrics
 _RANKS = {0: [(1.0, 1), (3.0, 1), (5.0, 2)], 1: [(2.0, 3), (6.0, 1), (4.0, 5)]}
 
 
-def _worker(rank: int, store: str, path: str) -> None:
-    with gloo_group(rank, 2, store):
-        name_the_data_ranks(2)  # the replayed model has no data-parallel wrapper
-        calls = [0]
-        all_reduce = dist.all_reduce
+def _job() -> dict:
+    rank = dist.get_rank()
+    name_the_data_ranks(2)  # the replayed model has no data-parallel wrapper
+    calls = [0]
+    all_reduce = dist.all_reduce
 
-        def counting(*args: Any, **kwargs: Any) -> Any:
-            calls[0] += 1
-            return all_reduce(*args, **kwargs)
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return all_reduce(*args, **kwargs)
 
-        dist.all_reduce = counting  # what sum_over_ranks calls
-        rows, _, sink = recorder()
-        ticks = iter([0.0, 10.0])  # the run's start, then the publish: 10 s
-        plugin = log_metrics(
-            2,
-            sinks=[sink],
-            reduce={"n": "sum", "peak": "max", "low": "min"},
-            totals=["n"],
-            per_epoch=True,
-            flops_per_sample=1.0,
-            peak_flops=1.0,
-            clock=lambda: next(ticks),
-        )
-        state = frozen_state()
-        outs = [
-            out(loss, count=c, samples=c, records={"n": c, "peak": loss, "low": loss, "acc": loss},
-                updated=i != 0)
-            for i, (loss, c) in enumerate(_RANKS[rank])
-        ]  # fmt: skip
-        collectives = []
+    dist.all_reduce = counting  # what sum_over_ranks calls
+    rows, _, sink = recorder()
+    ticks = iter([0.0, 10.0])  # the run's start, then the publish: 10 s
+    plugin = log_metrics(
+        2,
+        sinks=[sink],
+        reduce={"n": "sum", "peak": "max", "low": "min"},
+        totals=["n"],
+        per_epoch=True,
+        flops_per_sample=1.0,
+        peak_flops=1.0,
+        clock=lambda: next(ticks),
+    )
+    state = frozen_state()
+    outs = [
+        out(loss, count=c, samples=c, records={"n": c, "peak": loss, "low": loss, "acc": loss},
+            updated=i != 0)
+        for i, (loss, c) in enumerate(_RANKS[rank])
+    ]  # fmt: skip
+    collectives = []
 
-        def send(event: Event) -> None:
-            nonlocal state
-            before = calls[0]
-            new = plugin(event)
-            state = new if new is not None else state
-            collectives.append((event.kind, calls[0] - before))
+    def send(event: Event) -> None:
+        nonlocal state
+        before = calls[0]
+        new = plugin(event)
+        state = new if new is not None else state
+        collectives.append((event.kind, calls[0] - before))
 
-        send(Event("start", state, LOOP))
-        state = state.replace(step=1)
-        send(Event("step", state, LOOP, outs[1], 0.0, 0.0, None, tuple(outs[:2])))
-        state = state.replace(step=2)
-        send(Event("step", state, LOOP, outs[2], 0.0, 0.0, None, (outs[2],)))
-        state = state.replace(epoch=1)
-        send(Event("epoch_end", state, LOOP))
-        send(Event("end", state, LOOP))
-        result = {"rows": rows, "collectives": collectives, "extras": dict(state.extras)}
-        Path(f"{path}.rank{rank}").write_text(json.dumps(result))
+    send(Event("start", state, LOOP))
+    state = state.replace(step=1)
+    send(Event("step", state, LOOP, outs[1], 0.0, 0.0, None, tuple(outs[:2])))
+    state = state.replace(step=2)
+    send(Event("step", state, LOOP, outs[2], 0.0, 0.0, None, (outs[2],)))
+    state = state.replace(epoch=1)
+    send(Event("epoch_end", state, LOOP))
+    send(Event("end", state, LOOP))
+    result = {"rows": rows, "collectives": collectives, "extras": dict(state.extras)}
+    # Different record keys on the ranks are refused, on every rank alike.
+    try:
+        drive(log_metrics(1, sinks=[recorder()[2]]), [out(1.0, records={f"key{rank}": 1.0})])
+    except ValueError as exc:
+        result["refused"] = str(exc)
+    return result
 
 
 @pytest.mark.slow
 def test_two_ranks_publish_the_global_weighted_mean_with_one_collective(tmp_path: Path) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-
-    def attempt_args(attempt: int) -> tuple[str, str]:
-        return str(tmp_path / f"store{attempt}"), str(tmp_path / f"result{attempt}.json")
-
-    spawn(_worker, attempt_args, nprocs=2, timeout=120)
-    path = max(tmp_path.glob("result*.json.rank0")).with_suffix("")
-    results = [json.loads(Path(f"{path}.rank{rank}").read_text()) for rank in (0, 1)]
+    results = spawn_reports(_job, tmp_path, 2, timeout=120)
     # One all-reduce per publish (the step-2 interval, the epoch), none per other update,
     # the same on both ranks; "end" has nothing left to publish.
     expected = [("start", 0), ("step", 0), ("step", 1), ("epoch_end", 1), ("end", 0)]
     assert [[tuple(c) for c in r["collectives"]] for r in results] == [expected, expected]
     assert results[1]["rows"] == []  # only rank 0 writes
+    for rank, result in enumerate(results):
+        assert f"different keys (this rank: ['key{rank}', 'loss'])" in result["refused"]
     (step, m), (epoch_step, e) = results[0]["rows"]
     tokens = [c for rank in (0, 1) for _, c in _RANKS[rank]]
     weighted = sum(loss * c for rank in (0, 1) for loss, c in _RANKS[rank]) / sum(tokens)
