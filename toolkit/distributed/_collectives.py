@@ -168,12 +168,10 @@ def _fsdp2_group(model: torch.nn.Module) -> ProcessGroup | None:
         param_group = get_state(module)._fsdp_param_group if get_state is not None else None
         if param_group is None:
             continue
-        info, mesh = param_group.mesh_info, param_group.mesh_info.mesh
-        if getattr(info, "dp_mesh_dims", None) is None:
-            if mesh.ndim == 1:
-                return mesh.get_group()
-            if mesh.size() == dist.get_world_size():
-                return dist.group.WORLD
+        mesh = param_group.mesh_info.mesh
+        plain = getattr(param_group.mesh_info, "dp_mesh_dims", None) is None
+        if plain and (mesh.ndim == 1 or mesh.size() == dist.get_world_size()):
+            return mesh.get_group() if mesh.ndim == 1 else dist.group.WORLD  # HSDP: the world
         raise ValueError(
             f"data_parallel_group: the FSDP2 model's device mesh {mesh} does not tell its "
             "data-parallel ranks (a multi-dimensional sub-mesh, or dp_mesh_dims). Flatten "
@@ -386,18 +384,16 @@ def bucket_flags(model: torch.nn.Module) -> BucketFlags | None:
     communication hook of its own (DDP takes one): the step then all-reduces its flags
     itself, as it does under FSDP2.
     """
-    if model in _BUCKET_FLAGS:
-        return _BUCKET_FLAGS[model]
-    found: BucketFlags | None = None
-    group = groups_of(model).everyone
-    if group is not None and group is getattr(model, "process_group", None):
-        found = BucketFlags(group)
-        try:
-            model.register_comm_hook(found, _hook)  # type: ignore[operator]
-        except RuntimeError:  # "can only be called once": the user's own hook is there
-            found = None
-    _BUCKET_FLAGS[model] = found
-    return found
+    if model not in _BUCKET_FLAGS:
+        group = groups_of(model).everyone
+        _BUCKET_FLAGS[model] = None  # until the hook is registered
+        if group is not None and group is getattr(model, "process_group", None):
+            flags = BucketFlags(group)
+            # "can only be called once": when the user's own hook is there, none of ours
+            with contextlib.suppress(RuntimeError):
+                model.register_comm_hook(flags, _hook)  # type: ignore[operator]
+                _BUCKET_FLAGS[model] = flags
+    return _BUCKET_FLAGS[model]
 
 
 def join_gradient_sync(model: torch.nn.Module) -> None:
