@@ -24,6 +24,17 @@ def mlp() -> torch.nn.Module:
     ).double()
 
 
+def sharded_mlp(mesh: object) -> torch.nn.Module:
+    """:func:`mlp` under FSDP2 on ``mesh`` (a device mesh): each Linear its own unit."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = mlp()
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
 def micro_batches(rank: int, update: int, k: int = K) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(100 * update + rank)
     return [

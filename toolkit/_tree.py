@@ -224,14 +224,13 @@ def key_average(
     flat: list[dict[_Path, Any]] = []  # each record's leaves by path
     expected = "a mapping of numbers, 0-d tensors or nested mappings"
     for index, record in enumerate(records):
-        check_type(
-            isinstance(record, Mapping), "key_average", f"records[{index}]", expected, record
-        )
+        where = f"records[{index}]"
+        check_type(isinstance(record, Mapping), "key_average", where, expected, record)
         flat.append({})
         try:
             _collect(record, (), index, kinds, flat[-1])
         except RecursionError:
-            _refuse_cycle("key_average", record, f"records[{index}]")
+            _refuse_cycle("key_average", record, where)
             raise
     reduced = weighted_sums(columns(flat), weight_list, exclude_nan=exclude_nan)
     if weights is not None:

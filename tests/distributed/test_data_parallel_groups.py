@@ -47,16 +47,10 @@ def _ddp(groups: list) -> tuple[torch.nn.Module, object]:
 
 def _fsdp2(groups: list) -> tuple[torch.nn.Module, object]:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     # Rows are the data-parallel groups: mesh["dp"] is {0, 1} or {2, 3}.
     mesh = init_device_mesh("cpu", (WORLD // GROUP, GROUP), mesh_dim_names=("other", "dp"))
-    model = dp_jobs.mlp()
-    for layer in model.children():
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
-    return model, lambda p: p.full_tensor()
+    return dp_jobs.sharded_mlp(mesh["dp"]), lambda p: p.full_tensor()
 
 
 def _given(groups: list) -> tuple[torch.nn.Module, object]:
@@ -125,15 +119,10 @@ def test_set_data_parallel_group_refuses_a_plain_module() -> None:
 
 def _hsdp_job() -> dict:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     # HSDP: parameters sharded over "shard" (2 ranks), replicated over "replicate" (2).
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    model = dp_jobs.mlp()
-    for layer in model.children():
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = dp_jobs.sharded_mlp(mesh)
     report = {"ranks": dist.get_process_group_ranks(data_parallel_group(model))}
     return report | dp_jobs.train(model, lambda p: p.full_tensor(), UPDATES)
 

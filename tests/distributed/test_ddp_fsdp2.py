@@ -44,14 +44,8 @@ def _ddp_carried(calls: list[int]) -> tuple[torch.nn.Module, object]:
 
 def _fsdp2(calls: list[int]) -> tuple[torch.nn.Module, object]:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (WORLD,))
-    model = dp_jobs.mlp()
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = dp_jobs.sharded_mlp(init_device_mesh("cpu", (WORLD,)))
     # FSDP2 (torch 2.13) reduce-scatters gradients through this call; count it.
     _count_calls("reduce_scatter_single", calls)
     return model, lambda p: p.full_tensor()

@@ -188,6 +188,13 @@ def test_init_layout_refuses_sizes_that_do_not_make_the_world() -> None:
         init_layout(dp_shard=-1, tp=-1)
 
 
+def test_set_layout_refuses_what_is_not_a_layout_and_says_how_to_build_one() -> None:
+    fix = r"layout must be a Layout \(or None\); got a tuple\. Build it with init_layout"
+    with pytest.raises(TypeError, match=fix):
+        set_layout(("dp",))  # type: ignore[arg-type]
+    assert current_layout() is None
+
+
 def test_a_2d_checkpoint_verifies_and_exports_whole_tensors(results: dict, tmp_path: Path) -> None:
     import subprocess
 

@@ -25,7 +25,7 @@ per update, counts  the window's target count total, float64 SUM, over the token
                     parallelism) the total rides on the verdict's MAX as [total, -total]
 per update, DTensor the gradient norm, one all-reduce per device mesh (``full_tensor``)  1 per mesh
 per run             the ranks' data lengths, 2 int64 (:func:`check_even`)           1
-per checkpoint      one int64 per rank per phase (:func:`agree`), a token           a few
+per checkpoint      one int64 per phase, MIN (:func:`agree`), a token                a few
                     (:func:`broadcast_int`), the latest folder's name
                     (:func:`broadcast_text`)
 on a failure        the lowest failing rank's error, as text                        2
@@ -52,7 +52,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from toolkit.distributed._layout import Groups, current_layout
+from toolkit.distributed._layout import Groups, current_layout, rank_of
 
 _AVAILABLE = dist.is_available()  # fixed for the build of torch, so asked once
 
@@ -69,9 +69,8 @@ def is_distributed() -> bool:
     return _initialized() and dist.get_world_size() > 1
 
 
-# Per model: the group given by set_data_parallel_group, and the group derived (or None),
+# Per model: its data-parallel group (or None), given by set_data_parallel_group or derived,
 # so that a train step asks once per model, not once per update.
-_GIVEN: weakref.WeakKeyDictionary[torch.nn.Module, ProcessGroup] = weakref.WeakKeyDictionary()
 _FOUND: weakref.WeakKeyDictionary[torch.nn.Module, ProcessGroup | None] = (
     weakref.WeakKeyDictionary()
 )
@@ -113,12 +112,11 @@ def data_parallel_group(model: torch.nn.Module) -> ProcessGroup | None:
     """
     if not _initialized():
         return None
-    if model in _FOUND:
-        return _FOUND[model]
-    group, kind = _GIVEN.get(model), sync_kind(model)
-    if group is None and kind != "none":
-        group = model.process_group if kind == "ddp" else _fsdp2_group(model)
-    _FOUND[model] = group if group is not None and dist.get_world_size(group) > 1 else None
+    if model not in _FOUND:
+        group: ProcessGroup | None = None
+        if (kind := sync_kind(model)) != "none":
+            group = model.process_group if kind == "ddp" else _fsdp2_group(model)
+        _FOUND[model] = group if group is not None and dist.get_world_size(group) > 1 else None
     return _FOUND[model]
 
 
@@ -161,8 +159,7 @@ def set_data_parallel_group(model: torch.nn.Module, group: ProcessGroup) -> None
         raise TypeError(f"{who} a ProcessGroup (dist.new_group); got {type(group).__name__}.")
     if dist.get_rank(group) < 0:
         raise ValueError(f"{who} a group holding this rank ({dist.get_rank()}); it is not in it.")
-    _GIVEN[model] = group
-    _FOUND.pop(model, None)
+    _FOUND[model] = group if dist.get_world_size(group) > 1 else None
 
 
 def _fsdp2_group(model: torch.nn.Module) -> ProcessGroup | None:
@@ -171,12 +168,10 @@ def _fsdp2_group(model: torch.nn.Module) -> ProcessGroup | None:
         param_group = get_state(module)._fsdp_param_group if get_state is not None else None
         if param_group is None:
             continue
-        info, mesh = param_group.mesh_info, param_group.mesh_info.mesh
-        if getattr(info, "dp_mesh_dims", None) is None:
-            if mesh.ndim == 1:
-                return mesh.get_group()
-            if mesh.size() == dist.get_world_size():
-                return dist.group.WORLD
+        mesh = param_group.mesh_info.mesh
+        plain = getattr(param_group.mesh_info, "dp_mesh_dims", None) is None
+        if plain and (mesh.ndim == 1 or mesh.size() == dist.get_world_size()):
+            return mesh.get_group() if mesh.ndim == 1 else dist.group.WORLD  # HSDP: the world
         raise ValueError(
             f"data_parallel_group: the FSDP2 model's device mesh {mesh} does not tell its "
             "data-parallel ranks (a multi-dimensional sub-mesh, or dp_mesh_dims). Flatten "
@@ -282,11 +277,6 @@ def checkpoint_group(model: torch.nn.Module) -> Group | None:
     return groups_of(model).everyone
 
 
-def rank_of(group: Group | None) -> tuple[int, int]:
-    """``(rank, size)`` of this process in ``group`` (``(0, 1)`` for None)."""
-    return (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
-
-
 def broadcast_int(value: int, group: Group | None, src: int = 0) -> int:
     """``value`` of rank ``src`` (a group rank), on every rank."""
     return _exchange([value], torch.int64, group, src=src)[0]
@@ -305,7 +295,7 @@ def broadcast_text(text: str, group: Group | None, src: int = 0) -> str:
 def agree(error: BaseException | None, group: Group | None, who: str) -> None:
     """Make every rank see the same outcome of a phase: nothing, or an error.
 
-    One all-reduce of one flag per rank; when a rank failed, the lowest failing rank also
+    One all-reduce of one integer (MIN: the lowest failing rank); when a rank failed, it also
     broadcasts its error's kind, errno and message as one text. The failing ranks re-raise
     their own error, the others raise the same kind (``OSError`` keeps its errno) naming
     the rank. With ``group`` None (this process alone) nothing crosses: its own error, if
@@ -315,12 +305,11 @@ def agree(error: BaseException | None, group: Group | None, who: str) -> None:
         BaseException: the error of this rank, or of the lowest failing one.
     """
     rank, size = rank_of(group)
-    flags = _exchange([r == rank and error is not None for r in range(size)], torch.int64, group)
-    failed = [r for r, flag in enumerate(flags) if flag]
-    if not failed:
+    src = _exchange([size if error is None else rank], torch.int64, group, dist.ReduceOp.MIN)[0]
+    if src == size:  # no rank failed
         return
-    src, said = failed[0], ""
-    if rank == src and error is not None:
+    said = ""
+    if rank == src:  # the lowest failing rank tells its error
         index = next((i for i, t in enumerate(_TYPES) if i and isinstance(error, t)), 0)
         said = f"{index} {getattr(error, 'errno', None) or 0} {error}"
     kind, code, message = broadcast_text(said, group, src).split(" ", 2)
@@ -395,18 +384,16 @@ def bucket_flags(model: torch.nn.Module) -> BucketFlags | None:
     communication hook of its own (DDP takes one): the step then all-reduces its flags
     itself, as it does under FSDP2.
     """
-    if model in _BUCKET_FLAGS:
-        return _BUCKET_FLAGS[model]
-    found: BucketFlags | None = None
-    group = groups_of(model).everyone
-    if group is not None and group is getattr(model, "process_group", None):
-        found = BucketFlags(group)
-        try:
-            model.register_comm_hook(found, _hook)  # type: ignore[operator]
-        except RuntimeError:  # "can only be called once": the user's own hook is there
-            found = None
-    _BUCKET_FLAGS[model] = found
-    return found
+    if model not in _BUCKET_FLAGS:
+        group = groups_of(model).everyone
+        _BUCKET_FLAGS[model] = None  # until the hook is registered
+        if group is not None and group is getattr(model, "process_group", None):
+            flags = BucketFlags(group)
+            # "can only be called once": when the user's own hook is there, none of ours
+            with contextlib.suppress(RuntimeError):
+                model.register_comm_hook(flags, _hook)  # type: ignore[operator]
+                _BUCKET_FLAGS[model] = flags
+    return _BUCKET_FLAGS[model]
 
 
 def join_gradient_sync(model: torch.nn.Module) -> None:

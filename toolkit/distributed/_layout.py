@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
-from toolkit._checks import check
+from toolkit._checks import check, check_type
 
 
 class Groups(NamedTuple):
@@ -93,21 +93,23 @@ class Layout:
               f"rank ({dist.get_rank()})", ranks, fix)  # fmt: skip
         # Made here, on every rank alike: creating a flattened group is collective.
         data, tokens = _group(self.mesh, self.data), _group(self.mesh, self.data + self.context)
-        everyone = None if self.mesh.size() == 1 else dist.group.WORLD  # DDP's default group
-        if everyone is not None and self.mesh.size() < dist.get_world_size():
-            everyone = _group(self.mesh, names)
+        whole = 1 < self.mesh.size() == dist.get_world_size()
+        everyone = dist.group.WORLD if whole else _group(self.mesh, names)  # DDP's default group
         object.__setattr__(self, "groups", Groups(data, tokens, everyone))
 
     def sampler_options(self) -> dict[str, int]:
         """``num_replicas`` and ``rank`` for a ``DistributedSampler`` over the data ranks."""
-        group = self.groups.data
-        if group is None:
-            return {"num_replicas": 1, "rank": 0}
-        return {"num_replicas": dist.get_world_size(group), "rank": dist.get_rank(group)}
+        rank, size = rank_of(self.groups.data)
+        return {"num_replicas": size, "rank": rank}
 
     def sizes(self) -> dict[str, int]:
         """The mesh's dimensions and sizes, as a checkpoint's manifest records them."""
         return dict(zip(self.mesh.mesh_dim_names, self.mesh.shape))
+
+
+def rank_of(group: Any) -> tuple[int, int]:
+    """``(rank, size)`` of this process in ``group`` (``(0, 1)`` for None)."""
+    return (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
 
 
 def _group(mesh: Any, names: tuple[str, ...]) -> Any:
@@ -144,11 +146,9 @@ def set_layout(layout: Layout | None) -> None:
         >>> set_layout(None); current_layout() is None
         True
     """
-    if layout is not None and not isinstance(layout, Layout):
-        raise TypeError(
-            f"set_layout: expected a Layout (or None); got a {type(layout).__name__}. Build "
-            "it with init_layout(...) or Layout(mesh, data=(...), context=(...))."
-        )
+    fix = "Build it with init_layout(...) or Layout(mesh, data=(...), context=(...))."
+    ok = layout is None or isinstance(layout, Layout)
+    check_type(ok, "set_layout", "layout", "a Layout (or None)", layout, fix)
     _JOB[0] = layout
 
 
@@ -215,9 +215,7 @@ def init_layout(
         sizes[wild[0]] = world // math.prod(s for s in sizes if s > 0)
     check(math.prod(sizes) == world and min(sizes) >= 1, "init_layout", "sizes",
           f"a product of {world}", said, fix)  # fmt: skip
-    if device_type is None:
-        nccl = world > 1 and "nccl" in dist.get_backend()
-        device_type = "cuda" if nccl else "cpu"
+    device_type = device_type or ("cuda" if world > 1 and "nccl" in dist.get_backend() else "cpu")
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device_type, tuple(sizes), mesh_dim_names=DIMS)
