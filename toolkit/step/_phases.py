@@ -95,14 +95,9 @@ class AmpConfig:
     def fp16(self) -> bool:
         return self.dtype == torch.float16
 
-    def _device_type(self, optimizer: torch.optim.Optimizer) -> str:
+    def device(self, optimizer: torch.optim.Optimizer) -> str:
+        """The device type to autocast on and to make a GradScaler for."""
         return self.device_type or optimizer.param_groups[0]["params"][0].device.type
-
-    def autocast(self, optimizer: torch.optim.Optimizer) -> torch.autocast:
-        return torch.autocast(self._device_type(optimizer), dtype=self.dtype)
-
-    def make_scaler(self, optimizer: torch.optim.Optimizer) -> torch.amp.GradScaler:
-        return self.scaler or torch.amp.GradScaler(self._device_type(optimizer))
 
     def collapsed(self, scaler: torch.amp.GradScaler) -> LossScaleError:
         """The error for an overflow that took the scale below ``min_scale``."""

@@ -10,7 +10,7 @@ import optree
 import torch
 
 from toolkit._checks import check
-from toolkit.step._multi import NEW_OPTIMIZER, NEW_SCHEDULER, MultiOptimizer, MultiScheduler
+from toolkit.step._multi import NEW_OPTIMIZER, MultiOptimizer, MultiScheduler, check_scheduler_kind
 
 __all__ = ["GuardState", "Metrics", "TrainState", "WindowState"]
 
@@ -277,12 +277,8 @@ def _scheduler(state: TrainState) -> None:
     scheduler, optimizer = state.scheduler, state.optimizer
     if scheduler is None:
         return
-    if not (callable(getattr(scheduler, "step", None)) and hasattr(scheduler, "state_dict")):
-        raise TypeError(
-            f"TrainState.scheduler: expected an LR scheduler from torch.optim.lr_scheduler "
-            f"(or a list of them); got {type(scheduler).__name__} "
-            f"{getattr(scheduler, '__name__', repr(scheduler)):.40}. {NEW_SCHEDULER}"
-        )
+    if not isinstance(scheduler, MultiScheduler):  # whose members it checked itself
+        check_scheduler_kind(scheduler, "TrainState.scheduler", " (or a list of them)")
     # A scheduler may drive the state's optimizer or, with several, any one of them.
     allowed = [optimizer, *getattr(optimizer, "optimizers", ())]
     several = isinstance(scheduler, MultiScheduler)
