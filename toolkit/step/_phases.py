@@ -19,18 +19,8 @@ from toolkit.distributed._collectives import all_reduce_
 from toolkit.step._state import GuardState, WindowState
 
 __all__ = [
-    "APPLY",
-    "AccumulateConfig",
-    "AmpConfig",
-    "ClipConfig",
-    "GradTransformConfig",
-    "GuardConfig",
-    "LossScaleError",
-    "NonFiniteError",
-    "Verdict",
-    "by_mesh",
-    "total_norm",
-    "value_range",
+    "APPLY", "AccumulateConfig", "AmpConfig", "ClipConfig", "GradTransformConfig", "GuardConfig",
+    "LossScaleError", "NonFiniteError", "Verdict", "by_mesh", "total_norm", "value_range",
     "verdict_of_window",
 ]  # fmt: skip
 

@@ -277,14 +277,13 @@ def _scheduler(state: TrainState) -> None:
     scheduler, optimizer = state.scheduler, state.optimizer
     if scheduler is None:
         return
-    if not isinstance(scheduler, MultiScheduler):  # whose members it checked itself
+    several = isinstance(scheduler, MultiScheduler)
+    if not several:  # a MultiScheduler checked its members itself
         check_scheduler_kind(scheduler, "TrainState.scheduler", " (or a list of them)")
     # A scheduler may drive the state's optimizer or, with several, any one of them.
     allowed = [optimizer, *getattr(optimizer, "optimizers", ())]
-    several = isinstance(scheduler, MultiScheduler)
     for i, member in enumerate(scheduler.schedulers if several else (scheduler,)):
-        driven = getattr(member, "optimizer", optimizer)
-        if optimizer is None or not any(driven is o for o in allowed):
+        if optimizer is None or not any(member.optimizer is o for o in allowed):
             which = f"scheduler[{i}]" if several else "scheduler"
             raise ValueError(
                 f"TrainState.{which}: expected a scheduler over the state's optimizer; this "

@@ -321,9 +321,11 @@ class Step:
                 carried=flags.receive() if flags is not None else None,
                 replicated=tokens is not everyone,
             )  # fmt: skip
-        outcome = self._outcome(state, window, found, empty, norm, everyone, total)
+        apply, verdict, counters, failure = self._outcome(
+            state, window, found, empty, norm, everyone, total
+        )
         lr = optimizer.param_groups[0]["lr"]
-        if outcome.apply:
+        if apply:
             if clipping is not None:  # 7. clip, by the norm of phase 6 and/or by value
                 clipping.apply(params, norm)
             # 8. optimizer step; a fused one takes found_inf from the scaler (no host sync),
@@ -338,17 +340,17 @@ class Step:
             if found.collapsed and not found.nonfinite:
                 raise self.amp.collapsed(scaler)  # type: ignore[union-attr]
         optimizer.zero_grad(set_to_none=True)
-        if outcome.failure is not None:
-            raise outcome.failure  # the window is thrown away (scaler updated, grads cleared)
-        scheduled = _step_scheduler(state) if outcome.apply else state._scheduled  # 10.
+        if failure is not None:
+            raise failure  # the window is thrown away (scaler updated, grads cleared)
+        scheduled = _step_scheduler(state) if apply else state._scheduled  # 10.
         new = state._evolve(  # 11. counters
-            {"step": state.step + 1 if outcome.apply else state.step, "window": _NO_WINDOW,
-             "guard": outcome.guard, "_graph": loss, "_scheduled": scheduled},
+            {"step": state.step + 1 if apply else state.step, "window": _NO_WINDOW,
+             "guard": counters, "_graph": loss, "_scheduled": scheduled},
             consume=True,
         )  # fmt: skip
-        v = outcome.verdict
-        return new, StepOutput(out.loss, out.records, out.count, out.samples, outcome.apply, True,
-                               False, v.nonfinite, v.overflow, v.empty, norm, lr)  # fmt: skip
+        return new, StepOutput(out.loss, out.records, out.count, out.samples, apply, True, False,
+                               verdict.nonfinite, verdict.overflow, verdict.empty,
+                               norm, lr)  # fmt: skip
 
     def _close_skipped(
         self, state: TrainState, window: WindowState, scaler: Scaler
@@ -374,12 +376,13 @@ class Step:
     def _outcome(
         self, state: TrainState, window: WindowState, verdict: phases.Verdict, empty: bool,
         norm: Any, group: Any, total: torch.Tensor | None,
-    ) -> Outcome:  # fmt: skip
-        """Phase 6's outcome: whether to apply the window, the verdict as reported (one
-        reason per window), the guard's counters, an error to raise."""
+    ) -> tuple[bool, phases.Verdict, GuardState, Exception | None]:  # fmt: skip
+        """Phase 6's outcome: whether to take the optimizer step; the verdict as reported in
+        the StepOutput (one reason per window); the guard's counters after this window; an
+        error to raise once the window is thrown away, or None."""
         guard, counters = self.guard, state.guard
         if verdict is phases.APPLY and not empty and not counters.notfinite_count:
-            return Outcome(True, verdict, counters, None)  # the common case
+            return True, verdict, counters, None  # the common case
         empty = empty or verdict.empty
         nonfinite = verdict.nonfinite and not empty  # no targets: 0/0 gradients are no failure
         overflow = verdict.overflow and not nonfinite  # a non-finite loss is the guard's
@@ -406,16 +409,7 @@ class Step:
         if verdict.uneven or verdict.replicas:  # a bug in the data, not a numerical accident
             failure = _disagreement(verdict, window, group, state.optimizer, total)
             apply = False
-        return Outcome(apply, verdict, counters, failure)
-
-
-class Outcome(NamedTuple):
-    """What the step does with a closed window (phase 6's outcome)."""
-
-    apply: bool  # take the optimizer step
-    verdict: phases.Verdict  # as reported in the StepOutput: one reason per window
-    guard: GuardState  # the guard's counters after this window
-    failure: Exception | None  # raised once the window is thrown away
+        return apply, verdict, counters, failure
 
 
 def _check_state(state: Any, k: int) -> None:
