@@ -222,8 +222,10 @@ class TrainState:
         return new
 
     def _evolve(self, changes: dict[str, Any], consume: bool = False) -> TrainState:
-        # Hot path (field names known to be right): copying the field dict is several times
-        # faster than dataclasses.replace, which re-runs __init__ and its checks.
+        # Hot path (field names known to be right): the field dict copied, not
+        # dataclasses.replace, which re-runs __init__ and every check: with replace the
+        # plain-SGD step row reads 4,282.0K instructions per update, not 3,678.8K (+16.4%;
+        # benchmarks/README.md, 2026-11-29, latest).
         fields = self.__dict__.copy()
         fields.update(changes)
         new = object.__new__(TrainState)
