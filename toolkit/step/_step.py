@@ -281,7 +281,7 @@ class Step:
         window = _added(state.window, loss, count, self._k, self.guard is not None)
         objective = loss / self._k if count is None and self._k > 1 else loss
         # 3. backward, through the GradScaler under fp16 (DDP, closing: with the flags)
-        flags = self._carrier(state.model, sync) if closes else None
+        flags = self._carrier(state.model) if closes and sync == "ddp" else None
         if flags is not None:
             flags.send(window.loss, window.skipped, state.optimizer.param_groups[0]["params"][0])
         (scaler.scale(objective) if scaler is not None else objective).backward()
@@ -314,7 +314,7 @@ class Step:
         if clipping is not None or guard is not None:
             norm = phases.total_norm(grads, clipping.norm_type if clipping else 2.0)
         if guard is not None or scaler is not None or everyone is not None:
-            flags = self._carrier(state.model, sync)  # DDP: the ranks' flags that rode along
+            flags = self._carrier(state.model) if sync == "ddp" else None  # DDP: rode along
             found = phases.verdict_of_window(
                 window, norm, total, guard=guard, scaler=scaler, amp=self.amp,
                 optimizer=optimizer, group=everyone,
@@ -360,18 +360,18 @@ class Step:
         first = state.optimizer.param_groups[0]["params"][0]
         if self.guard is not None and window.loss is None:  # the guard checks a loss
             window = window._replace(loss=torch.zeros((), device=first.device))
-        flags = self._carrier(state.model, "ddp")
+        flags = self._carrier(state.model)
         if flags is not None:
             flags.send(window.loss, window.skipped, first)
         join_gradient_sync(state.model)
         return self._close(state, window, _SKIPPED, None, scaler, "ddp")
 
-    def _carrier(self, model: torch.nn.Module, sync: str) -> BucketFlags | None:
-        """Under DDP, what carries this rank's window loss and skips on the gradient
-        all-reduce (:func:`bucket_flags`); None when not DDP or under transform_grads (its
-        functions may change the gradients differently per rank): phase 6 then all-reduces
-        the flags itself."""
-        return bucket_flags(model) if sync == "ddp" and self.grad_transforms is None else None
+    def _carrier(self, model: torch.nn.Module) -> BucketFlags | None:
+        """DDP (the callers check): what carries this rank's window loss and skips on the
+        gradient all-reduce (:func:`bucket_flags`); None under transform_grads (its functions
+        may change the gradients differently per rank): phase 6 then all-reduces the flags
+        itself."""
+        return bucket_flags(model) if self.grad_transforms is None else None
 
     def _outcome(
         self, state: TrainState, window: WindowState, verdict: phases.Verdict, empty: bool,
