@@ -225,7 +225,7 @@ class TrainState:
         # Hot path (field names known to be right): the field dict copied, not
         # dataclasses.replace, which re-runs __init__ and every check: with replace the
         # plain-SGD step row reads 4,282.0K instructions per update, not 3,678.8K (+16.4%;
-        # benchmarks/README.md, 2026-11-29, latest).
+        # benchmarks/README.md, "2026-11-29, later").
         fields = self.__dict__.copy()
         fields.update(changes)
         new = object.__new__(TrainState)
