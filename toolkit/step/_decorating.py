@@ -89,12 +89,7 @@ def amp_wrap(
 ) -> Step: ...  # fmt: skip
 @overload
 def amp_wrap(
-    *, dtype: str | torch.dtype, scaler: Scaler = ..., min_scale: float = ...,
-    device_type: str | None = ...,
-) -> Decorator: ...  # fmt: skip
-@overload
-def amp_wrap(
-    dtype: str | torch.dtype, /, *, scaler: Scaler = ..., min_scale: float = ...,
+    dtype: str | torch.dtype, *, scaler: Scaler = ..., min_scale: float = ...,
     device_type: str | None = ...,
 ) -> Decorator: ...  # fmt: skip
 def amp_wrap(

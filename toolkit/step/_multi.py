@@ -20,7 +20,7 @@ from toolkit._checks import check, check_type
 
 __all__ = ["MultiOptimizer", "MultiScheduler", "PerEpoch", "epoch_schedulers", "per_epoch"]
 
-# The fixes of an optimizer or scheduler of the wrong kind (here and in TrainState's checks).
+# The fix of an optimizer of the wrong kind (here and in TrainState's checks), of a scheduler.
 NEW_OPTIMIZER = "Build one over the parameters: torch.optim.AdamW(model.parameters(), lr=1e-3)."
 NEW_SCHEDULER = "Build one over the optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, fn)."
 
@@ -290,10 +290,16 @@ def _check_scheduler(scheduler: Any, who: str) -> None:
             f"{who}: got a {type(scheduler).__name__}; expected one LR scheduler by count "
             "(validate(plateau_metric=...) steps a ReduceLROnPlateau alone)."
         )
+    check_scheduler_kind(scheduler, who)
+
+
+def check_scheduler_kind(scheduler: Any, who: str, alternative: str = "") -> None:
+    """TypeError unless ``scheduler`` has an LR scheduler's ``step``, ``state_dict`` and
+    ``optimizer`` (here and in TrainState's checks)."""
     methods = [getattr(scheduler, name, None) for name in ("step", "state_dict")]
     if not (all(map(callable, methods)) and hasattr(scheduler, "optimizer")):
         raise TypeError(
-            f"{who}: expected an LR scheduler from torch.optim.lr_scheduler; got "
+            f"{who}: expected an LR scheduler from torch.optim.lr_scheduler{alternative}; got "
             f"{type(scheduler).__name__} {getattr(scheduler, '__name__', repr(scheduler)):.40}. "
             + NEW_SCHEDULER
         )

@@ -19,18 +19,8 @@ from toolkit.distributed._collectives import all_reduce_
 from toolkit.step._state import GuardState, WindowState
 
 __all__ = [
-    "APPLY",
-    "AccumulateConfig",
-    "AmpConfig",
-    "ClipConfig",
-    "GradTransformConfig",
-    "GuardConfig",
-    "LossScaleError",
-    "NonFiniteError",
-    "Verdict",
-    "by_mesh",
-    "total_norm",
-    "value_range",
+    "APPLY", "AccumulateConfig", "AmpConfig", "ClipConfig", "GradTransformConfig", "GuardConfig",
+    "LossScaleError", "NonFiniteError", "Verdict", "by_mesh", "total_norm", "value_range",
     "verdict_of_window",
 ]  # fmt: skip
 
@@ -95,14 +85,9 @@ class AmpConfig:
     def fp16(self) -> bool:
         return self.dtype == torch.float16
 
-    def _device_type(self, optimizer: torch.optim.Optimizer) -> str:
+    def device(self, optimizer: torch.optim.Optimizer) -> str:
+        """The device type to autocast on and to make a GradScaler for."""
         return self.device_type or optimizer.param_groups[0]["params"][0].device.type
-
-    def autocast(self, optimizer: torch.optim.Optimizer) -> torch.autocast:
-        return torch.autocast(self._device_type(optimizer), dtype=self.dtype)
-
-    def make_scaler(self, optimizer: torch.optim.Optimizer) -> torch.amp.GradScaler:
-        return self.scaler or torch.amp.GradScaler(self._device_type(optimizer))
 
     def collapsed(self, scaler: torch.amp.GradScaler) -> LossScaleError:
         """The error for an overflow that took the scale below ``min_scale``."""

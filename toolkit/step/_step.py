@@ -17,6 +17,7 @@ import toolkit.step._phases as phases
 from toolkit._checks import check, warn
 from toolkit._tree import check_weight
 from toolkit.distributed._collectives import (
+    BucketFlags,
     all_reduce_,
     bucket_flags,
     groups_of,
@@ -243,7 +244,8 @@ class Step:
         scaler = None  # under fp16: ours, made on the first step (not one left by someone else)
         if self.amp is not None and self.amp.fp16:
             if state.scaler is None:
-                state = state.replace(scaler=self.amp.make_scaler(state.optimizer))
+                made = self.amp.scaler or torch.amp.GradScaler(self.amp.device(state.optimizer))
+                state = state.replace(scaler=made)
             scaler = state.scaler
         sync = sync_kind(state.model)  # "none", "ddp" or "fsdp2"
         closes = close or state.window.micro_step + 1 == self._k
@@ -269,8 +271,8 @@ class Step:
         """Phases 1-3: the advanced window (None when skipped), the output and the loss."""
         # 1. forward, under autocast; loss_fn(model, batch, step=...) reads the update number
         keywords = {"step": state.step} if self._with_step else {}
-        amp = self.amp
-        with amp.autocast(state.optimizer) if amp is not None else contextlib.nullcontext():
+        amp, plain = self.amp, contextlib.nullcontext()
+        with plain if amp is None else torch.autocast(amp.device(state.optimizer), amp.dtype):
             result = self.loss_fn(state.model, batch, **keywords)
         if result is None:
             return None, _SKIPPED, None
@@ -278,13 +280,10 @@ class Step:
         # 2. loss normalisation: 1/k, or a sum whose gradients phase 5 divides
         window = _added(state.window, loss, count, self._k, self.guard is not None)
         objective = loss / self._k if count is None and self._k > 1 else loss
-        # 3. backward, through the GradScaler under fp16
-        if closes and sync == "ddp" and self.grad_transforms is None:
-            # DDP: this rank's window loss and skips ride on the gradient all-reduce.
-            flags = bucket_flags(state.model)
-            if flags is not None:
-                first = state.optimizer.param_groups[0]["params"][0]
-                flags.send(window.loss, window.skipped, first)
+        # 3. backward, through the GradScaler under fp16 (DDP, closing: with the flags)
+        flags = self._carrier(state.model) if closes and sync == "ddp" else None
+        if flags is not None:
+            flags.send(window.loss, window.skipped, state.optimizer.param_groups[0]["params"][0])
         (scaler.scale(objective) if scaler is not None else objective).backward()
         shown = loss.detach() if count is None else loss.detach() / count
         return window, StepOutput(shown, records, count, _leading_dim(batch), False, False), loss
@@ -315,18 +314,18 @@ class Step:
         if clipping is not None or guard is not None:
             norm = phases.total_norm(grads, clipping.norm_type if clipping else 2.0)
         if guard is not None or scaler is not None or everyone is not None:
-            # DDP: the ranks' flags that rode on the gradient all-reduce, if they did.
-            ddp = sync == "ddp" and self.grad_transforms is None
-            flags = bucket_flags(state.model) if ddp else None
+            flags = self._carrier(state.model) if sync == "ddp" else None  # DDP: rode along
             found = phases.verdict_of_window(
                 window, norm, total, guard=guard, scaler=scaler, amp=self.amp,
                 optimizer=optimizer, group=everyone,
                 carried=flags.receive() if flags is not None else None,
                 replicated=tokens is not everyone,
             )  # fmt: skip
-        outcome = self._outcome(state, window, found, empty, norm, everyone, total)
+        apply, verdict, counters, failure = self._outcome(
+            state, window, found, empty, norm, everyone, total
+        )
         lr = optimizer.param_groups[0]["lr"]
-        if outcome.apply:
+        if apply:
             if clipping is not None:  # 7. clip, by the norm of phase 6 and/or by value
                 clipping.apply(params, norm)
             # 8. optimizer step; a fused one takes found_inf from the scaler (no host sync),
@@ -341,17 +340,17 @@ class Step:
             if found.collapsed and not found.nonfinite:
                 raise self.amp.collapsed(scaler)  # type: ignore[union-attr]
         optimizer.zero_grad(set_to_none=True)
-        if outcome.failure is not None:
-            raise outcome.failure  # the window is thrown away (scaler updated, grads cleared)
-        scheduled = _step_scheduler(state) if outcome.apply else state._scheduled  # 10.
+        if failure is not None:
+            raise failure  # the window is thrown away (scaler updated, grads cleared)
+        scheduled = _step_scheduler(state) if apply else state._scheduled  # 10.
         new = state._evolve(  # 11. counters
-            {"step": state.step + 1 if outcome.apply else state.step, "window": _NO_WINDOW,
-             "guard": outcome.guard, "_graph": loss, "_scheduled": scheduled},
+            {"step": state.step + 1 if apply else state.step, "window": _NO_WINDOW,
+             "guard": counters, "_graph": loss, "_scheduled": scheduled},
             consume=True,
         )  # fmt: skip
-        v = outcome.verdict
-        return new, StepOutput(out.loss, out.records, out.count, out.samples, outcome.apply, True,
-                               False, v.nonfinite, v.overflow, v.empty, norm, lr)  # fmt: skip
+        return new, StepOutput(out.loss, out.records, out.count, out.samples, apply, True, False,
+                               verdict.nonfinite, verdict.overflow, verdict.empty,
+                               norm, lr)  # fmt: skip
 
     def _close_skipped(
         self, state: TrainState, window: WindowState, scaler: Scaler
@@ -361,21 +360,29 @@ class Step:
         first = state.optimizer.param_groups[0]["params"][0]
         if self.guard is not None and window.loss is None:  # the guard checks a loss
             window = window._replace(loss=torch.zeros((), device=first.device))
-        flags = bucket_flags(state.model) if self.grad_transforms is None else None
+        flags = self._carrier(state.model)
         if flags is not None:
             flags.send(window.loss, window.skipped, first)
         join_gradient_sync(state.model)
         return self._close(state, window, _SKIPPED, None, scaler, "ddp")
 
+    def _carrier(self, model: torch.nn.Module) -> BucketFlags | None:
+        """DDP (the callers check): what carries this rank's window loss and skips on the
+        gradient all-reduce (:func:`bucket_flags`); None under transform_grads (its functions
+        may change the gradients differently per rank): phase 6 then all-reduces the flags
+        itself."""
+        return bucket_flags(model) if self.grad_transforms is None else None
+
     def _outcome(
         self, state: TrainState, window: WindowState, verdict: phases.Verdict, empty: bool,
         norm: Any, group: Any, total: torch.Tensor | None,
-    ) -> Outcome:  # fmt: skip
-        """Phase 6's outcome: whether to apply the window, the verdict as reported (one
-        reason per window), the guard's counters, an error to raise."""
+    ) -> tuple[bool, phases.Verdict, GuardState, Exception | None]:  # fmt: skip
+        """Phase 6's outcome: whether to take the optimizer step; the verdict as reported in
+        the StepOutput (one reason per window); the guard's counters after this window; an
+        error to raise once the window is thrown away, or None."""
         guard, counters = self.guard, state.guard
         if verdict is phases.APPLY and not empty and not counters.notfinite_count:
-            return Outcome(True, verdict, counters, None)  # the common case
+            return True, verdict, counters, None  # the common case
         empty = empty or verdict.empty
         nonfinite = verdict.nonfinite and not empty  # no targets: 0/0 gradients are no failure
         overflow = verdict.overflow and not nonfinite  # a non-finite loss is the guard's
@@ -402,16 +409,7 @@ class Step:
         if verdict.uneven or verdict.replicas:  # a bug in the data, not a numerical accident
             failure = _disagreement(verdict, window, group, state.optimizer, total)
             apply = False
-        return Outcome(apply, verdict, counters, failure)
-
-
-class Outcome(NamedTuple):
-    """What the step does with a closed window (phase 6's outcome)."""
-
-    apply: bool  # take the optimizer step
-    verdict: phases.Verdict  # as reported in the StepOutput: one reason per window
-    guard: GuardState  # the guard's counters after this window
-    failure: Exception | None  # raised once the window is thrown away
+        return apply, verdict, counters, failure
 
 
 def _check_state(state: Any, k: int) -> None:
