@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -58,16 +59,21 @@ def _job(tmp_path: Path) -> subprocess.Popen:
     )
 
 
+def _killer(job: subprocess.Popen) -> threading.Timer:
+    """Kills ``job`` after TIMEOUT s: a job hung without a word would block readline()."""
+    timer = threading.Timer(TIMEOUT, job.kill)
+    timer.start()
+    return timer
+
+
 def _until(job: subprocess.Popen, line: str) -> None:
     assert job.stdout is not None
-    deadline = time.time() + TIMEOUT
-    while time.time() < deadline:
-        got = job.stdout.readline()
-        if not got or got.strip() == line:
-            assert got, f"the job ended before {line!r}"
-            return
-    job.kill()
-    raise AssertionError(f"no {line!r} in {TIMEOUT} s")
+    timer = _killer(job)
+    try:
+        found = any(got.strip() == line for got in iter(job.stdout.readline, ""))
+    finally:
+        timer.cancel()
+    assert found, f"the job ended (or was killed after {TIMEOUT} s) before {line!r}"
 
 
 def _finish(job: subprocess.Popen) -> tuple[int, str]:
@@ -152,12 +158,17 @@ def _torchrun(script: Path, job_text: str, folder: Path, said: str) -> tuple[Any
     )
     pids: dict[str, int] = {}
     assert job.stdout is not None
-    deadline = time.time() + TIMEOUT
-    while len(pids) < 2 and time.time() < deadline:
-        line = job.stdout.readline()
-        assert line, f"torchrun ended before both ranks said {said!r}: {job.communicate()[0]}"
-        if line.startswith(said):
-            pids[line.split()[1]] = int(line.split()[2])
+    timer = _killer(job)
+    try:
+        while len(pids) < 2 and (line := job.stdout.readline()):
+            if line.startswith(said):
+                pids[line.split()[1]] = int(line.split()[2])
+    finally:
+        timer.cancel()
+    assert len(pids) == 2, (
+        f"torchrun ended (or was killed after {TIMEOUT} s) before both ranks said {said!r}: "
+        + job.communicate()[0]
+    )
     return job, pids
 
 
