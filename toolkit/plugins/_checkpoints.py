@@ -418,14 +418,26 @@ def _end(config: _Config, run_: _Run, event: Event) -> None:
 
 @plugin_factory(order=80)
 def checkpoints(
-    folder: str | os.PathLike[str], *, every: int | None = None, per_epoch: bool = False,
-    at_end: bool = True, keep_last: int = 1, keep_every: int | None = None,
-    keep_steps: Sequence[int] = (), keep_best: tuple[str, str, int] | None = None,
-    resume: str | os.PathLike[str] | None = "latest", signals: Sequence[int] = _SIGNALS,
-    exit_code: int | None = None, restore_best: bool = False,
-    objects: Mapping[str, Any] | None = None, background: bool = False, on_error: str = "raise",
-    keep_full: int | None = None, on_change: str = "warn", trainable_only: bool = False,
-) -> Plugin:  # fmt: skip
+    folder: str | os.PathLike[str],
+    *,
+    every: int | None = None,
+    per_epoch: bool = False,
+    at_end: bool = True,
+    keep_last: int = 1,
+    keep_every: int | None = None,
+    keep_steps: Sequence[int] = (),
+    keep_best: tuple[str, str, int] | None = None,
+    resume: str | os.PathLike[str] | None = "latest",
+    signals: Sequence[int] = _SIGNALS,
+    exit_code: int | None = None,
+    restore_best: bool = False,
+    objects: Mapping[str, Any] | None = None,
+    background: bool = False,
+    on_error: str = "raise",
+    keep_full: int | None = None,
+    on_change: str = "warn",
+    trainable_only: bool = False,
+) -> Plugin:
     """A plugin that saves checkpoints, keeps some, resumes from the newest, stops on a signal.
 
     docs/checkpoints.md tells the whole behaviour; the arguments come in four groups.
