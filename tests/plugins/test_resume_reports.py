@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -259,17 +260,22 @@ def test_a_second_run_in_one_folder_is_refused_until_the_first_dies(tmp_path: Pa
             first.stdout.close()
 
 
-def test_a_lock_its_holder_never_let_go_is_taken_over_with_a_warning(tmp_path: Path) -> None:
-    # Bug caught: a lock left by a killed run was taken over without a word.
+def test_a_lock_its_holder_never_let_go_is_taken_over_with_a_line_to_stderr(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Bug caught: a lock left by a killed run was taken over without a word. A line, as the
+    # resume line is, not a warning: under -W error a warning would fail every relaunch.
     run(_recording([]), _state(), _loader(), max_steps=2, plugins=[checkpoints(tmp_path)])
     assert (tmp_path / ".lock").read_text() == ""  # let go: no holder named
     (tmp_path / ".lock").write_text("the run of pid 4242 on node17".ljust(200))  # then killed
-    said = r"the run of pid 4242 on node17 ended without letting .* go \(killed\?\); taken over"
-    with pytest.warns(RuntimeWarning, match=said):
-        run(_recording([]), _state(), _loader(), max_steps=3, plugins=[checkpoints(tmp_path)])
+    capsys.readouterr()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        run(_recording([]), _state(), _loader(), max_steps=3, plugins=[checkpoints(tmp_path)])
+        said = r"the run of pid 4242 on node17 ended without letting .* go \(killed\?\); taken over"
+        assert re.search(said, capsys.readouterr().err)
         run(_recording([]), _state(), _loader(), max_steps=4, plugins=[checkpoints(tmp_path)])
+    assert "taken over" not in capsys.readouterr().err  # the run before let go
 
 
 def test_keep_full_reaches_retention_and_older_kept_checkpoints_hold_the_model(tmp_path) -> None:

@@ -205,8 +205,9 @@ def _own(root: Path, run_: _Run) -> bool:
             "would delete each other's checkpoints. Wait for it to end, or use another folder."
         ) from None
     run_.lock = fd  # from now on, _release frees it
-    if holder:
-        warn(f"checkpoints: {holder} ended without letting {str(root)!r} go (killed?); taken over.")
+    if holder:  # said as the resume line is, not warned: a relaunch after a kill is routine
+        said = f"checkpoints: {holder} ended without letting {str(root)!r} go (killed?); taken over"
+        print(said, file=sys.stderr, flush=True)
     os.pwrite(fd, f"the run of pid {os.getpid()} on {os.uname().nodename}".ljust(200).encode(), 0)
     clean_temporaries(root)
     return False
