@@ -15,6 +15,8 @@ from toolkit import LossSum, TrainState, accumulate, clip, compose, guard_nonfin
 
 K = 2  # micro-batches per update
 NAN_UPDATE = 9  # the update index whose batches carry rank 1's NaN
+# The NaN window as a rank that must reject it reports it: nothing applied, one rejection.
+REJECTED = {"updated": False, "nonfinite": True, "notfinite_count": 1, "unchanged": True}
 
 
 def mlp() -> torch.nn.Module:
