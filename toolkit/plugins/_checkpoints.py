@@ -93,7 +93,8 @@ class _Run:
 
     group: Any  # the data-parallel group that saves together (None: this process alone)
     saved_step: int | None = None  # the step of the newest checkpoint written or loaded
-    signum: int | None = None  # the first signal received (the handler only sets this flag)
+    received: int | None = None  # the first signal this process received (the handler's flag)
+    signum: int | None = None  # the signal the run stops for: the ranks' highest received
     handlers: dict[int, Any] = dataclasses.field(default_factory=dict)
     writing: Future[Path] | Path | None = None  # a save whose pointer and pruning are due
     epoch_due: bool = False  # per_epoch: an epoch ended inside an accumulation window
@@ -104,9 +105,13 @@ class _Run:
 
 
 def _share_signal(config: _Config, run_: _Run) -> None:
-    """Give every rank of the group the highest signal any rank received."""
+    """Give every rank of the group the highest signal any rank received. ``received`` is
+    read once and never written here: a signal that arrives while the ranks exchange (the
+    handler runs when the collective returns) is agreed on at the next exchange, not lost."""
+    received = run_.received or 0
     if run_.group is not None and config.signals:
-        run_.signum = max_over_ranks(run_.signum or 0, run_.group) or None
+        received = max_over_ranks(received, run_.group)
+    run_.signum = received or None
 
 
 def _metrics(state: TrainState, metric: str | None) -> dict[str, float]:
@@ -168,7 +173,7 @@ def _save(config: _Config, run_: _Run, state: TrainState, loop: LoopInfo) -> Non
 
 def _install(signals: Sequence[int], run_: _Run) -> None:
     def handler(signum: int, frame: Any) -> None:
-        run_.signum = run_.signum or signum  # a flag the loop acts on; the first one stops
+        run_.received = run_.received or signum  # a flag the loop acts on; the first one stops
 
     if threading.current_thread() is threading.main_thread():  # Python allows no other
         run_.handlers = {signum: signal.signal(signum, handler) for signum in signals}
@@ -385,6 +390,8 @@ def _stop(config: _Config, run_: _Run, state: TrainState, loop: LoopInfo) -> Tra
 
 def _end(config: _Config, run_: _Run, event: Event) -> None:
     error = event.error
+    if error is not None:  # no exchange after an error: this rank's own signal is said
+        run_.signum = run_.signum or run_.received
     try:
         if error is None:
             _share_signal(config, run_)  # a signal after the last update: all save, or none
