@@ -42,7 +42,7 @@ def profile(
         record_shapes: record operator input shapes (bigger traces).
 
     Returns:
-        The plugin, ``plugin(event) -> TrainState | None``.
+        The plugin, ``plugin(event) -> None``: it records traces and changes no state.
 
     Raises:
         ValueError: a negative count, ``active < 1``.
