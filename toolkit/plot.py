@@ -134,23 +134,22 @@ def read_series(path: str | os.PathLike[str]) -> tuple[Series, list[str]]:
     records: list[tuple[int, dict[str, Any]]] = []  # (step, record)
     notes: list[str] = []
     for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
-        if line.strip():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                record = line.strip()[:80]
-            where = f"{name} line {number}"
-            check(isinstance(record, dict), who, where, _EXAMPLE, record)
-            step = record.get("step")
-            check(type(step) is int, who, where, 'an object with an integer "step"', step)
-            if records and step < records[-1][0]:
-                kept = [r for r in records if r[0] < step]
-                notes.append(
-                    f"line {number}: step {step} after step {records[-1][0]} (a rerun or a "
-                    f"resume): {len(records) - len(kept)} earlier line(s) dropped"
-                )
-                records = kept
-            records.append((step, record))
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = line.strip()[:80]
+        where = f"{name} line {number}"
+        check(isinstance(record, dict), who, where, _EXAMPLE, record)
+        step = record.get("step")
+        check(type(step) is int, who, where, 'an object with an integer "step"', step)
+        if records and step < records[-1][0]:
+            kept = [r for r in records if r[0] < step]
+            said = f"line {number}: step {step} after step {records[-1][0]} (a rerun or a resume)"
+            notes.append(f"{said}: {len(records) - len(kept)} earlier line(s) dropped")
+            records = kept
+        records.append((step, record))
     by_step: dict[str, dict[int, float]] = {}  # a key published again at a step: the later
     for step, record in records:
         for key, v in record.items():

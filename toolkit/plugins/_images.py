@@ -77,9 +77,9 @@ def log_images(
         for sink in sink_list if images else ():
             sink.images(state.step, dict(images))
 
-    def plugin(event: Event) -> TrainState | None:
+    def plugin(event: Event) -> None:
         if not is_rank_zero():
-            return None
+            return
         if event.kind == "start":
             last[0] = event.state.step
             for sink in sink_list:
@@ -92,6 +92,5 @@ def log_images(
                     record(event.state)
             finally:
                 close_all(sink_list)
-        return None
 
     return plugin

@@ -77,7 +77,6 @@ def read(
     counts = fields.count
     counted = any(c is not None for c in counts)  # `is`: `None in counts` compares tensors
     known = [s for s in fields.samples if s is not None]  # some micro-batches may have none
-    sized = sum(known) if known else None
     samples = tuple(1 if s is None else s for s in fields.samples)
     weights: Sequence[Any] | Column = Column(samples, None, tensors=False)
     if counted:
@@ -102,8 +101,8 @@ def read(
     if counted:
         targets = sum([w for w, c in zip(got.weights, counts) if c is not None])
         interval.targets = targets + (interval.targets or 0.0)
-    if sized is not None:
-        interval.samples = sized + (interval.samples or 0)
+    if known:
+        interval.samples = sum(known) + (interval.samples or 0)
     interval.norm_total += sum(norms)
     interval.norms += len(norms)
     interval.lr = lr[0] if lr else interval.lr
@@ -167,8 +166,4 @@ def _scalar(tensor: torch.Tensor) -> torch.Tensor:
 
 def _fields(outs: Iterable[Sequence[Any]]) -> Any:
     """The outputs as one StepOutput whose fields are tuples: a column per field."""
-    taken = list(zip(*outs))
-    return StepOutput._make(taken) if taken else _NO_OUTPUTS
-
-
-_NO_OUTPUTS = StepOutput._make(() for _ in StepOutput._fields)
+    return StepOutput._make(list(zip(*outs)) or [()] * len(StepOutput._fields))

@@ -321,8 +321,7 @@ def _on_step(options: _Options, memory: _Memory, event: Event) -> TrainState | N
         used = memory.lrs[0] if event.out is not None and event.out.updated else memory.lrs[1]
         memory.lrs = (_lrs(state.optimizer), used)
     memory.windows.append(event.outs)
-    memory.times[0] += event.data_time
-    memory.times[1] += event.step_time
+    memory.times = [memory.times[0] + event.data_time, memory.times[1] + event.step_time]
     extra = _scan(memory, state)
     if due(event, options.every):
         return _publish(options, memory, state, extra, True)

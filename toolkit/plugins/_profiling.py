@@ -10,7 +10,6 @@ from torch.profiler import ProfilerActivity
 from toolkit._checks import check_bool, check_count, check_path
 from toolkit.distributed._collectives import is_rank_zero
 from toolkit.loop._run import Event, Plugin, plugin_factory
-from toolkit.step._state import TrainState
 
 _PER_CYCLE = ".*Profiler clears events at the end of each cycle"
 
@@ -43,7 +42,7 @@ def profile(
         record_shapes: record operator input shapes (bigger traces).
 
     Returns:
-        The plugin, ``plugin(event) -> TrainState | None``.
+        The plugin, ``plugin(event) -> None``: it records traces and changes no state.
 
     Raises:
         ValueError: a negative count, ``active < 1``.
@@ -76,7 +75,7 @@ def profile(
     def export(prof: torch.profiler.profile) -> None:
         prof.export_chrome_trace(str(folder / f"trace_step{trace_step}.json"))
 
-    def plugin(event: Event) -> TrainState | None:
+    def plugin(event: Event) -> None:
         nonlocal running, trace_step
         prof = running
         if event.kind == "start" and is_rank_zero():
@@ -106,6 +105,5 @@ def profile(
         elif prof is not None and event.kind == "end":
             running = None
             prof.stop()  # writes the window being recorded, if any
-        return None
 
     return plugin

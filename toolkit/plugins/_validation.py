@@ -177,9 +177,7 @@ def validate(
         if better(metrics[monitor], best, mode):
             best, best_step = metrics[monitor], state.step
         entry = ValidationEntry(epoch=state.epoch, best=best, best_step=best_step)
-        return state.replace(
-            metrics={**state.metrics, key: Metrics(step=state.step, values=metrics)},
-            extras={**state.extras, key: entry},
-        )
+        published = {**state.metrics, key: Metrics(step=state.step, values=metrics)}
+        return state.replace(metrics=published, extras={**state.extras, key: entry})
 
     return declare(plugin, key, steps_plateau=plateau_metric is not None)
