@@ -341,10 +341,15 @@ SCENARIOS = {
 
 
 def _cases() -> list[Any]:
+    """Every subset with every optimizer and scenario. ``make test-fast`` runs a quarter:
+    each subset with one optimizer, the optimizer turning with the subset's index (a Latin
+    square), so that every optimizer and every feature subset are still in it; the rest is
+    marked slow."""
     cases = []
-    for features in SUBSETS:
+    for i, features in enumerate(SUBSETS):
         name = "+".join(f for f in FEATURES if f in features) or "plain"
-        for opt_name in OPTIMIZERS:
+        for j, opt_name in enumerate(OPTIMIZERS):
+            marks = () if (i + j) % len(OPTIMIZERS) == 0 else (pytest.mark.slow,)
             for suffix, (nan, overflow) in SCENARIOS.items():
                 if (nan and "guard" not in features) or (overflow and "fp16" not in features):
                     continue
@@ -359,7 +364,12 @@ def _cases() -> list[Any]:
                     continue
                 cases.append(
                     pytest.param(
-                        features, opt_name, nan, overflow, id=name + "-" + opt_name + suffix
+                        features,
+                        opt_name,
+                        nan,
+                        overflow,
+                        id=name + "-" + opt_name + suffix,
+                        marks=marks,
                     )
                 )
     return cases
