@@ -163,11 +163,6 @@ def few(names: Any) -> str:
     return ", ".join(map(repr, names[:10])) + more
 
 
-def is_dtensor(value: Any) -> bool:
-    """True for a ``torch.distributed.tensor.DTensor`` (an FSDP2 shard)."""
-    return isinstance(value, DTensor)
-
-
 def is_sharded(model: torch.nn.Module) -> bool:
     """True when any of ``model``'s parameters is a DTensor (FSDP2, tensor parallelism)."""
     return any(isinstance(p, DTensor) for p in model.parameters())
