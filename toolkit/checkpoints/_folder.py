@@ -258,23 +258,22 @@ def load_latest(
     """
     group = checkpoint_group(like.model) if isinstance(like, TrainState) else None
     # One rank picks, so that ranks cannot disagree.
-    finite = not allow_nonfinite
-    choice = broadcast_text(on_rank0(group, "load_latest", _pick, root, finite) or "", group)
-    if not choice:
+    picked = on_rank0(group, "load_latest", _pick, root, allow_nonfinite)
+    if not (choice := broadcast_text(picked or "", group)):
         return None
     path = Path(root) / choice
-    loaded = load_checkpoint(path, like, objects=objects, rng=rng, allow_nonfinite=not finite)
+    loaded = load_checkpoint(path, like, objects=objects, rng=rng, allow_nonfinite=allow_nonfinite)
     return loaded, path
 
 
-def _pick(root: str | os.PathLike[str], finite: bool) -> str:
+def _pick(root: str | os.PathLike[str], allow_nonfinite: bool) -> str:
     """The name of ``root``'s newest intact full checkpoint, "" for none; an error when
     ``root`` holds checkpoints but none of them will do."""
-    found = latest_checkpoint(root, allow_nonfinite=not finite)
+    found = latest_checkpoint(root, allow_nonfinite=allow_nonfinite)
     infos = list_checkpoints(root) if found is None else []
     full = [c.path for c in infos if not c.model_only]
     if full:  # each was damaged: the newest one's problems, checksums included
-        raise DamagedCheckpointError(full[-1], _info(full[-1], True, not finite).problems)
+        raise DamagedCheckpointError(full[-1], _info(full[-1], True, allow_nonfinite).problems)
     fix = "Its checkpoints are model-only (keep_full removed their optimizer state)."
     check(not infos, "load_latest", "root", "a folder of full checkpoints", str(root), fix)
     return found.name if found else ""
