@@ -74,7 +74,7 @@ def export_model(
         tensors = {name: host_tensor(value) for name, value in {**full, **cast}.items()}
         separate_shared(tensors)  # a tied tensor is written under each name: copies
         path.parent.mkdir(parents=True, exist_ok=True)
-        replace_file(path, lambda temp: write_tensors(temp, tensors, {"format": "pt"}))
+        replace_file(path, lambda temp: write_tensors(temp, tensors))
     return path
 
 
