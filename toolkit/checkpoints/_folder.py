@@ -496,7 +496,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     one = any(os.path.lexists(root / n) for n in (MANIFEST, "model.safetensors", "sharded"))
     infos = [_info(root, args.verify)] if one else list_checkpoints(root, checksums=args.verify)
     pointer, names = (None, []) if one else (read_pointer(root), [p.name for p in root.iterdir()])
-    leftovers = sorted(n for n in names if n.startswith((".tmp-", ".old-", ".del-")))
     plural = "" if len(infos) == 1 else "s"
     head = f"{root}: {len(infos)} checkpoint{plural}, {_size(sum(c.size for c in infos))}"
     print(head + (f"; latest: {pointer.name}" if pointer is not None else ""))
@@ -507,7 +506,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if infos:
         _table(infos, rules)
     print(f"checked: {checked}" + ("" if args.verify else " (--verify: also checksums, contents)"))
-    for name in leftovers:
+    for name in sorted(n for n in names if n.startswith((".tmp-", ".old-", ".del-"))):
         print(f"leftover of an interrupted save or prune: {name} (clean_temporaries removes it)")
     if POINTER in names and (pointer is None or pointer.name not in {c.name for c in infos}):
         print(f"{root / POINTER}: ignored, not a small file naming a checkpoint folder here")
