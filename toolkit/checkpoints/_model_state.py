@@ -82,9 +82,8 @@ def put_model(
     if full and not is_sharded(model):  # set_model_state_dict would copy every tensor
         unwrap(model).load_state_dict(dict(state), strict=strict)
     else:
-        set_model_state_dict(
-            unwrap(model), dict(state), options=StateDictOptions(full_state_dict=full)
-        )
+        options = StateDictOptions(full_state_dict=full)
+        set_model_state_dict(unwrap(model), dict(state), options=options)
 
 
 def parameter_names(model: torch.nn.Module, optimizer: Any) -> list[list[str]]:
