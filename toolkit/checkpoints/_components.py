@@ -21,17 +21,12 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from toolkit._checks import check
 from toolkit._rng import capture_rng, restore_rng
 from toolkit.checkpoints._fit import extras_fit, is_namedtuple, optimizer_fit, settings_fit
-from toolkit.checkpoints._model_state import (
-    is_dtensor,
-    load_shards,
-    optimizer_state,
-    put_model,
-    put_optimizer,
-)
+from toolkit.checkpoints._model_state import load_shards, optimizer_state, put_model, put_optimizer
 from toolkit.step._state import TrainState
 
 
@@ -79,7 +74,7 @@ class Component:
     template: Callable[[TrainState, bool], Any] = lambda like, sharded: None
     fit: Callable[[str, Any, Any, TrainState, bool], list[str]] | None = None
     model_only: bool = False
-    shard: Callable[[torch.Tensor], bool] = is_dtensor
+    shard: Callable[[torch.Tensor], bool] = lambda tensor: isinstance(tensor, DTensor)
 
 
 def _optimizer(state: TrainState, keep: bool) -> Any:

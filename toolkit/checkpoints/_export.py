@@ -74,7 +74,7 @@ def export_model(
         tensors = {name: host_tensor(value) for name, value in {**full, **cast}.items()}
         separate_shared(tensors)  # a tied tensor is written under each name: copies
         path.parent.mkdir(parents=True, exist_ok=True)
-        replace_file(path, lambda temp: write_tensors(temp, tensors, {"format": "pt"}))
+        replace_file(path, lambda temp: write_tensors(temp, tensors))
     return path
 
 
@@ -162,10 +162,8 @@ def export_pretrained(
         check(peft, who, "merge", "False for a model without a peft adapter", merge)
         target = copy.deepcopy(target)
         target.load_state_dict(full)
-        target = target.merge_and_unload()
-    target.save_pretrained(
-        folder, state_dict=None if merge else full, max_shard_size=max_shard_size
-    )
+        target, full = target.merge_and_unload(), None  # None: the merged model's own weights
+    target.save_pretrained(folder, state_dict=full, max_shard_size=max_shard_size)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
     return Path(folder)

@@ -90,11 +90,10 @@ def read_json(path: Path) -> Any:
     return json.loads(read_regular(path).decode(), parse_constant=_finite, parse_float=_finite)
 
 
-def write_tensors(
-    path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
-) -> None:
-    """Write CPU tensors as a new safetensors file and fsync it."""
-    save_file(dict(tensors), path, metadata=dict(metadata) if metadata else None)
+def write_tensors(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Write CPU tensors as a new safetensors file, with the metadata ``{"format": "pt"}``
+    that hub tools expect, and fsync it."""
+    save_file(dict(tensors), path, metadata={"format": "pt"})
     fsync_dir(path)
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import optree
 import torch
 
-from toolkit.checkpoints._model_state import expand, few, model_part, split_aliases
+from toolkit.checkpoints._model_state import few, model_part, split_aliases
 from toolkit.step._state import TrainState
 
 
@@ -39,9 +39,10 @@ def compare(what: str, saved: Mapping[str, Any], live: Mapping[str, Any]) -> lis
 
 
 def model_fit(
-    model: torch.nn.Module, shapes: Mapping, aliases: Mapping[str, str], frozen: Any
+    model: torch.nn.Module, stored: Mapping, aliases: Mapping[str, str], frozen: Any
 ) -> list[str]:
-    """How a saved model (names -> shapes and dtypes, aliases) differs from ``model``.
+    """How a saved model (every name, aliases too -> shape and dtype; the aliases) differs
+    from ``model``.
 
     With ``frozen`` (the fingerprint of a trainable-only save) the saved names are compared
     with ``model``'s trainable part and ``frozen`` with the fingerprint of the rest.
@@ -52,16 +53,14 @@ def model_fit(
         f"checkpoint was saved with ({frozen}); build the template on the same base model "
         "(the same pretrained weights, the same parameters frozen)."
     ]  # fmt: skip
-    live, live_aliases = split_aliases(live, "load_checkpoint")
-    stored = {n: shapes[aliases.get(n, n)] for n in [*shapes, *aliases]}
-    tensors = expand(live, live_aliases)
+    live_aliases = split_aliases(live, "load_checkpoint")[1]  # live names every tensor already
     saved = {n: f"shape {list(shape)}" for n, (shape, _) in stored.items()}
-    full = {n: f"shape {list(t.shape)}" for n, t in tensors.items()}
+    full = {n: f"shape {list(t.shape)}" for n, t in live.items()}
     common = saved.keys() & full.keys()
     out += [
-        f"model: {n!r}: {stored[n][1]} in the checkpoint, {tensors[n].dtype} in the template; "
+        f"model: {n!r}: {stored[n][1]} in the checkpoint, {live[n].dtype} in the template; "
         f"cast the model first, e.g. model.to({stored[n][1]})"
-        for n in sorted(common) if stored[n][1] != tensors[n].dtype
+        for n in sorted(common) if stored[n][1] != live[n].dtype
     ]  # fmt: skip
     theirs, ours = _ties(aliases, common), _ties(live_aliases, common)
     differ = {(theirs[n], ours[n]) for n in common if theirs[n] != ours[n]}

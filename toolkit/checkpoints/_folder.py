@@ -258,23 +258,22 @@ def load_latest(
     """
     group = checkpoint_group(like.model) if isinstance(like, TrainState) else None
     # One rank picks, so that ranks cannot disagree.
-    finite = not allow_nonfinite
-    choice = broadcast_text(on_rank0(group, "load_latest", _pick, root, finite) or "", group)
-    if not choice:
+    picked = on_rank0(group, "load_latest", _pick, root, allow_nonfinite)
+    if not (choice := broadcast_text(picked or "", group)):
         return None
     path = Path(root) / choice
-    loaded = load_checkpoint(path, like, objects=objects, rng=rng, allow_nonfinite=not finite)
+    loaded = load_checkpoint(path, like, objects=objects, rng=rng, allow_nonfinite=allow_nonfinite)
     return loaded, path
 
 
-def _pick(root: str | os.PathLike[str], finite: bool) -> str:
+def _pick(root: str | os.PathLike[str], allow_nonfinite: bool) -> str:
     """The name of ``root``'s newest intact full checkpoint, "" for none; an error when
     ``root`` holds checkpoints but none of them will do."""
-    found = latest_checkpoint(root, allow_nonfinite=not finite)
+    found = latest_checkpoint(root, allow_nonfinite=allow_nonfinite)
     infos = list_checkpoints(root) if found is None else []
     full = [c.path for c in infos if not c.model_only]
     if full:  # each was damaged: the newest one's problems, checksums included
-        raise DamagedCheckpointError(full[-1], _info(full[-1], True, not finite).problems)
+        raise DamagedCheckpointError(full[-1], _info(full[-1], True, allow_nonfinite).problems)
     fix = "Its checkpoints are model-only (keep_full removed their optimizer state)."
     check(not infos, "load_latest", "root", "a folder of full checkpoints", str(root), fix)
     return found.name if found else ""
@@ -497,7 +496,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     one = any(os.path.lexists(root / n) for n in (MANIFEST, "model.safetensors", "sharded"))
     infos = [_info(root, args.verify)] if one else list_checkpoints(root, checksums=args.verify)
     pointer, names = (None, []) if one else (read_pointer(root), [p.name for p in root.iterdir()])
-    leftovers = sorted(n for n in names if n.startswith((".tmp-", ".old-", ".del-")))
     plural = "" if len(infos) == 1 else "s"
     head = f"{root}: {len(infos)} checkpoint{plural}, {_size(sum(c.size for c in infos))}"
     print(head + (f"; latest: {pointer.name}" if pointer is not None else ""))
@@ -508,7 +506,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if infos:
         _table(infos, rules)
     print(f"checked: {checked}" + ("" if args.verify else " (--verify: also checksums, contents)"))
-    for name in leftovers:
+    for name in sorted(n for n in names if n.startswith((".tmp-", ".old-", ".del-"))):
         print(f"leftover of an interrupted save or prune: {name} (clean_temporaries removes it)")
     if POINTER in names and (pointer is None or pointer.name not in {c.name for c in infos}):
         print(f"{root / POINTER}: ignored, not a small file naming a checkpoint folder here")

@@ -275,9 +275,8 @@ def _read(manifest: Manifest, like: TrainState | None, out: list[str]) -> tuple[
         shards.update({f"model/{name}": value for name, value in model.items()})
         saved = {k[6:]: kind for k, kind in shapes.items() if k[:6] == "model/"}
     else:
-        tensors = _tensors(manifest, "model.safetensors")
-        model = expand(tensors, manifest.aliases)
-        saved = {n: (t.shape, t.dtype) for n, t in tensors.items()}
+        model = expand(_tensors(manifest, "model.safetensors"), manifest.aliases)
+        saved = {n: (t.shape, t.dtype) for n, t in model.items()}  # every name, aliases too
     if like is not None:
         aliases = {} if manifest.sharded else manifest.aliases
         out += model_fit(like.model, saved, aliases, manifest.frozen)
@@ -286,8 +285,7 @@ def _read(manifest: Manifest, like: TrainState | None, out: list[str]) -> tuple[
     else:
         templates = {n[:-5]: None for n in manifest.files if n.endswith(".json") and "/" not in n}
     trees = {n: read_tree(manifest, n, like=t, sharded=take) for n, t in templates.items()}
-    kinds = {n: (t.shape, t.dtype) for n, t in model.items()} if not manifest.sharded else saved
-    return {**trees, "model": model}, templates, shards, kinds
+    return {**trees, "model": model}, templates, shards, saved
 
 
 def _itself(manifest: Manifest, trees: Mapping[str, Any], model: Mapping, finite: bool) -> list:

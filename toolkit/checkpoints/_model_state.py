@@ -82,13 +82,13 @@ def put_model(
     if full and not is_sharded(model):  # set_model_state_dict would copy every tensor
         unwrap(model).load_state_dict(dict(state), strict=strict)
     else:
-        set_model_state_dict(
-            unwrap(model), dict(state), options=StateDictOptions(full_state_dict=full)
-        )
+        options = StateDictOptions(full_state_dict=full)
+        set_model_state_dict(unwrap(model), dict(state), options=options)
 
 
-def parameter_names(model: torch.nn.Module, optimizer: Any) -> list[list[str]]:
-    """Per parameter group, its parameters' names; a ValueError for a stray tensor."""
+def parameter_names(model: torch.nn.Module, optimizer: Any) -> dict[int, str]:
+    """The model's parameter names by the parameters' ids; a ValueError for a tensor of the
+    optimizer that is not a parameter of the model (no checkpoint could name it)."""
     names = {id(p): name for name, p in unwrap(model).named_parameters()}
     for g, group in enumerate(optimizer.param_groups):
         for i, param in enumerate(group["params"]):
@@ -99,7 +99,7 @@ def parameter_names(model: torch.nn.Module, optimizer: Any) -> list[list[str]]:
                     "cannot name it; register it on the model (e.g. as an nn.Parameter "
                     "attribute) or keep it in a separate optimizer saved through objects=."
                 )
-    return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+    return names
 
 
 def _optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
@@ -112,13 +112,12 @@ def optimizer_state(model: torch.nn.Module, optimizer: Any, keep: bool = False) 
     An optimizer without state gets zero state, which is dropped again unless ``keep``
     (DCP loads a sharded checkpoint into it).
     """
-    parameter_names(model, optimizer)  # the clear error for a stray tensor
+    names = parameter_names(model, optimizer)  # and the clear error for a stray tensor
     optimizers = _optimizers(optimizer)
     had = {id(p) for o in optimizers for p in o.state}
     state: dict[str, Any] = dict(get_optimizer_state_dict(unwrap(model), optimizers))
     # Own code: for an optimizer without state, get_optimizer_state_dict makes zero state
     # (one step at lr=0); a save must not change the run, so that state is dropped again.
-    names = {id(p): name for name, p in unwrap(model).named_parameters()}
     for o in optimizers if not keep else ():
         for param in [p for p in o.state if id(p) not in had]:
             del o.state[param]
@@ -161,11 +160,6 @@ def few(names: Any) -> str:
     names = sorted(names)
     more = f" ... (+{len(names) - 10} more)" if len(names) > 10 else ""
     return ", ".join(map(repr, names[:10])) + more
-
-
-def is_dtensor(value: Any) -> bool:
-    """True for a ``torch.distributed.tensor.DTensor`` (an FSDP2 shard)."""
-    return isinstance(value, DTensor)
 
 
 def is_sharded(model: torch.nn.Module) -> bool:

@@ -75,7 +75,7 @@ class Retention:
 
     def describe(self) -> str:
         """The active rules in one line, e.g. ``keep_last=2, keep_every=1000``."""
-        values = {**dataclasses.asdict(self), "keep_steps": list(self.keep_steps)}
+        values = self.to_document()
         values["keep_best"] = self.keep_best and f"{self.keep_best} by {self.metric} ({self.mode})"
         names = ("keep_last", "keep_every", "keep_steps", "keep_full", "keep_best")
         return ", ".join(f"{n}={values[n]}" for n in names if values[n] or n == "keep_last")

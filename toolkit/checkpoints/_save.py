@@ -84,7 +84,7 @@ def _write_parts(snapshot: _Snapshot, folder: Path, rank: int) -> None:
         if name != "model":  # the model: a plain state dict that safetensors opens alone
             write_json(folder / f"{name}.json", document)
         if tensors or name == "model":
-            write_tensors(folder / f"{name}.safetensors", tensors, {"format": "pt"})
+            write_tensors(folder / f"{name}.safetensors", tensors)
 
 
 def _publish(temp: Path, path: Path) -> None:

@@ -23,7 +23,6 @@ from toolkit.checkpoints._folder import (
     clean_temporaries,
     list_checkpoints,
     load_latest,
-    on_rank0,
     prune_checkpoints,
     write_pointer,
 )
@@ -31,7 +30,7 @@ from toolkit.checkpoints._load import full_model, load_checkpoint, verified_mani
 from toolkit.checkpoints._manifest import read_manifest
 from toolkit.checkpoints._model_state import parameter_names, put_model
 from toolkit.checkpoints._retention import Retention, retain
-from toolkit.checkpoints._save import save_checkpoint, save_in_background
+from toolkit.checkpoints._save import on_rank0, save_checkpoint, save_in_background
 from toolkit.distributed._collectives import checkpoint_group, groups_of, max_over_ranks, rank_of
 from toolkit.distributed._layout import current_layout
 from toolkit.loop._data import pass_settings, position, restore_generators, seen_after_change
