@@ -241,7 +241,8 @@ def _setting_values(values: Mapping[str, Any]) -> dict[str, Any]:
         value = tuple(value) if isinstance(value, list) else value
         items = value if isinstance(value, tuple) else (value,)
         plain = all(isinstance(v, (int, float, str, type(None))) for v in items)
-        if plain and key.rsplit(".")[-1] not in _NOT_SETTINGS:
+        name = [part for part in key.split(".") if not part.isdigit()][-1]  # base_lrs.0
+        if plain and name not in _NOT_SETTINGS:
             found[key] = value
     return found
 
