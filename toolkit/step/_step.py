@@ -299,8 +299,7 @@ class Step:
         # (docs/distributed.md, "Meshes"); None and None for one process.
         tokens = everyone = None
         if sync != "none" or current_layout() is not None:
-            groups = groups_of(state.model)
-            tokens, everyone = groups.tokens, groups.everyone
+            _, tokens, everyone = groups_of(state.model)
         # Phases 5-7 read the gradients; a plain update leaves them to the optimizer.
         short = window.micro_step != window.length  # closed early: close=True
         reads = window.count is not None or short or self.grad_transforms or clipping or guard
@@ -464,12 +463,27 @@ def _normalise(
     """Phase 5: gradients divided by the window's total count over the token ranks, or, for
     a short window of mean losses, the sum of m losses / k made their mean. Returns the
     total as a tensor (for phase 6 to check) or None, and whether the window is empty."""
-    if window.count is not None and grads:
-        return _divide_by_count(grads, window.count, tokens)
-    if window.micro_step != window.length and grads:
-        for part in phases.by_mesh(grads):
-            torch._foreach_mul_(part, window.length / window.micro_step)
-    return None, not window.micro_step  # a window of skips: nothing to learn
+    if window.count is None or not grads:
+        if window.micro_step != window.length and grads:
+            for part in phases.by_mesh(grads):
+                torch._foreach_mul_(part, window.length / window.micro_step)
+        return None, not window.micro_step  # a window of skips: nothing to learn
+    count = window.count
+    if tokens is None and not isinstance(count, torch.Tensor):
+        if count:  # else nothing to learn from: the window is skipped (empty)
+            torch._foreach_mul_(grads, 1.0 / count)
+        return None, count == 0
+    # A tensor, for phase 6 to check within its host sync.
+    total = torch.as_tensor(count, dtype=torch.float64, device=grads[0].device)
+    world = 1 if tokens is None else tokens.size()
+    if tokens is not None:
+        total = all_reduce_(total.clone(), torch.distributed.ReduceOp.SUM, tokens)
+    # DDP and FSDP average gradients over ranks; the world factor turns that mean back into
+    # the sum that the global count divides.
+    factor = (world / total).to(grads[0].dtype)
+    for part in phases.by_mesh(grads):
+        torch._foreach_mul_(part, factor)
+    return total, False
 
 
 def _step_scheduler(state: TrainState) -> tuple[Any, int]:
@@ -513,27 +527,6 @@ def _with_grads(optimizer: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]
     """The optimizer's parameters that have a gradient, and their gradients."""
     params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     return params, [p.grad for p in params]
-
-
-def _divide_by_count(
-    grads: list[torch.Tensor], count: torch.Tensor | float, group: Any
-) -> tuple[torch.Tensor | None, bool]:
-    """Phase 5: gradients divided by the total count over the ranks; (total tensor, empty)."""
-    if group is None and not isinstance(count, torch.Tensor):
-        if count:  # else nothing to learn from: the window is skipped (empty)
-            torch._foreach_mul_(grads, 1.0 / count)
-        return None, count == 0
-    # A tensor, for phase 6 to check within its host sync.
-    total = torch.as_tensor(count, dtype=torch.float64, device=grads[0].device)
-    world = 1 if group is None else group.size()
-    if group is not None:
-        total = all_reduce_(total.clone(), torch.distributed.ReduceOp.SUM, group)
-    # DDP and FSDP average gradients over ranks; the world factor turns that mean back into
-    # the sum that the global count divides.
-    factor = (world / total).to(grads[0].dtype)
-    for part in phases.by_mesh(grads):
-        torch._foreach_mul_(part, factor)
-    return total, False
 
 
 def make_step(loss_fn: Callable[..., Any]) -> Step:
