@@ -271,12 +271,6 @@ def groups_of(model: torch.nn.Module) -> Groups:
     return _ALONE if group is None else Groups(group, group, group)
 
 
-def checkpoint_group(model: torch.nn.Module) -> Group | None:
-    """The process group that checkpoints ``model`` together, or None (this process alone):
-    every rank of the job's layout, else ``model``'s data-parallel group."""
-    return groups_of(model).everyone
-
-
 def broadcast_int(value: int, group: Group | None, src: int = 0) -> int:
     """``value`` of rank ``src`` (a group rank), on every rank."""
     return _exchange([value], torch.int64, group, src=src)[0]
