@@ -71,9 +71,7 @@ def is_distributed() -> bool:
 
 # Per model: its data-parallel group (or None), given by set_data_parallel_group or derived,
 # so that a train step asks once per model, not once per update.
-_FOUND: weakref.WeakKeyDictionary[torch.nn.Module, ProcessGroup | None] = (
-    weakref.WeakKeyDictionary()
-)
+_FOUND = weakref.WeakKeyDictionary[torch.nn.Module, ProcessGroup | None]()
 
 
 def data_parallel_group(model: torch.nn.Module) -> ProcessGroup | None:
@@ -365,9 +363,7 @@ def _zeros(device: torch.device, size: int) -> torch.Tensor:
 
 
 # Per DDP model: its bucket flags, or None where the hook cannot be installed.
-_BUCKET_FLAGS: weakref.WeakKeyDictionary[torch.nn.Module, BucketFlags | None] = (
-    weakref.WeakKeyDictionary()
-)
+_BUCKET_FLAGS = weakref.WeakKeyDictionary[torch.nn.Module, BucketFlags | None]()
 
 
 def bucket_flags(model: torch.nn.Module) -> BucketFlags | None:
@@ -388,13 +384,6 @@ def bucket_flags(model: torch.nn.Module) -> BucketFlags | None:
                 model.register_comm_hook(flags, _hook)  # type: ignore[operator]
                 _BUCKET_FLAGS[model] = flags
     return _BUCKET_FLAGS[model]
-
-
-def join_gradient_sync(model: torch.nn.Module) -> None:
-    """DDP ``model``: this rank's part in the gradient all-reduce of the other ranks' backward,
-    without a backward of its own: zeros through the comm hook, bucket by bucket, as DDP's
-    ``Join`` does for a rank out of data (the carrier's flags ride along as on a backward)."""
-    model._match_all_reduce_for_bwd_pass()  # type: ignore[operator]
 
 
 def _hook(carrier, bucket):  # type: ignore[no-untyped-def]  # DDP checks real annotations

@@ -94,10 +94,8 @@ class MultiOptimizer:
         for optimizer in self.optimizers:
             inner = optimizer.state_dict()
             state.update({offset + i: value for i, value in inner["state"].items()})
-            groups += [
-                {**group, "params": [offset + i for i in group["params"]]}
-                for group in inner["param_groups"]
-            ]
+            for group in inner["param_groups"]:
+                groups.append({**group, "params": [offset + i for i in group["params"]]})
             offset += sum(len(group["params"]) for group in inner["param_groups"])
         return {"state": state, "param_groups": groups}
 

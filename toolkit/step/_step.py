@@ -21,7 +21,6 @@ from toolkit.distributed._collectives import (
     all_reduce_,
     bucket_flags,
     groups_of,
-    join_gradient_sync,
     suppress_grad_sync,
     sync_kind,
 )
@@ -362,7 +361,10 @@ class Step:
         flags = self._carrier(state.model)
         if flags is not None:
             flags.send(window.loss, window.skipped, first)
-        join_gradient_sync(state.model)
+        # This rank's part in the gradient all-reduce of the other ranks' backward, without
+        # a backward of its own: zeros through the comm hook, bucket by bucket, as DDP's Join
+        # does for a rank out of data (the carrier's flags ride along as on a backward).
+        state.model._match_all_reduce_for_bwd_pass()  # type: ignore[operator]
         return self._close(state, window, _SKIPPED, None, scaler, "ddp")
 
     def _carrier(self, model: torch.nn.Module) -> BucketFlags | None:
