@@ -152,9 +152,8 @@ def _check_optimizers(optimizers: tuple[Any, ...]) -> None:
             if first != i:
                 raise ValueError(
                     f"MultiOptimizer: a parameter of shape {list(param.shape)} is held by "
-                    f"optimizers[{first}] ({type(optimizers[first]).__name__}) and "
-                    f"optimizers[{i}] ({type(optimizer).__name__}); it would be updated twice "
-                    "per step."
+                    f"optimizers[{first}] ({type(optimizers[first]).__name__}) and optimizers[{i}] "
+                    f"({type(optimizer).__name__}); it would be updated twice per step."
                 )
 
 

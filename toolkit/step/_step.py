@@ -517,11 +517,10 @@ def _disagreement(
     mine = float(total) if total is not None else 0.0
     fewest, most = phases.value_range(mine, group, optimizer)
     return ValueError(
-        "the ranks of one data replica (tensor- or expert-parallel ranks, which hold "
-        f"the same samples) reported different target counts: from {fewest} to "
-        f"{most} summed over the data ranks (this rank: {mine:g}); the window was "
-        "thrown away. Give every rank of a replica the same batch: a "
-        "DistributedSampler(dataset, **layout.sampler_options())."
+        "the ranks of one data replica (tensor- or expert-parallel ranks, which hold the same "
+        f"samples) reported different target counts: from {fewest} to {most} summed over the data "
+        f"ranks (this rank: {mine:g}); the window was thrown away. Give every rank of a replica "
+        "the same batch: a DistributedSampler(dataset, **layout.sampler_options())."
     )
 
 
