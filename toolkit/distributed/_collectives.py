@@ -453,8 +453,7 @@ def check_even(batches: int | None, group: Any) -> None:
             length, the others' range and the fix.
     """
     value = -1 if batches is None else batches  # no length
-    most, minus_fewest = _exchange([value, -value], torch.int64, group, op=dist.ReduceOp.MAX)
-    fewest = -minus_fewest
+    fewest, most = value_range(value, group)
     if most == fewest:
         return
     said = {n: "no length" if n < 0 else f"{n} batches" for n in (value, fewest, most)}
@@ -465,6 +464,14 @@ def check_even(batches: int | None, group: Any) -> None:
         "wait forever in the step's all-reduce. Give every rank the same number of "
         "batches: a DataLoader with sampler=DistributedSampler(dataset) and drop_last=True."
     )
+
+
+def value_range(value: float, group: Group | None) -> tuple[int, int]:
+    """The smallest and the largest ``value`` of the ranks of ``group`` (batches, skips,
+    counts; a fraction is cut to an integer): one MAX all-reduce of ``[value, -value]``.
+    For an error message, on every rank of the group once they know the values differ."""
+    most, minus_fewest = _exchange([value, -value], torch.int64, group, dist.ReduceOp.MAX)
+    return -minus_fewest, most
 
 
 def max_over_ranks(value: int, group: Group | None) -> int:

@@ -23,6 +23,7 @@ from toolkit.distributed._collectives import (
     groups_of,
     suppress_grad_sync,
     sync_kind,
+    value_range,
 )
 from toolkit.distributed._layout import current_layout
 from toolkit.step._multi import PerEpoch
@@ -408,7 +409,7 @@ class Step:
         elif guard is not None and not empty and counters.notfinite_count:
             counters = counters._replace(notfinite_count=0)  # a finite window ends a series
         if verdict.uneven or verdict.replicas:  # a bug in the data, not a numerical accident
-            failure = _disagreement(verdict, window, group, state.optimizer, total)
+            failure = _disagreement(verdict, window, group, total)
             apply = False
         return apply, verdict, counters, failure
 
@@ -501,12 +502,12 @@ def _step_scheduler(state: TrainState) -> tuple[Any, int]:
 
 
 def _disagreement(
-    verdict: phases.Verdict, window: WindowState, group: Any, optimizer: Any, total: Any
+    verdict: phases.Verdict, window: WindowState, group: Any, total: Any
 ) -> ValueError:
     """The error when ranks that must agree do not (one more small all-reduce, for the
     message, on the error path only)."""
     if verdict.uneven:
-        fewest, most = phases.value_range(window.skipped, group, optimizer)
+        fewest, most = value_range(window.skipped, group)
         return ValueError(
             "loss_fn returned None on some ranks of the data-parallel group but not on "
             f"others within one accumulation window (from {fewest} to {most} skipped "
@@ -515,7 +516,7 @@ def _disagreement(
             "(loss * 0, or LossSum(total * 0, 0))."
         )
     mine = float(total) if total is not None else 0.0
-    fewest, most = phases.value_range(mine, group, optimizer)
+    fewest, most = value_range(mine, group)
     return ValueError(
         "the ranks of one data replica (tensor- or expert-parallel ranks, which hold the same "
         f"samples) reported different target counts: from {fewest} to {most} summed over the data "
