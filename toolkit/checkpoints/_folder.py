@@ -37,7 +37,7 @@ from toolkit.checkpoints._manifest import (
 )
 from toolkit.checkpoints._retention import Retention, retain, retention_from_document
 from toolkit.checkpoints._save import on_rank0
-from toolkit.distributed._collectives import broadcast_text, checkpoint_group
+from toolkit.distributed._collectives import broadcast_text, groups_of
 from toolkit.step._state import TrainState
 
 POINTER = "latest"
@@ -256,7 +256,7 @@ def load_latest(
         >>> load_latest("empty", like=state) is None
         True
     """
-    group = checkpoint_group(like.model) if isinstance(like, TrainState) else None
+    group = groups_of(like.model).everyone if isinstance(like, TrainState) else None
     # One rank picks, so that ranks cannot disagree.
     picked = on_rank0(group, "load_latest", _pick, root, allow_nonfinite)
     if not (choice := broadcast_text(picked or "", group)):

@@ -29,7 +29,7 @@ from toolkit.checkpoints._fit import compare, field_values, kind_of, model_fit
 from toolkit.checkpoints._manifest import DamagedCheckpointError, Manifest, verified_manifest
 from toolkit.checkpoints._model_state import SHARDS, expand, load_shards, model_state, saved_shapes
 from toolkit.checkpoints._save import on_rank0, rank_component
-from toolkit.distributed._collectives import Group, checkpoint_group, rank_of
+from toolkit.distributed._collectives import Group, groups_of, rank_of
 from toolkit.step._state import TrainState, WindowState
 
 # Optimizers whose per-parameter state tensors have their parameter's shape and dtype.
@@ -221,7 +221,7 @@ def load_checkpoint(
     """
     who = "load_checkpoint"
     check_type(isinstance(like, TrainState), who, "like", "a TrainState (the template)", like)
-    objects, group = check_objects(objects, who), checkpoint_group(like.model)
+    objects, group = check_objects(objects, who), groups_of(like.model).everyone
     plan = on_rank0(group, who, _plan, path, like, objects, rng, allow_nonfinite, group, every=True)
     return plan()  # every rank restores, or none
 

@@ -32,7 +32,7 @@ from toolkit.checkpoints._files import fsync_dir, new_token, temp_name, write_js
 from toolkit.checkpoints._manifest import MANIFEST, check_metrics, listing, manifest_document
 from toolkit.checkpoints._model_state import is_sharded, model_part, save_shards, split_aliases
 from toolkit.checkpoints._retention import Retention
-from toolkit.distributed._collectives import Group, agree, broadcast_int, checkpoint_group, rank_of
+from toolkit.distributed._collectives import Group, agree, broadcast_int, groups_of, rank_of
 from toolkit.distributed._layout import current_layout
 from toolkit.step._state import TrainState
 
@@ -189,7 +189,7 @@ def save_checkpoint(
         >>> sorted(load_file(path / "model.safetensors"))
         ['bias', 'weight']
     """
-    group = checkpoint_group(state.model) if isinstance(state, TrainState) else None
+    group = groups_of(state.model).everyone if isinstance(state, TrainState) else None
     args = (state, Path(path), False, objects, metrics, rules, settings, trainable_only)
     snapshot = on_rank0(group, "save_checkpoint", _prepare, *args, every=True)
     return _write(snapshot, Path(path), group)
@@ -252,7 +252,7 @@ def save_in_background(
         3
     """
     path = Path(path)
-    if isinstance(state, TrainState) and checkpoint_group(state.model) is not None:
+    if isinstance(state, TrainState) and groups_of(state.model).everyone is not None:
         raise ValueError(
             "save_in_background: expected a model of this process alone, got a data-parallel "
             "one (DDP or FSDP2), whose ranks save together; use save_checkpoint on every rank."

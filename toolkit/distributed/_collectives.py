@@ -71,9 +71,7 @@ def is_distributed() -> bool:
 
 # Per model: its data-parallel group (or None), given by set_data_parallel_group or derived,
 # so that a train step asks once per model, not once per update.
-_FOUND: weakref.WeakKeyDictionary[torch.nn.Module, ProcessGroup | None] = (
-    weakref.WeakKeyDictionary()
-)
+_FOUND = weakref.WeakKeyDictionary[torch.nn.Module, ProcessGroup | None]()
 
 
 def data_parallel_group(model: torch.nn.Module) -> ProcessGroup | None:
@@ -271,12 +269,6 @@ def groups_of(model: torch.nn.Module) -> Groups:
     return _ALONE if group is None else Groups(group, group, group)
 
 
-def checkpoint_group(model: torch.nn.Module) -> Group | None:
-    """The process group that checkpoints ``model`` together, or None (this process alone):
-    every rank of the job's layout, else ``model``'s data-parallel group."""
-    return groups_of(model).everyone
-
-
 def broadcast_int(value: int, group: Group | None, src: int = 0) -> int:
     """``value`` of rank ``src`` (a group rank), on every rank."""
     return _exchange([value], torch.int64, group, src=src)[0]
@@ -371,9 +363,7 @@ def _zeros(device: torch.device, size: int) -> torch.Tensor:
 
 
 # Per DDP model: its bucket flags, or None where the hook cannot be installed.
-_BUCKET_FLAGS: weakref.WeakKeyDictionary[torch.nn.Module, BucketFlags | None] = (
-    weakref.WeakKeyDictionary()
-)
+_BUCKET_FLAGS = weakref.WeakKeyDictionary[torch.nn.Module, BucketFlags | None]()
 
 
 def bucket_flags(model: torch.nn.Module) -> BucketFlags | None:
@@ -394,13 +384,6 @@ def bucket_flags(model: torch.nn.Module) -> BucketFlags | None:
                 model.register_comm_hook(flags, _hook)  # type: ignore[operator]
                 _BUCKET_FLAGS[model] = flags
     return _BUCKET_FLAGS[model]
-
-
-def join_gradient_sync(model: torch.nn.Module) -> None:
-    """DDP ``model``: this rank's part in the gradient all-reduce of the other ranks' backward,
-    without a backward of its own: zeros through the comm hook, bucket by bucket, as DDP's
-    ``Join`` does for a rank out of data (the carrier's flags ride along as on a backward)."""
-    model._match_all_reduce_for_bwd_pass()  # type: ignore[operator]
 
 
 def _hook(carrier, bucket):  # type: ignore[no-untyped-def]  # DDP checks real annotations
@@ -470,8 +453,7 @@ def check_even(batches: int | None, group: Any) -> None:
             length, the others' range and the fix.
     """
     value = -1 if batches is None else batches  # no length
-    most, minus_fewest = _exchange([value, -value], torch.int64, group, op=dist.ReduceOp.MAX)
-    fewest = -minus_fewest
+    fewest, most = value_range(value, group)
     if most == fewest:
         return
     said = {n: "no length" if n < 0 else f"{n} batches" for n in (value, fewest, most)}
@@ -482,6 +464,14 @@ def check_even(batches: int | None, group: Any) -> None:
         "wait forever in the step's all-reduce. Give every rank the same number of "
         "batches: a DataLoader with sampler=DistributedSampler(dataset) and drop_last=True."
     )
+
+
+def value_range(value: float, group: Group | None) -> tuple[int, int]:
+    """The smallest and the largest ``value`` of the ranks of ``group`` (batches, skips,
+    counts; a fraction is cut to an integer): one MAX all-reduce of ``[value, -value]``.
+    For an error message, on every rank of the group once they know the values differ."""
+    most, minus_fewest = _exchange([value, -value], torch.int64, group, dist.ReduceOp.MAX)
+    return -minus_fewest, most
 
 
 def max_over_ranks(value: int, group: Group | None) -> int:

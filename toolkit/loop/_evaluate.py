@@ -11,7 +11,7 @@ import torch
 from toolkit._checks import check_type, warn
 from toolkit._tree import check_weight, check_weight_values
 from toolkit._weighted import columns, weighted_sums
-from toolkit.distributed._collectives import groups_of, sum_over_ranks
+from toolkit.distributed._collectives import groups_of, sum_over_ranks, sync_kind
 from toolkit.step._state import TrainState
 from toolkit.step._step import _leading_dim
 
@@ -134,8 +134,7 @@ def _evaluate(
             module.training = training
             # FSDP2 keeps the root's parameters gathered after a forward without backward (it
             # expects one); training found them sharded, so it gets them back sharded.
-            kind = type(module)  # fully_shard gives the module an FSDPModule subclass
-            if hasattr(kind, "set_requires_gradient_sync") and hasattr(kind, "reshard"):
+            if sync_kind(module) == "fsdp2":  # a module that fully_shard gave an FSDPModule class
                 module.reshard()  # type: ignore[operator]
     if not records:
         raise ValueError(

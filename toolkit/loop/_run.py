@@ -128,13 +128,6 @@ def _set_epoch(data: Any, epoch: int) -> None:
             return owner.set_epoch(epoch)  # type: ignore[union-attr, no-any-return]
 
 
-def _close(iterator: Iterator[Any]) -> None:
-    # Generators have close(); DataLoader iterators with workers have _shutdown_workers().
-    close = getattr(iterator, "close", None) or getattr(iterator, "_shutdown_workers", None)
-    if callable(close):
-        close()
-
-
 def _counted(loop: LoopInfo, state: TrainState, partial: PartialWindow) -> LoopInfo:
     """``loop`` with the run's start step and total number of updates, from ``state``."""
     epochs, batches, k = loop.epochs, loop.batches_per_epoch, loop.micro_batches
@@ -491,7 +484,10 @@ def _pass(
         raise
     finally:
         window.times = (data_time, step_time)
-        _close(iterator)
+        # Generators have close(); DataLoader iterators with workers have _shutdown_workers().
+        close = getattr(iterator, "close", None) or getattr(iterator, "_shutdown_workers", None)
+        if callable(close):
+            close()
     if not accepted and not one_shot and not resumed and not window.stalled:
         window.stalled = _no_progress(state, pending, loop.epochs)
     return state, True

@@ -31,7 +31,7 @@ from toolkit.checkpoints._manifest import read_manifest
 from toolkit.checkpoints._model_state import parameter_names, put_model
 from toolkit.checkpoints._retention import Retention, retain
 from toolkit.checkpoints._save import on_rank0, save_checkpoint, save_in_background
-from toolkit.distributed._collectives import checkpoint_group, groups_of, max_over_ranks, rank_of
+from toolkit.distributed._collectives import groups_of, max_over_ranks, rank_of
 from toolkit.distributed._layout import current_layout
 from toolkit.loop._data import pass_settings, position, restore_generators, seen_after_change
 from toolkit.loop._run import Event, LoopInfo, Plugin, plugin_factory
@@ -329,7 +329,7 @@ def _resumed(config: _Config, run_: _Run, event: Event) -> TrainState:
 def _start(config: _Config, event: Event) -> tuple[_Run, TrainState]:
     if event.state.optimizer is not None:  # refuse what no save could name, before training
         parameter_names(event.state.model, event.state.optimizer)
-    run_ = _Run(checkpoint_group(event.state.model))
+    run_ = _Run(groups_of(event.state.model).everyone)
     expected = "False with a data-parallel model (DDP or FSDP2), whose ranks save together"
     check(run_.group is None or not config.background, "checkpoints", "background", expected, True)
     _install(config.signals, run_)

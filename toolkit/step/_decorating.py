@@ -43,10 +43,9 @@ def _decorate(step: Any, name: str, field: str, config: Any) -> Any:  # Step | D
     new: Step = dataclasses.replace(step, **{field: config})
     if new.amp is not None and new.amp.fp16 and new.guard and new.guard.on_exhaust == "accept":
         raise ValueError(
-            "guard_nonfinite(on_exhaust='accept') cannot be combined with "
-            "amp_wrap(dtype='fp16'): the GradScaler always skips an update whose gradients "
-            "are not finite, so the window could never be accepted. Use on_exhaust='raise' "
-            "or 'skip', or bf16."
+            "guard_nonfinite(on_exhaust='accept') cannot be combined with amp_wrap(dtype='fp16'): "
+            "the GradScaler always skips an update whose gradients are not finite, so the window "
+            "could never be accepted. Use on_exhaust='raise' or 'skip', or bf16."
         )
     return new
 

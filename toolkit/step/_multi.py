@@ -94,10 +94,8 @@ class MultiOptimizer:
         for optimizer in self.optimizers:
             inner = optimizer.state_dict()
             state.update({offset + i: value for i, value in inner["state"].items()})
-            groups += [
-                {**group, "params": [offset + i for i in group["params"]]}
-                for group in inner["param_groups"]
-            ]
+            for group in inner["param_groups"]:
+                groups.append({**group, "params": [offset + i for i in group["params"]]})
             offset += sum(len(group["params"]) for group in inner["param_groups"])
         return {"state": state, "param_groups": groups}
 
@@ -154,9 +152,8 @@ def _check_optimizers(optimizers: tuple[Any, ...]) -> None:
             if first != i:
                 raise ValueError(
                     f"MultiOptimizer: a parameter of shape {list(param.shape)} is held by "
-                    f"optimizers[{first}] ({type(optimizers[first]).__name__}) and "
-                    f"optimizers[{i}] ({type(optimizer).__name__}); it would be updated twice "
-                    "per step."
+                    f"optimizers[{first}] ({type(optimizers[first]).__name__}) and optimizers[{i}] "
+                    f"({type(optimizer).__name__}); it would be updated twice per step."
                 )
 
 

@@ -20,7 +20,7 @@ from toolkit.step._state import GuardState, WindowState
 
 __all__ = [
     "APPLY", "AccumulateConfig", "AmpConfig", "ClipConfig", "GradTransformConfig", "GuardConfig",
-    "LossScaleError", "NonFiniteError", "Verdict", "by_mesh", "total_norm", "value_range",
+    "LossScaleError", "NonFiniteError", "Verdict", "by_mesh", "total_norm",
     "verdict_of_window",
 ]  # fmt: skip
 
@@ -186,8 +186,7 @@ def total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     norms = [n if type(n) is torch.Tensor else n.full_tensor() for n in norms]  # type: ignore[attr-defined]
     if len(norms) == 1:  # one mesh, or none: the norm as clip_grad_norm_ computes it
         return norms[0]
-    device = norms[0].device
-    return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), norm_type)
+    return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,16 +294,6 @@ def _pair(value: float, optimizer: Any) -> torch.Tensor:
     """``[value, -value]``: MAX over the ranks gives the most and minus the fewest."""
     device = optimizer.param_groups[0]["params"][0].device
     return torch.tensor([value, -value], dtype=torch.float32, device=device)
-
-
-def value_range(value: float, group: Any, optimizer: torch.optim.Optimizer) -> tuple[int, int]:
-    """The smallest and the largest ``value`` of the ranks of ``group`` (skips, counts).
-
-    For an error message, on every rank of the group once they know the values differ.
-    """
-    packed = all_reduce_(_pair(value, optimizer), torch.distributed.ReduceOp.MAX, group)
-    most, minus_fewest = packed.tolist()
-    return int(-minus_fewest), int(most)
 
 
 @functools.cache

@@ -21,9 +21,9 @@ from toolkit.distributed._collectives import (
     all_reduce_,
     bucket_flags,
     groups_of,
-    join_gradient_sync,
     suppress_grad_sync,
     sync_kind,
+    value_range,
 )
 from toolkit.distributed._layout import current_layout
 from toolkit.step._multi import PerEpoch
@@ -299,8 +299,7 @@ class Step:
         # (docs/distributed.md, "Meshes"); None and None for one process.
         tokens = everyone = None
         if sync != "none" or current_layout() is not None:
-            groups = groups_of(state.model)
-            tokens, everyone = groups.tokens, groups.everyone
+            _, tokens, everyone = groups_of(state.model)
         # Phases 5-7 read the gradients; a plain update leaves them to the optimizer.
         short = window.micro_step != window.length  # closed early: close=True
         reads = window.count is not None or short or self.grad_transforms or clipping or guard
@@ -363,7 +362,10 @@ class Step:
         flags = self._carrier(state.model)
         if flags is not None:
             flags.send(window.loss, window.skipped, first)
-        join_gradient_sync(state.model)
+        # This rank's part in the gradient all-reduce of the other ranks' backward, without
+        # a backward of its own: zeros through the comm hook, bucket by bucket, as DDP's Join
+        # does for a rank out of data (the carrier's flags ride along as on a backward).
+        state.model._match_all_reduce_for_bwd_pass()  # type: ignore[operator]
         return self._close(state, window, _SKIPPED, None, scaler, "ddp")
 
     def _carrier(self, model: torch.nn.Module) -> BucketFlags | None:
@@ -407,7 +409,7 @@ class Step:
         elif guard is not None and not empty and counters.notfinite_count:
             counters = counters._replace(notfinite_count=0)  # a finite window ends a series
         if verdict.uneven or verdict.replicas:  # a bug in the data, not a numerical accident
-            failure = _disagreement(verdict, window, group, state.optimizer, total)
+            failure = _disagreement(verdict, window, group, total)
             apply = False
         return apply, verdict, counters, failure
 
@@ -464,12 +466,27 @@ def _normalise(
     """Phase 5: gradients divided by the window's total count over the token ranks, or, for
     a short window of mean losses, the sum of m losses / k made their mean. Returns the
     total as a tensor (for phase 6 to check) or None, and whether the window is empty."""
-    if window.count is not None and grads:
-        return _divide_by_count(grads, window.count, tokens)
-    if window.micro_step != window.length and grads:
-        for part in phases.by_mesh(grads):
-            torch._foreach_mul_(part, window.length / window.micro_step)
-    return None, not window.micro_step  # a window of skips: nothing to learn
+    if window.count is None or not grads:
+        if window.micro_step != window.length and grads:
+            for part in phases.by_mesh(grads):
+                torch._foreach_mul_(part, window.length / window.micro_step)
+        return None, not window.micro_step  # a window of skips: nothing to learn
+    count = window.count
+    if tokens is None and not isinstance(count, torch.Tensor):
+        if count:  # else nothing to learn from: the window is skipped (empty)
+            torch._foreach_mul_(grads, 1.0 / count)
+        return None, count == 0
+    # A tensor, for phase 6 to check within its host sync.
+    total = torch.as_tensor(count, dtype=torch.float64, device=grads[0].device)
+    world = 1 if tokens is None else tokens.size()
+    if tokens is not None:
+        total = all_reduce_(total.clone(), torch.distributed.ReduceOp.SUM, tokens)
+    # DDP and FSDP average gradients over ranks; the world factor turns that mean back into
+    # the sum that the global count divides.
+    factor = (world / total).to(grads[0].dtype)
+    for part in phases.by_mesh(grads):
+        torch._foreach_mul_(part, factor)
+    return total, False
 
 
 def _step_scheduler(state: TrainState) -> tuple[Any, int]:
@@ -485,12 +502,12 @@ def _step_scheduler(state: TrainState) -> tuple[Any, int]:
 
 
 def _disagreement(
-    verdict: phases.Verdict, window: WindowState, group: Any, optimizer: Any, total: Any
+    verdict: phases.Verdict, window: WindowState, group: Any, total: Any
 ) -> ValueError:
     """The error when ranks that must agree do not (one more small all-reduce, for the
     message, on the error path only)."""
     if verdict.uneven:
-        fewest, most = phases.value_range(window.skipped, group, optimizer)
+        fewest, most = value_range(window.skipped, group)
         return ValueError(
             "loss_fn returned None on some ranks of the data-parallel group but not on "
             f"others within one accumulation window (from {fewest} to {most} skipped "
@@ -499,13 +516,12 @@ def _disagreement(
             "(loss * 0, or LossSum(total * 0, 0))."
         )
     mine = float(total) if total is not None else 0.0
-    fewest, most = phases.value_range(mine, group, optimizer)
+    fewest, most = value_range(mine, group)
     return ValueError(
-        "the ranks of one data replica (tensor- or expert-parallel ranks, which hold "
-        f"the same samples) reported different target counts: from {fewest} to "
-        f"{most} summed over the data ranks (this rank: {mine:g}); the window was "
-        "thrown away. Give every rank of a replica the same batch: a "
-        "DistributedSampler(dataset, **layout.sampler_options())."
+        "the ranks of one data replica (tensor- or expert-parallel ranks, which hold the same "
+        f"samples) reported different target counts: from {fewest} to {most} summed over the data "
+        f"ranks (this rank: {mine:g}); the window was thrown away. Give every rank of a replica "
+        "the same batch: a DistributedSampler(dataset, **layout.sampler_options())."
     )
 
 
@@ -513,27 +529,6 @@ def _with_grads(optimizer: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]
     """The optimizer's parameters that have a gradient, and their gradients."""
     params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     return params, [p.grad for p in params]
-
-
-def _divide_by_count(
-    grads: list[torch.Tensor], count: torch.Tensor | float, group: Any
-) -> tuple[torch.Tensor | None, bool]:
-    """Phase 5: gradients divided by the total count over the ranks; (total tensor, empty)."""
-    if group is None and not isinstance(count, torch.Tensor):
-        if count:  # else nothing to learn from: the window is skipped (empty)
-            torch._foreach_mul_(grads, 1.0 / count)
-        return None, count == 0
-    # A tensor, for phase 6 to check within its host sync.
-    total = torch.as_tensor(count, dtype=torch.float64, device=grads[0].device)
-    world = 1 if group is None else group.size()
-    if group is not None:
-        total = all_reduce_(total.clone(), torch.distributed.ReduceOp.SUM, group)
-    # DDP and FSDP average gradients over ranks; the world factor turns that mean back into
-    # the sum that the global count divides.
-    factor = (world / total).to(grads[0].dtype)
-    for part in phases.by_mesh(grads):
-        torch._foreach_mul_(part, factor)
-    return total, False
 
 
 def make_step(loss_fn: Callable[..., Any]) -> Step:
