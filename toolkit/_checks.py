@@ -13,11 +13,6 @@ from typing import Any, NoReturn
 
 import torch
 
-__all__ = [
-    "check", "check_bool", "check_count", "check_key", "check_names", "check_one_of", "check_path",
-    "check_positive", "check_type", "describe", "refuse", "warn",
-]  # fmt: skip
-
 
 def check(
     ok: bool, who: str, name: str, expected: str, got: Any, fix: str = "", error: type = ValueError

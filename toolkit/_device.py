@@ -9,8 +9,6 @@ import torch
 from toolkit._checks import check_bool
 from toolkit._tree import map_nested_tensor
 
-__all__ = ["to_device"]
-
 T = TypeVar("T")
 
 

@@ -6,8 +6,6 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["to_host"]
-
 
 def to_host(tensors: Sequence[torch.Tensor]) -> list[float]:
     """Python values of 0-d tensors, with one device-to-host transfer per device (usually one).

@@ -16,8 +16,6 @@ import torch
 from toolkit._checks import check_bool, check_type, describe, refuse
 from toolkit._weighted import columns, weighted_sums
 
-__all__ = ["key_average", "map_nested_tensor"]
-
 T = TypeVar("T")
 
 

@@ -10,8 +10,6 @@ from torch.optim.swa_utils import AveragedModel
 
 from toolkit._checks import check_bool, check_type
 
-__all__ = ["unwrap"]
-
 # Wrappers that keep the wrapped module in ``.module``.
 _MODULE_WRAPPERS = (DistributedDataParallel, DataParallel, AveragedModel)
 _FIX = "Pass state.model."

@@ -19,8 +19,6 @@ import torch
 
 from toolkit._host import to_host
 
-__all__ = ["Column", "Sums", "columns", "weighted_sums"]
-
 K = TypeVar("K", bound=Hashable)
 
 

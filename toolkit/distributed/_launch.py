@@ -14,8 +14,6 @@ import torch.distributed as dist
 
 from toolkit._checks import check
 
-__all__ = ["Launch", "process_group", "setup", "teardown"]
-
 
 @dataclasses.dataclass(frozen=True)
 class Launch:

@@ -26,9 +26,6 @@ from toolkit._rng import capture_rng, restore_rng
 from toolkit._tree import map_nested_tensor
 from toolkit.step._step import _leading_dim
 
-__all__ = ["batches_per_epoch", "is_stateful", "pass_settings", "position",
-           "restore_generators", "seen_after_change", "snapshot", "split_at", "unseen"]  # fmt: skip
-
 # Where a DataLoader keeps the generators its passes draw from.
 _ROLES = ("generator", "sampler.generator", "batch_sampler.sampler.generator")
 

@@ -15,8 +15,6 @@ from toolkit.distributed._collectives import groups_of, sum_over_ranks, sync_kin
 from toolkit.step._state import TrainState
 from toolkit.step._step import _leading_dim
 
-__all__ = ["evaluate"]
-
 
 def evaluate(
     eval_fn: Callable[[torch.nn.Module, Any], Any], model: torch.nn.Module | TrainState,

@@ -21,8 +21,6 @@ from toolkit.step._multi import epoch_schedulers
 from toolkit.step._state import TrainState
 from toolkit.step._step import StepOutput
 
-__all__ = ["Event", "LoopInfo", "Plugin", "run"]
-
 EventKind = Literal["restore", "start", "epoch_start", "step", "epoch_end", "end"]
 PartialWindow = Literal["carry", "epoch", "end"]
 

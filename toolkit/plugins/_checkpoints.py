@@ -37,8 +37,6 @@ from toolkit.loop._data import pass_settings, position, restore_generators, seen
 from toolkit.loop._run import Event, LoopInfo, Plugin, plugin_factory
 from toolkit.step._state import TrainState
 
-__all__ = ["SIGNAL_EVERY", "checkpoints"]
-
 _SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # In state dicts, not settings: parameters, their lr (compared as the optimizer's), what moves.
 _NOT_SETTINGS = {"params", "initial_lr", "base_lrs", "verbose", "last_epoch", "_step_count",

@@ -27,8 +27,6 @@ from toolkit._checks import check
 from toolkit._weighted import Column, _fsum, columns, weighted_sums
 from toolkit.step._step import StepOutput
 
-__all__ = ["KINDS", "Interval", "combine", "flat_scalars", "read"]
-
 # How a record may be reduced over an interval (and over ranks) besides the weighted mean.
 KINDS = ("mean", "sum", "max", "min")
 

@@ -21,8 +21,6 @@ from toolkit.plugins._sinks import Sink, check_sinks, close_all
 from toolkit.step._state import TrainState
 from toolkit.step._step import StepOutput
 
-__all__ = ["log_metrics"]
-
 # Past this many updates in one interval, the pending outputs are read back and folded into
 # python sums, so memory stays bounded whatever `every` is (one extra host read each).
 _FOLD = 4096

@@ -25,8 +25,6 @@ from toolkit.plugins._shared import due
 from toolkit.step._state import TrainState
 from toolkit.step._step import StepOutput
 
-__all__ = ["progress"]
-
 
 @dataclasses.dataclass(slots=True)
 class _Bar:

@@ -18,10 +18,6 @@ import toolkit.step._phases as phases
 from toolkit._checks import check, check_one_of, check_positive
 from toolkit.step._step import Scaler, Step
 
-__all__ = [
-    "Decorator", "accumulate", "amp_wrap", "clip", "compose", "guard_nonfinite", "transform_grads",
-]  # fmt: skip
-
 _Bound = float | None
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
            "float16": torch.float16, "half": torch.float16}  # fmt: skip

@@ -7,8 +7,6 @@ import torch
 from toolkit._checks import check, check_type
 from toolkit.step._step import LossSum
 
-__all__ = ["causal_lm_loss"]
-
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> LossSum:
     """The next-token cross-entropy of a causal language model, summed, with its token count.

@@ -18,8 +18,6 @@ from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from toolkit._checks import check, check_type
 
-__all__ = ["MultiOptimizer", "MultiScheduler", "PerEpoch", "epoch_schedulers", "per_epoch"]
-
 # The fix of an optimizer of the wrong kind (here and in TrainState's checks), of a scheduler.
 NEW_OPTIMIZER = "Build one over the parameters: torch.optim.AdamW(model.parameters(), lr=1e-3)."
 NEW_SCHEDULER = "Build one over the optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, fn)."

@@ -18,12 +18,6 @@ import torch
 from toolkit.distributed._collectives import all_reduce_
 from toolkit.step._state import GuardState, WindowState
 
-__all__ = [
-    "APPLY", "AccumulateConfig", "AmpConfig", "ClipConfig", "GradTransformConfig", "GuardConfig",
-    "LossScaleError", "NonFiniteError", "Verdict", "by_mesh", "total_norm",
-    "verdict_of_window",
-]  # fmt: skip
-
 OnExhaust = Literal["raise", "skip", "accept"]
 GradFn = Callable[[list[torch.Tensor]], "Sequence[torch.Tensor] | None"]
 

@@ -12,8 +12,6 @@ import torch
 from toolkit._checks import check
 from toolkit.step._multi import NEW_OPTIMIZER, MultiOptimizer, MultiScheduler, check_scheduler_kind
 
-__all__ = ["GuardState", "Metrics", "TrainState", "WindowState"]
-
 
 class WindowState(NamedTuple):
     """The open accumulation window.

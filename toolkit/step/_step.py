@@ -29,8 +29,6 @@ from toolkit.distributed._layout import current_layout
 from toolkit.step._multi import PerEpoch
 from toolkit.step._state import GuardState, TrainState, WindowState
 
-__all__ = ["LossSum", "Step", "StepOutput", "make_step"]
-
 
 class LossSum(NamedTuple):
     """A summed loss with its target count, for exact count-weighted accumulation.
