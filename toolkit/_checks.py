@@ -1,8 +1,6 @@
 """Argument checks shared by the public functions, so their errors read alike:
 ``"{who}: {name} must be {expected}; got {value!r}."``, then the fix when there is one."""
 
-from __future__ import annotations
-
 import math
 import os
 import pathlib

@@ -1,7 +1,5 @@
 """to_device: move every tensor of a nested batch to a device, as a plain function."""
 
-from __future__ import annotations
-
 from typing import TypeVar
 
 import torch

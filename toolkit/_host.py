@@ -1,7 +1,5 @@
 """Reading 0-d tensors back to Python with one device-to-host transfer per device."""
 
-from __future__ import annotations
-
 from collections.abc import Sequence
 
 import torch

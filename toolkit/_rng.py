@@ -6,8 +6,6 @@ device's generator. Explicit ``torch.Generator`` objects (e.g. a DataLoader's) a
 data position's business, not this module's.
 """
 
-from __future__ import annotations
-
 import random
 from typing import Any
 

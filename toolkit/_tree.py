@@ -1,7 +1,5 @@
 """Tree utilities: map a function over the tensors of a nested structure, average records."""
 
-from __future__ import annotations
-
 import dataclasses
 import functools
 import math

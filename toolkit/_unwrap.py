@@ -1,7 +1,5 @@
 """unwrap: peel torch.compile, DDP, DataParallel and AveragedModel wrappers off a module."""
 
-from __future__ import annotations
-
 import sys
 
 from torch import nn

@@ -7,8 +7,6 @@ and the caller's own) back in one :func:`toolkit._host.to_host` call. A record o
 contributes nothing, not even a NaN; sums are exact (``math.fsum``).
 """
 
-from __future__ import annotations
-
 import itertools
 import math
 import operator

@@ -16,8 +16,6 @@ Needs matplotlib: the ``plot`` extra, ``pip install -e ".[plot]"``. Exit status:
 the plots were written, 1 on an error (a message says which file and what to do).
 """
 
-from __future__ import annotations
-
 import argparse
 import json
 import math

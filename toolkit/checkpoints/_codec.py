@@ -15,8 +15,6 @@ str: int, float, bool, None, str or tuples of these) and ``{"$dict": {...}}`` (a
 a key starting with ``$``).
 """
 
-from __future__ import annotations
-
 import collections
 import math
 import types

@@ -14,8 +14,6 @@ batches_seen, stop, data_state, and any field added later) goes into ``state``,
 NamedTuples as dicts of their fields.
 """
 
-from __future__ import annotations
-
 import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any

@@ -1,8 +1,6 @@
 """export_model: one plain safetensors file of a model's weights; export_pretrained: a folder
 in the layout of Hugging Face's ``save_pretrained`` (config, tied weights once, shards)."""
 
-from __future__ import annotations
-
 import copy
 import os
 from collections.abc import Mapping

@@ -4,8 +4,6 @@ A file or folder is only durable once its data *and* the directory entry naming 
 the disk: ``fsync`` the file, then the folder holding it (after a rename, the parent).
 """
 
-from __future__ import annotations
-
 import json
 import math
 import mmap

@@ -9,8 +9,6 @@ EMA's): the same shapes. Counters and best values are not compared, so a checkpo
 loads into a live state that trained on.
 """
 
-from __future__ import annotations
-
 import inspect
 import math
 from collections.abc import Mapping

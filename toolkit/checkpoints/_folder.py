@@ -12,8 +12,6 @@ Everything here reads the disk (the manifests), never a memory of earlier calls,
 gives the same answers after a restart.
 """
 
-from __future__ import annotations
-
 import argparse
 import dataclasses
 import os

@@ -8,8 +8,6 @@ template is loaded by every rank of its group together: the ranks agree on the o
 the checks before any rank restores.
 """
 
-from __future__ import annotations
-
 import dataclasses
 import math
 import os

@@ -11,8 +11,6 @@ it holds tensors). It carries a checksum of its own content too, so a flipped bi
 caught like one in any other file. Files a manifest does not list are never opened.
 """
 
-from __future__ import annotations
-
 import dataclasses
 import json
 import os

@@ -23,8 +23,6 @@ template's own tensors, so a checkpoint written by any number of ranks loads int
 other sharding, a DDP model or a plain one.
 """
 
-from __future__ import annotations
-
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path

@@ -7,8 +7,6 @@ after a restart as before it; the rules go into every manifest so that the shell
 say which rule keeps which checkpoint.
 """
 
-from __future__ import annotations
-
 import dataclasses
 import math
 from collections.abc import Iterable, Mapping

@@ -10,8 +10,6 @@ parameters): the model, the optimizer's tensors and DTensors in the trees go to
 process and the ranks of a data-parallel group alike.
 """
 
-from __future__ import annotations
-
 import dataclasses
 import os
 import re

@@ -1,7 +1,5 @@
 """setup, teardown and process_group: see :mod:`toolkit.distributed`."""
 
-from __future__ import annotations
-
 import contextlib
 import dataclasses
 import datetime

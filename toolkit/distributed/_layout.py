@@ -16,8 +16,6 @@ Ranks of one dimension that is neither data nor context (tensor, expert within a
 hold the same samples and the same loss: they are counted once.
 """
 
-from __future__ import annotations
-
 import dataclasses
 import math
 from typing import Any, NamedTuple

@@ -11,8 +11,6 @@ of the batch size (:func:`seen_after_change`), ``data_state["split"]`` names the
 change split and how many of its samples were trained: the resume leaves them out.
 """
 
-from __future__ import annotations
-
 import copy
 import functools
 import itertools

@@ -1,7 +1,5 @@
 """evaluate: an evaluation-only entry point, the evaluation of the validate plugin as a function."""
 
-from __future__ import annotations
-
 import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any

@@ -1,7 +1,5 @@
 """run(): thread a TrainState through a train step over data, calling plugins."""
 
-from __future__ import annotations
-
 import dataclasses
 import functools
 import inspect

@@ -1,7 +1,5 @@
 """checkpoints: save, keep, resume and stop on a signal, as a plugin of run()."""
 
-from __future__ import annotations
-
 import atexit
 import contextlib
 import dataclasses

@@ -12,8 +12,6 @@ interval by another kind than the weighted mean (``kinds``): its plain ``"sum"``
 ``"max"`` or its ``"min"`` over the micro-batches.
 """
 
-from __future__ import annotations
-
 import dataclasses
 import functools
 import math

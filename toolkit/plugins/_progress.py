@@ -1,7 +1,5 @@
 """progress: a rich progress bar (or plain lines in logs) with loss, LR, throughput and ETA."""
 
-from __future__ import annotations
-
 import dataclasses
 import datetime
 import functools

@@ -6,8 +6,6 @@ tensors (checkpoints save ``state.extras`` as it is), typed below. What a plugin
 for the others goes to ``state.metrics`` instead (a :class:`toolkit.Metrics` per name).
 """
 
-from __future__ import annotations
-
 import math
 from typing import TypedDict
 

@@ -6,8 +6,6 @@ the canonical order. Every one is callable as ``name(step, ...)`` or ``name(...)
 latter returning a :class:`Decorator` for :func:`compose`.
 """
 
-from __future__ import annotations
-
 import dataclasses
 from collections.abc import Callable
 from typing import Any, overload

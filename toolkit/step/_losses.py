@@ -1,7 +1,5 @@
 """Loss functions that return a :class:`toolkit.LossSum` for exact count weighting."""
 
-from __future__ import annotations
-
 import torch
 
 from toolkit._checks import check, check_type

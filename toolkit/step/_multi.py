@@ -7,8 +7,6 @@ state-dict format numbered across all of them. ``per_epoch`` marks a scheduler t
 :func:`toolkit.run` steps once per pass over the data instead of once per update.
 """
 
-from __future__ import annotations
-
 import dataclasses
 from collections.abc import Iterator, Mapping
 from typing import Any

@@ -6,8 +6,6 @@ modules (``amp_wrap``, ``accumulate``, ``clip``, ``guard_nonfinite``, ``transfor
 only check their arguments and build one of these configurations.
 """
 
-from __future__ import annotations
-
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence

@@ -1,7 +1,5 @@
 """make_step and Step: one training step as a value, run in the canonical update order."""
 
-from __future__ import annotations
-
 import contextlib
 import dataclasses
 import inspect
