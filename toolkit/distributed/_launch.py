@@ -140,7 +140,8 @@ def teardown(*, barrier: bool = True) -> None:
     Without the barrier, gloo can abort a process at exit (``terminate called without an
     active exception``) when the ranks destroy the group at different moments. Skip it
     (``barrier=False``) when this rank failed: the others may never reach theirs. Nothing
-    happens when no group is initialised.
+    happens when no group is initialised. gloo's threads end only when the group object is
+    freed, and a DDP model holds it: keep the model local to a function (docs/distributed.md).
 
     Args:
         barrier: wait for every rank before destroying the group.
