@@ -23,8 +23,8 @@ max_grad_norm                                 clip(max_norm=)
 max_steps, num_train_epochs                   run(max_steps=, epochs=)
 bf16=True                                     amp_wrap(dtype="bf16")
 eval_strategy="steps", eval_steps              validate(eval_fn, loader, every=)
-save_steps, save_total_limit,                 checkpoints(folder, every=, keep_last=,
-  trainer.train(resume_from_checkpoint=True)    resume="latest")
+save_steps, save_total_limit,                 checkpoints(folder, every=, resume="latest",
+  trainer.train(resume_from_checkpoint=True)    keep=Retention(keep_last=))
 logging_steps, report_to                      log_metrics(every=, sinks=[...])
 """
 

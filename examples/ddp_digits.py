@@ -58,6 +58,7 @@ from toolkit import (
     run,
     to_device,
 )
+from toolkit.checkpoints import Retention
 from toolkit.distributed import Launch, process_group
 from toolkit.plugins import checkpoints, ema, ema_model, jsonl, log_metrics, progress, validate
 
@@ -151,7 +152,7 @@ def train(launch: Launch, epochs: int, every: int, out: pathlib.Path) -> TrainSt
             key="val_ema",
             model=ema_model,
         ),
-        checkpoints(out / "ckpt", every=every, keep_last=2, resume="latest"),
+        checkpoints(out / "ckpt", every=every, keep=Retention(keep_last=2), resume="latest"),
         progress(every=every, show=("val", "val_ema")),
         log_metrics(every=10, sinks=[jsonl(out / "metrics.jsonl")]),
     ]

@@ -30,10 +30,11 @@ lr_scheduler_interval: step                   TrainState(scheduler=): stepped pe
 lr_scheduler_interval: epoch                  TrainState(scheduler=per_epoch(sched)):
                                                 run() steps it at each epoch's end
 metric_monitor(metric_name, mode)             validate(monitor=, mode=) -> val/<metric>
-checkpoints/best                              checkpoints(keep_best=("val/loss", "min", 1))
+checkpoints/best                              checkpoints(keep=Retention(keep_best=1,
+                                                metric="val/loss"))
 early_stop (patience, in epochs)              early_stop("val/loss", patience=)
 save_every_n_epochs, save_last_k              checkpoints(every=updates per epoch,
-                                                keep_last=)
+                                                keep=Retention(keep_last=))
 resume_from_checkpoint                        checkpoints(resume=path or "latest")
 log_every_n_steps + report_to                 log_metrics(every=, sinks=[jsonl, tensorboard,
                                                 wandb])
@@ -65,6 +66,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from toolkit import TrainState, accumulate, clip, compose, make_step, per_epoch, run, to_device
 from toolkit.plugins import (
+    Retention,
     checkpoints,
     early_stop,
     jsonl,
@@ -190,8 +192,9 @@ def main(cfg: DictConfig) -> None:
         checkpoints(
             out / "checkpoints",
             every=cfg.save_every_n_epochs * updates_per_epoch if cfg.save_every_n_epochs else None,
-            keep_last=cfg.save_last_k,
-            keep_best=(f"val/{monitor}", mode, 1),
+            keep=Retention(
+                keep_last=cfg.save_last_k, keep_best=1, metric=f"val/{monitor}", mode=mode
+            ),
             resume=cfg.resume_from_checkpoint,
         ),
         progress(every=cfg.log_every_n_steps),

@@ -22,9 +22,9 @@ data_reader (num_accumulate batches/step)     a DataLoader + accumulate(micro_ba
 max_num_steps / max_num_data_epochs           run(max_steps=) / run(epochs=)
 valid_units + valid_data_readers,             validate(eval_fn, loader, every=,
   validate_every_n_steps, score metric          monitor="nll_loss")
-checkpoint_every_n_steps,                     checkpoints(dir, every=, keep_last=,
-  keep_last_n_checkpoints,                      keep_best=("val/nll_loss", "min", 3),
-  keep_best_n_checkpoints,                      keep_every=)
+checkpoint_every_n_steps,                     checkpoints(dir, every=, keep=Retention(
+  keep_last_n_checkpoints,                      keep_last=, keep_best=3,
+  keep_best_n_checkpoints,                      metric="val/nll_loss", keep_every=))
   keep_checkpoint_every_n_steps
 publish_metrics_every_n_steps, metrics_dir,   log_metrics(every=, sinks=[jsonl(...),
   tb_dir, wandb_options                         tensorboard(...), wandb(...)])
@@ -58,7 +58,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from toolkit import LossSum, TrainState, accumulate, clip, compose, make_step, run, to_device
-from toolkit.plugins import checkpoints, jsonl, log_metrics, progress, validate
+from toolkit.plugins import Retention, checkpoints, jsonl, log_metrics, progress, validate
 
 SEED = 2  # fairseq2's default seed
 VOCAB, PAD = 16, 16  # tokens 0..15; PAD is an extra index the loss ignores
@@ -157,8 +157,7 @@ def main() -> None:
         checkpoints(
             args.out / "checkpoints",
             every=every,
-            keep_last=2,
-            keep_best=("val/nll_loss", "min", 3),
+            keep=Retention(keep_last=2, keep_best=3, metric="val/nll_loss"),
         ),
         progress(every=every),
     ]

@@ -26,9 +26,9 @@ no_sync_accumulate                            automatic under DDP / FSDP2 (accum
 ProgressHook(interval=10, with_records=True)  progress(every=10, records=["accuracy"])
 LoggingHook(interval=100) + WandbHook         log_metrics(every=100, sinks=[jsonl(...),
                                                 wandb(project=...)])
-CheckpointingHook(interval, keep_previous,    checkpoints(dir, every=, keep_last=keep_previous+1,
-  keep_interval, load="latest",                 keep_every=, resume="latest",
-  exit_signals, exit_code="128+signal")         signals=, exit_code=)
+CheckpointingHook(interval, keep_previous,    checkpoints(dir, every=, resume="latest",
+  keep_interval, load="latest",                 keep=Retention(keep_last=keep_previous+1,
+  exit_signals, exit_code="128+signal")         keep_every=), signals=, exit_code=)
 EmaHook(decay) / hook.ema_model               ema(decay=) / ema_model(state)
 CudaMaxMemoryHook                             peak_memory()
 custom BaseHook.on_after_step(trainer)        a function plugin(event) (see `started` below)
@@ -66,7 +66,7 @@ from toolkit import (
     run,
     to_device,
 )
-from toolkit.plugins import checkpoints, ema, jsonl, log_metrics, peak_memory, progress
+from toolkit.plugins import Retention, checkpoints, ema, jsonl, log_metrics, peak_memory, progress
 
 SEED = 0
 
@@ -138,7 +138,9 @@ def main() -> None:
     plugins = [
         ema(decay=0.99),
         # after ema, whose average it saves; before note_start, which sees the resumed state
-        checkpoints(args.out / "checkpoints", every=every, keep_last=2, keep_every=5 * every),
+        checkpoints(
+            args.out / "checkpoints", every=every, keep=Retention(keep_last=2, keep_every=5 * every)
+        ),
         note_start,
         peak_memory(every=every),
         progress(every=every, records=["accuracy"]),

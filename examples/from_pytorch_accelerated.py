@@ -28,8 +28,8 @@ callback on_train_step_end(batch, outputs)    a plugin reading event.batches, ev
                                                 (model outputs kept in the records)
 TerminateOnNaNCallback                        guard_nonfinite(max_retries=0): NonFiniteError
 EarlyStoppingCallback(patience, threshold)    early_stop("val/loss", patience=, min_delta=)
-SaveBestModelCallback                         checkpoints(..., keep_best=("val/loss", "min",
-                                                1), restore_best=True)
+SaveBestModelCallback                         checkpoints(..., keep=Retention(keep_best=1,
+                                                metric="val/loss"), restore_best=True)
 ModelEmaCallback                              ema(decay=), ema_model(state)
 trainer.evaluate(dataset)                     evaluate(eval_fn, model, loader)
 save_checkpoint(path)                         export_model(state, path) (or save_checkpoint)

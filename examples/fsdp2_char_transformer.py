@@ -55,7 +55,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDatas
 
 from toolkit import TrainState, accumulate, clip, compose, guard_nonfinite, make_step, run
 from toolkit.distributed import Launch, process_group
-from toolkit.plugins import checkpoints, jsonl, log_metrics, progress, validate
+from toolkit.plugins import Retention, checkpoints, jsonl, log_metrics, progress, validate
 
 # FSDP2 warns that the model's output (the head's logits, a view) would lose its backward
 # hook to an in-place op; the loss reads the logits without changing them.
@@ -126,7 +126,9 @@ def main() -> None:
         )(make_step(loss_fn))
         plugins = [
             validate(eval_fn, val_loader, every=every, at_end=True),
-            checkpoints(args.out / "ckpt", every=every, keep_last=2, resume="latest"),
+            checkpoints(
+                args.out / "ckpt", every=every, keep=Retention(keep_last=2), resume="latest"
+            ),
             progress(every=every, counts="tokens"),
             log_metrics(every=5, sinks=[jsonl(args.out / "metrics.jsonl")]),
         ]

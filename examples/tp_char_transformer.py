@@ -65,7 +65,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDatas
 
 from toolkit import LossSum, TrainState, accumulate, clip, compose, guard_nonfinite, make_step, run
 from toolkit.distributed import Layout, init_layout, process_group
-from toolkit.plugins import checkpoints, jsonl, log_metrics, progress, validate
+from toolkit.plugins import Retention, checkpoints, jsonl, log_metrics, progress, validate
 
 # As in fsdp2_char_transformer.py: the logits are a view; the loss does not change them.
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
@@ -216,7 +216,9 @@ def main() -> None:
                 reduce={"tokens": "sum"},
                 totals=["tokens"],
             ),
-            checkpoints(args.out / "ckpt", every=every, keep_last=2, resume="latest"),
+            checkpoints(
+                args.out / "ckpt", every=every, keep=Retention(keep_last=2), resume="latest"
+            ),
             progress(every=every, counts="tokens"),
         ]
         started = time.perf_counter()

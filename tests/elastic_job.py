@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from toolkit import TrainState, accumulate, compose, guard_nonfinite, make_step, run
 from toolkit.distributed import process_group
-from toolkit.plugins import checkpoints
+from toolkit.plugins import Retention, checkpoints
 
 STEPS = 12  # updates; an epoch is 40 samples / 2 ranks / batch 2 = 10 micro-batches = 5 updates
 
@@ -94,7 +94,8 @@ def main() -> None:
             return None
 
         step = compose(accumulate(micro_batches=2), guard_nonfinite())(make_step(loss_fn))
-        plugins = [checkpoints(args.ckpt, every=3, keep_last=2, resume="latest"), track]
+        saving = checkpoints(args.ckpt, every=3, keep=Retention(keep_last=2), resume="latest")
+        plugins = [saving, track]
         state = run(step, state, loader, max_steps=STEPS, plugins=plugins)
         params = [p for p in model.parameters()]
         moments = [

@@ -37,7 +37,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from toolkit import TrainState, accumulate, compose, guard_nonfinite, make_step, run
-from toolkit.plugins import checkpoints, ema
+from toolkit.plugins import Retention, checkpoints, ema
 
 
 class Numbered(Dataset):
@@ -172,7 +172,12 @@ def main() -> None:
     plugins = [
         ema(0.9),
         remember,
-        checkpoints(args.ckpt, every=args.every or None, keep_last=2, exit_code=args.exit_code),
+        checkpoints(
+            args.ckpt,
+            every=args.every or None,
+            keep=Retention(keep_last=2),
+            exit_code=args.exit_code,
+        ),
         announce,
     ]
     try:

@@ -198,14 +198,14 @@ def test_the_checkpoints_plugin_saves_the_trainable_part_and_resumes_from_it(
     # Bugs caught: the plugin's option not passed to the save (whole files), a resume or
     # restore_best that loads such a checkpoint strictly (the frozen names are missing).
     from toolkit import run
-    from toolkit.plugins import checkpoints
+    from toolkit.plugins import Retention, checkpoints
 
     kind, batches = "frozen_layer", KINDS["frozen_layer"][2](0)
     step = make_step(KINDS[kind][1])
     straight = run(step, build(kind), batches, max_steps=4)
 
     def plugin() -> Any:
-        return checkpoints(tmp_path, every=1, keep_last=4, trainable_only=True)
+        return checkpoints(tmp_path, every=1, keep=Retention(keep_last=4), trainable_only=True)
 
     run(step, build(kind), batches, max_steps=2, plugins=[plugin()])
     (last,) = [c for c in list_checkpoints(tmp_path) if c.step == 2]
@@ -222,8 +222,10 @@ def test_the_checkpoints_plugin_saves_the_trainable_part_and_resumes_from_it(
         entry = {"step": event.state.step, "values": {"loss": abs(event.state.step - 2)}}
         return event.state.replace(metrics={**event.state.metrics, "val": entry})
 
-    best = checkpoints(tmp_path / "best", every=1, keep_best=("val/loss", "min", 1),
-                       restore_best=True, trainable_only=True)  # fmt: skip
+    keep = Retention(keep_best=1, metric="val/loss")
+    best = checkpoints(
+        tmp_path / "best", every=1, keep=keep, restore_best=True, trainable_only=True
+    )
     restored = run(step, build(kind), batches, max_steps=4, plugins=[score, best])
     at_two = load_checkpoint(tmp_path / "step_000002", like=build(kind))
     assert_same(restored.model.state_dict(), at_two.model.state_dict())

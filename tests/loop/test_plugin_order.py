@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 
 from toolkit import TrainState, make_step, run
 from toolkit.plugins import (
+    Retention,
     checkpoints,
     early_stop,
     ema,
@@ -63,7 +64,7 @@ def _plugins(folder: Path, order: tuple[str, ...], console: Console) -> list[Any
         "log_metrics": log_metrics(
             2, sinks=[jsonl(folder / "metrics.jsonl")], clock=lambda: next(ticks)
         ),
-        "checkpoints": checkpoints(folder / "ckpt", every=2, keep_last=100),
+        "checkpoints": checkpoints(folder / "ckpt", every=2, keep=Retention(keep_last=100)),
         "progress": progress(every=2, console=console, clock=lambda: 0.0, min_interval=0),
     }
     return [built[name] for name in order]

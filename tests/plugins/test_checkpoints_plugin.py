@@ -23,7 +23,7 @@ import torch
 
 from toolkit import TrainState, make_step, run
 from toolkit.checkpoints import list_checkpoints, read_pointer
-from toolkit.plugins import checkpoints, ema, validate
+from toolkit.plugins import Retention, checkpoints, ema, validate
 
 JOB = Path(__file__).resolve().parents[1] / "resumable_job.py"
 TIMEOUT = 120
@@ -48,7 +48,8 @@ def _steps(folder: Path) -> list[int]:
 
 def test_periodic_saves_keep_the_newest_and_point_to_it(tmp_path: Path) -> None:
     folder = tmp_path / "ckpt"
-    run(_step(), _state(), DATA, max_steps=9, plugins=[checkpoints(folder, every=2, keep_last=2)])
+    plugin = checkpoints(folder, every=2, keep=Retention(keep_last=2))
+    run(_step(), _state(), DATA, max_steps=9, plugins=[plugin])
     assert _steps(folder) == [8, 9]  # every 2, and at the end; the two newest kept
     assert read_pointer(folder) == folder / "step_000009"
 
@@ -73,7 +74,9 @@ def test_off_the_main_thread_it_says_that_signals_keep_their_handlers(tmp_path: 
 
 def test_retention_rules_are_a_union(tmp_path: Path) -> None:
     folder = tmp_path / "ckpt"
-    plugin = checkpoints(folder, every=1, keep_last=1, keep_every=4, keep_steps=(3,))
+    plugin = checkpoints(
+        folder, every=1, keep=Retention(keep_last=1, keep_every=4, keep_steps=(3,))
+    )
     run(_step(), _state(), DATA, max_steps=9, plugins=[plugin])
     assert _steps(folder) == [3, 4, 8, 9]
 
@@ -101,7 +104,8 @@ def test_resume_none_refuses_a_folder_with_checkpoints(tmp_path: Path) -> None:
 
 def test_resume_from_a_given_checkpoint(tmp_path: Path) -> None:
     folder = tmp_path / "ckpt"
-    run(_step(), _state(), DATA, max_steps=6, plugins=[checkpoints(folder, every=2, keep_last=3)])
+    plugin = checkpoints(folder, every=2, keep=Retention(keep_last=3))
+    run(_step(), _state(), DATA, max_steps=6, plugins=[plugin])
     state = run(
         _step(),
         _state(),
@@ -120,7 +124,7 @@ def test_keep_best_keeps_the_best_by_a_validation_metric_and_restores_it(tmp_pat
     folder = tmp_path / "ckpt"
     val = [DATA[0]]
     plugin = checkpoints(
-        folder, every=1, keep_last=1, keep_best=("val/loss", "min", 1), restore_best=True
+        folder, every=1, keep=Retention(keep_best=1, metric="val/loss"), restore_best=True
     )
     state = run(
         _step(), _state(), DATA, max_steps=8, plugins=[validate(_eval_fn, val, every=1), plugin]
@@ -137,9 +141,8 @@ def test_keep_best_keeps_the_best_by_a_validation_metric_and_restores_it(tmp_pat
 
 
 def test_restore_best_needs_keep_best() -> None:
-    with pytest.raises(
-        TypeError, match=r"keep_best must be \(metric, mode, count\).*restore_best=True picks"
-    ):
+    said = r"keep\.keep_best must be >= 1 with restore_best=True, which picks the best checkpoint"
+    with pytest.raises(ValueError, match=said + r".*keep=Retention\(keep_best=1, metric="):
         checkpoints("x", restore_best=True)
 
 
@@ -151,7 +154,11 @@ def test_restore_best_needs_keep_best() -> None:
         ({"signals": "TERM"}, TypeError, "checkpoints: signals must be a sequence of signal"),
         ({"exit_code": "0"}, TypeError, "checkpoints: exit_code must be an int or None"),
         ({"on_error": "ignore"}, ValueError, "checkpoints: on_error must be one of"),
-        ({"keep_best": "val/loss"}, TypeError, "keep_best must be (metric, mode, count)"),
+        (
+            {"keep": 3},
+            TypeError,
+            "keep must be a toolkit.checkpoints.Retention, e.g. keep=Retention(keep_last=3); got 3",
+        ),
         ({"background": 1}, TypeError, "checkpoints: background must be True or False"),
         ({"per_epoch": "yes"}, TypeError, "checkpoints: per_epoch must be True or False"),
     ],
@@ -220,7 +227,7 @@ def test_per_epoch_saves_at_each_epoch_end_scored_by_per_epoch_validation(tmp_pa
     folder = tmp_path / "ckpt"
     val = [DATA[0]]
     plugin = checkpoints(
-        folder, per_epoch=True, at_end=False, keep_last=1, keep_best=("val/loss", "min", 3)
+        folder, per_epoch=True, at_end=False, keep=Retention(keep_best=3, metric="val/loss")
     )
     plugins = [validate(_eval_fn, val, per_epoch=True), plugin]
     run(_step(), _state(), DATA, epochs=3, plugins=plugins)
@@ -252,7 +259,7 @@ def test_per_epoch_inside_an_open_window_saves_at_the_update_that_closes_it(tmp_
 
     folder = tmp_path / "ckpt"
     step = accumulate(_step(), micro_batches=4)  # 6 batches per epoch: windows straddle
-    plugin = checkpoints(folder, per_epoch=True, at_end=False, keep_last=10)
+    plugin = checkpoints(folder, per_epoch=True, at_end=False, keep=Retention(keep_last=10))
     state = run(step, _state(), DATA, epochs=2, plugins=[plugin])
     assert state.step == 3
     # Epoch 1 ends after batch 6, inside update 2 (batches 5-8): saved at update 2. Epoch 2

@@ -18,7 +18,7 @@ import torch
 
 from toolkit import TrainState, make_step, run
 from toolkit.checkpoints import list_checkpoints
-from toolkit.plugins import checkpoints
+from toolkit.plugins import Retention, checkpoints
 
 TIMEOUT = 120
 
@@ -209,7 +209,9 @@ def _my_eval(event):  # a user's evaluation, publishing in state.metrics every 4
 def test_keep_best_ranks_by_a_user_plugins_metric(tmp_path: Path) -> None:
     # Bug caught: a user plugin declares no key, so the first save (step 2, before any
     # evaluation) raised "which no plugin publishes".
-    plugin = checkpoints(tmp_path, every=2, keep_best=("myeval/acc", "max", 1), keep_last=1)
+    plugin = checkpoints(
+        tmp_path, every=2, keep=Retention(keep_best=1, metric="myeval/acc", mode="max")
+    )
     run(STEP, _state(), DATA, max_steps=10, plugins=[_my_eval, plugin])
     assert [(i.step, dict(i.metrics)) for i in list_checkpoints(tmp_path)] == [
         (8, {"myeval/acc": 0.8}),
@@ -218,14 +220,18 @@ def test_keep_best_ranks_by_a_user_plugins_metric(tmp_path: Path) -> None:
 
 
 def test_a_keep_best_metric_of_a_published_entry_that_lacks_it_is_refused(tmp_path) -> None:
-    plugin = checkpoints(tmp_path, every=2, keep_best=("myeval/acu", "max", 1))
+    plugin = checkpoints(
+        tmp_path, every=2, keep=Retention(keep_best=1, metric="myeval/acu", mode="max")
+    )
     with pytest.raises(ValueError, match=r"'myeval/acu', which no plugin.*\['myeval/acc'\]"):
         run(STEP, _state(), DATA, max_steps=10, plugins=[_my_eval, plugin])
     assert [i.step for i in list_checkpoints(tmp_path)] == [2]  # refused at step 4's save
 
 
 def test_a_keep_best_metric_never_published_is_said_at_the_end(tmp_path: Path) -> None:
-    plugin = checkpoints(tmp_path, every=2, keep_best=("myevall/acc", "max", 1))
+    plugin = checkpoints(
+        tmp_path, every=2, keep=Retention(keep_best=1, metric="myevall/acc", mode="max")
+    )
     with pytest.warns(RuntimeWarning, match=r"no checkpoint in .* holds keep_best's 'myevall/acc'"):
         run(STEP, _state(), DATA, max_steps=10, plugins=[_my_eval, plugin])
 

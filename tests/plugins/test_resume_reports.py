@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Dataset
 from toolkit import TrainState, make_step, run
 from toolkit.checkpoints import list_checkpoints
 from toolkit.checkpoints._manifest import read_manifest
-from toolkit.plugins import checkpoints, validate
+from toolkit.plugins import Retention, checkpoints, validate
 
 
 class Numbered(Dataset):
@@ -166,7 +166,9 @@ def test_a_changed_dataset_mid_pass_is_refused(tmp_path: Path) -> None:
 
 def test_keep_every_and_keep_steps_save_at_their_steps(tmp_path: Path) -> None:
     # Bug caught: they only decided which saves to keep; without every=, none was made.
-    plugin = checkpoints(tmp_path, keep_every=4, keep_steps=[3], keep_last=0, at_end=False)
+    plugin = checkpoints(
+        tmp_path, keep=Retention(keep_every=4, keep_steps=(3,), keep_last=0), at_end=False
+    )
     run(_recording([]), _state(), _loader(), max_steps=10, plugins=[plugin])
     assert [i.step for i in list_checkpoints(tmp_path)] == [3, 4, 8]
 
@@ -179,7 +181,7 @@ def test_a_keep_best_metric_its_validation_does_not_publish_is_refused_at_once(t
     # Bug caught: a typo kept no best checkpoint, silently.
     plugins = [
         validate(_val, [torch.ones(2, 2)], every=2),
-        checkpoints(tmp_path, every=2, keep_best=("val/los", "min", 1)),
+        checkpoints(tmp_path, every=2, keep=Retention(keep_best=1, metric="val/los")),
     ]
     with pytest.raises(ValueError, match=r"keep_best ranks by 'val/los'.*\['val/loss'\]"):
         run(_recording([]), _state(), _loader(), max_steps=4, plugins=plugins)
@@ -189,7 +191,9 @@ def test_a_keep_best_metric_of_no_plugin_is_said_at_the_end(tmp_path: Path) -> N
     # A user's plugin claims no prefix: a save cannot tell a typo from a metric still to come.
     plugins = [
         validate(_val, [torch.ones(2, 2)], every=2),
-        checkpoints(tmp_path, every=2, keep_best=("vall/loss", "min", 1), restore_best=True),
+        checkpoints(
+            tmp_path, every=2, keep=Retention(keep_best=1, metric="vall/loss"), restore_best=True
+        ),
     ]
     said = r"no checkpoint in .* holds keep_best's 'vall/loss'.*keeps its final weights"
     with pytest.warns(RuntimeWarning, match=said):
@@ -199,7 +203,7 @@ def test_a_keep_best_metric_of_no_plugin_is_said_at_the_end(tmp_path: Path) -> N
 def test_a_keep_best_metric_not_yet_published_is_waited_for(tmp_path: Path) -> None:
     plugins = [
         validate(_val, [torch.ones(2, 2)], every=4),
-        checkpoints(tmp_path, every=2, keep_best=("val/loss", "min", 1), keep_last=1),
+        checkpoints(tmp_path, every=2, keep=Retention(keep_best=1, metric="val/loss")),
     ]
     run(_recording([]), _state(), _loader(), max_steps=6, plugins=plugins)
     assert [i.step for i in list_checkpoints(tmp_path)] == [4, 6]  # the best, the newest
@@ -281,7 +285,7 @@ def test_a_lock_its_holder_never_let_go_is_taken_over_with_a_line_to_stderr(
 
 
 def test_keep_full_reaches_retention_and_older_kept_checkpoints_hold_the_model(tmp_path) -> None:
-    plugin = checkpoints(tmp_path, every=1, keep_last=3, keep_full=1)
+    plugin = checkpoints(tmp_path, every=1, keep=Retention(keep_last=3, keep_full=1))
     run(_recording([]), _state(), _loader(), max_steps=4, plugins=[plugin])
     infos = list_checkpoints(tmp_path)
     assert [(i.step, i.model_only) for i in infos] == [(2, True), (3, True), (4, False)]

@@ -56,7 +56,7 @@ class _Config:
     background: bool
     on_error: str
     trainable_only: bool
-    rules: Retention
+    keep: Retention
     restore_best: bool
     resume: str | os.PathLike[str] | None
     on_change: str
@@ -77,9 +77,14 @@ class _Config:
             "signals": (all(isinstance(s, int) and not isinstance(s, bool) for s in self.signals),
                         "a sequence of signal numbers, e.g. (signal.SIGTERM, signal.SIGUSR1)"),
             "exit_code": (self.exit_code is None or type(self.exit_code) is int, "an int or None"),
+            "keep": (isinstance(self.keep, Retention),
+                     "a toolkit.checkpoints.Retention, e.g. keep=Retention(keep_last=3)"),
         }  # fmt: skip
         for name, (ok, expected) in typed.items():
             check(ok, "checkpoints", name, expected, getattr(self, name), "", TypeError)
+        best, fix = self.keep.keep_best, "Pass e.g. keep=Retention(keep_best=1, metric='val/loss')."
+        said = ">= 1 with restore_best=True, which picks the best checkpoint by its metric"
+        check(best > 0 or not self.restore_best, "checkpoints", "keep.keep_best", said, best, fix)
 
 
 @dataclasses.dataclass(slots=True)
@@ -138,7 +143,7 @@ def _saving(config: _Config) -> Iterator[None]:
 def _publish(config: _Config, path: Path) -> None:
     """Rank 0's, after a save succeeded: point ``latest`` at it, then prune."""
     write_pointer(config.folder, path)
-    prune_checkpoints(config.folder, config.rules)
+    prune_checkpoints(config.folder, config.keep)
 
 
 def _finish(config: _Config, run_: _Run) -> None:
@@ -153,11 +158,11 @@ def _finish(config: _Config, run_: _Run) -> None:
 def _save(config: _Config, run_: _Run, state: TrainState, loop: LoopInfo) -> None:
     if run_.saved_step == state.step or run_.readonly:
         return
-    metrics = _metrics(state, config.rules.metric)  # a keep_best typo raises before a write
+    metrics = _metrics(state, config.keep.metric)  # a keep_best typo raises before a write
     _finish(config, run_)
     state = state.replace(data_state=position(loop.data, state.data_state, not state.batches_seen))
     save = save_in_background if config.background else save_checkpoint
-    options: dict[str, Any] = {"objects": config.objects, "rules": config.rules}
+    options: dict[str, Any] = {"objects": config.objects, "rules": config.keep}
     options.update(metrics=metrics, settings=run_.settings, trainable_only=config.trainable_only)
     with _saving(config):
         run_.writing = save(state, config.folder / f"step_{state.step:06d}", **options)
@@ -398,7 +403,7 @@ def _end(config: _Config, run_: _Run, event: Event) -> None:
             elif run_.signum is not None or config.at_end:
                 _save(config, run_, event.state, event.loop)
         _finish(config, run_)
-        if error is None and run_.signum is None and config.rules.metric is not None:
+        if error is None and run_.signum is None and config.keep.metric is not None:
             _best(config, event.state.model)
     except Exception as caught:
         if run_.signum is None or error is not None:
@@ -427,10 +432,7 @@ def checkpoints(
     every: int | None = None,
     per_epoch: bool = False,
     at_end: bool = True,
-    keep_last: int = 1,
-    keep_every: int | None = None,
-    keep_steps: Sequence[int] = (),
-    keep_best: tuple[str, str, int] | None = None,
+    keep: Retention = Retention(),  # noqa: B008 (frozen: one shared default is safe)
     resume: str | os.PathLike[str] | None = "latest",
     signals: Sequence[int] = _SIGNALS,
     exit_code: int | None = None,
@@ -438,7 +440,6 @@ def checkpoints(
     objects: Mapping[str, Any] | None = None,
     background: bool = False,
     on_error: str = "raise",
-    keep_full: int | None = None,
     on_change: str = "warn",
     trainable_only: bool = False,
 ) -> Plugin:
@@ -455,10 +456,11 @@ def checkpoints(
     data parallelism); ``on_error="warn"`` lets training go on after a failed save;
     ``trainable_only`` saves the trainable parameters only (a LoRA adapter).
 
-    **Retention**, decided from the manifests on disk: the union of ``keep_last``,
-    ``keep_every``, ``keep_steps`` and ``keep_best=(metric, "min"|"max", count)``; the
-    newest is never deleted; ``keep_full=N`` reduces older kept checkpoints to the model.
-    ``restore_best=True`` loads the best one's weights into the model at the end.
+    **Retention** (``keep``, a :class:`toolkit.checkpoints.Retention`), decided from the
+    manifests on disk: the union of its ``keep_last``, ``keep_every``, ``keep_steps`` and
+    ``keep_best`` (by ``metric``, ``mode``) rules; the newest is never deleted; ``keep_full=N``
+    reduces older kept checkpoints to the model. ``restore_best=True`` loads the best one's
+    weights (by ``keep``'s metric) into the model at the end.
 
     **Resume** at ``"restore"``, before any plugin's ``"start"``: the folder is locked for
     this run (``folder/.lock``; a second run is refused; on read-only storage only a run
@@ -478,8 +480,9 @@ def checkpoints(
         every, per_epoch, at_end, background, on_error, trainable_only: saving (above);
             ``every``: applied updates between saves (>= 1) or ``None``; ``on_error``:
             ``"raise"`` or ``"warn"``.
-        keep_last, keep_every, keep_steps, keep_best, keep_full, restore_best: retention,
-            as :class:`toolkit.checkpoints.Retention` (``keep_best``: a triple).
+        keep, restore_best: retention (above), e.g.
+            ``keep=Retention(keep_last=3, keep_best=2, metric="val/loss")``; the default
+            keeps the newest checkpoint only; ``restore_best`` needs ``keep.keep_best >= 1``.
         resume, on_change, objects: resuming; ``resume``: ``"latest"``, a checkpoint
             folder or ``None``; ``on_change``: ``"warn"`` or ``"error"``; ``objects``:
             extra stateful objects (``state_dict``/``load_state_dict``) saved and loaded.
@@ -517,16 +520,9 @@ def checkpoints(
         8
     """
     folder_ = check_path("checkpoints", "folder", folder)
-    if keep_best is not None or restore_best is True:  # a restore_best of another type: below
-        ok = isinstance(keep_best, (tuple, list)) and len(keep_best) == 3
-        example = "(metric, mode, count), e.g. ('val/loss', 'min', 3)"
-        fix = "restore_best=True picks the best checkpoint by it." if restore_best else ""
-        check(ok, "checkpoints", "keep_best", example, keep_best, fix, TypeError)
-    metric, mode, count = keep_best or (None, "min", 0)
-    rules = Retention(keep_last, keep_every, tuple(keep_steps), count, metric, mode, keep_full)
     saving = (every, per_epoch, at_end, background, on_error, trainable_only)
     stopping = (signals if isinstance(signals, str) else tuple(signals), exit_code)
-    config = _Config(folder_, objects, *saving, rules, restore_best, resume, on_change, *stopping)  # type: ignore[arg-type]
+    config = _Config(folder_, objects, *saving, keep, restore_best, resume, on_change, *stopping)  # type: ignore[arg-type]
     live: dict[str, _Run] = {}  # one run at a time
 
     def plugin(event: Event) -> TrainState | None:
@@ -536,7 +532,7 @@ def checkpoints(
         if (run_ := live.get("run")) is None:
             return None
         if event.kind == "step":  # a save due after an update; a signal stops the run
-            state, out, rules = event.state, event.out, config.rules
+            state, out, rules = event.state, event.out, config.keep
             due = run_.epoch_due or state.step in rules.keep_steps
             due = due or any(n and state.step % n == 0 for n in (config.every, rules.keep_every))
             if out is not None and out.updated and due:
@@ -561,7 +557,7 @@ def _best(config: _Config, model: torch.nn.Module) -> None:
     """``restore_best``: load the best checkpoint's weights into ``model``; and warn when no
     checkpoint holds the ``keep_best`` metric (a typo that no save could tell)."""
     infos = {i.name: i for i in list_checkpoints(config.folder) if i.intact and i.step is not None}
-    rules = dataclasses.replace(config.rules, keep_best=1)  # the best one only
+    rules = dataclasses.replace(config.keep, keep_best=1)  # the best one only
     kept = retain(((i.name, i.step, i.metrics) for i in infos.values()), rules)  # type: ignore[misc]
     best = [infos[name].path for name, why in kept.items() if "keep_best" in why]
     if best and config.restore_best:
@@ -570,4 +566,4 @@ def _best(config: _Config, model: torch.nn.Module) -> None:
     elif not best:
         then = "; the model keeps its final weights." if config.restore_best else "."
         said = f"checkpoints: no checkpoint in {str(config.folder)!r} holds keep_best's "
-        warn(f"{said}{config.rules.metric!r}: no plugin published it at a save (a typo?){then}")
+        warn(f"{said}{config.keep.metric!r}: no plugin published it at a save (a typo?){then}")
