@@ -125,29 +125,35 @@ def test_ctrl_c_saves_and_exits_130(tmp_path: Path) -> None:
     assert [i.step for i in list_checkpoints(tmp_path / "ckpt")] == [steps[-1]]  # the last
 
 
-TORCHRUN_JOB = """
+DDP_IMPORTS = """
 import os, sys, time, torch
 from torch.nn.parallel import DistributedDataParallel
 from toolkit import TrainState, make_step, run
 from toolkit.distributed import process_group
 from toolkit.plugins import checkpoints
-
-def announce(event):
-    if event.kind == "start":
-        os.write(1, f"pid {os.environ['RANK']} {os.getpid()}\\n".encode())  # one write, whole
-    if event.kind == "step":
-        time.sleep(0.02)
-
+"""
+DDP_MAIN = """
 def main():  # the model a local: gloo's threads end with it, before Python shuts down
     with process_group(seed=0) as launch:
         model = DistributedDataParallel(torch.nn.Linear(2, 1))
         state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
         step = make_step(lambda m, b: m(b).square().mean())
-        plugins = [checkpoints(sys.argv[1], at_end=False), announce]
-        run(step, state, [torch.ones(2, 2)] * 100_000, max_steps=100_000, plugins=plugins)
+        plugins = [checkpoints(sys.argv[1], at_end=False), plugin]
+        run(step, state, [torch.ones(2, 2)] * BATCHES, max_steps=BATCHES, plugins=plugins)
 
 main()
 """
+TORCHRUN_JOB = (
+    DDP_IMPORTS
+    + """
+def plugin(event):
+    if event.kind == "start":
+        os.write(1, f"pid {os.environ['RANK']} {os.getpid()}\\n".encode())  # one write, whole
+    if event.kind == "step":
+        time.sleep(0.02)
+"""
+    + DDP_MAIN.replace("BATCHES", "100_000")
+)
 
 
 def _torchrun(script: Path, job_text: str, folder: Path, said: str) -> tuple[Any, dict]:
@@ -195,29 +201,17 @@ def test_under_torchrun_every_rank_exits_128_plus_signal(tmp_path: Path) -> None
         assert set(codes) <= {"143", "-6"} and "143" in codes, out[-3000:]
 
 
-TORCHRUN_EXCHANGE_JOB = """
-import os, sys, time, torch
-from torch.nn.parallel import DistributedDataParallel
-from toolkit import TrainState, make_step, run
-from toolkit.distributed import process_group
-from toolkit.plugins import checkpoints
-
-def hold_rank0(event):  # before the checkpoints plugin's exchange after update 10
+TORCHRUN_EXCHANGE_JOB = (
+    DDP_IMPORTS
+    + """
+def plugin(event):  # before the checkpoints plugin's exchange after update 10
     if event.kind == "step" and event.state.step == 10:
         os.write(1, f"at10 {os.environ['RANK']} {os.getpid()}\\n".encode())
         if os.environ["RANK"] == "0":
             time.sleep(3.0)  # rank 1 waits for it inside the exchange meanwhile
-
-def main():  # the model a local: gloo's threads end with it, before Python shuts down
-    with process_group(seed=0) as launch:
-        model = DistributedDataParallel(torch.nn.Linear(2, 1))
-        state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
-        step = make_step(lambda m, b: m(b).square().mean())
-        plugins = [checkpoints(sys.argv[1], at_end=False), hold_rank0]
-        run(step, state, [torch.ones(2, 2)] * 40, max_steps=40, plugins=plugins)
-
-main()
 """
+    + DDP_MAIN.replace("BATCHES", "40")
+)
 
 
 def test_a_signal_that_arrives_while_the_ranks_exchange_stops_the_run_at_the_next(tmp_path):
@@ -234,13 +228,9 @@ def test_a_signal_that_arrives_while_the_ranks_exchange_stops_the_run_at_the_nex
     assert [i.step for i in list_checkpoints(folder)] == [2 * SIGNAL_EVERY]  # the next exchange
 
 
-TORCHRUN_ENDED_JOB = """
-import os, sys, time, torch
-from torch.nn.parallel import DistributedDataParallel
-from toolkit import TrainState, make_step, run
-from toolkit.distributed import process_group
-from toolkit.plugins import checkpoints
-
+TORCHRUN_ENDED_JOB = (
+    DDP_IMPORTS
+    + """
 def main():  # the model a local: gloo's threads end with it, before Python shuts down
     with process_group(seed=0) as launch:
         model = DistributedDataParallel(torch.nn.Linear(2, 1))
@@ -253,6 +243,7 @@ def main():  # the model a local: gloo's threads end with it, before Python shut
 
 main()
 """
+)
 
 
 def test_a_sigterm_after_a_data_parallel_run_returned_leaves_it_to_exit_0(tmp_path) -> None:
