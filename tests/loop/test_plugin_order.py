@@ -108,7 +108,9 @@ def _orders() -> list[tuple[str, ...]]:
     return [*rotations, tuple(reversed(_NAMES)), *shuffled]
 
 
-@pytest.mark.parametrize("stops", [(6,), (3, 6)], ids=["crash-free", "resumed"])
+@pytest.mark.parametrize(
+    "stops", [(6,), pytest.param((3, 6), marks=pytest.mark.slow)], ids=["crash-free", "resumed"]
+)
 def test_the_order_of_the_plugin_list_does_not_change_the_run(tmp_path: Path, stops) -> None:
     outcomes = []
     for index, order in enumerate(_orders()):

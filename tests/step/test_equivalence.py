@@ -341,16 +341,17 @@ SCENARIOS = {
 
 
 def _cases() -> list[Any]:
-    """Every subset with every optimizer and scenario. ``make test-fast`` runs a quarter:
-    each subset with one optimizer, the optimizer turning with the subset's index (a Latin
-    square), so that every optimizer and every feature subset are still in it; the rest is
-    marked slow."""
+    """Every subset with every optimizer and scenario. ``make test-fast`` runs about a
+    fifth: each subset with one optimizer, the optimizer turning with the subset's index (a
+    Latin square), so that every optimizer and every feature subset are still in it, and the
+    NaN and overflow scenarios of every other such pair; the rest is marked slow."""
     cases = []
     for i, features in enumerate(SUBSETS):
         name = "+".join(f for f in FEATURES if f in features) or "plain"
         for j, opt_name in enumerate(OPTIMIZERS):
-            marks = () if (i + j) % len(OPTIMIZERS) == 0 else (pytest.mark.slow,)
             for suffix, (nan, overflow) in SCENARIOS.items():
+                period = len(OPTIMIZERS) * (2 if suffix else 1)  # scenarios: every other
+                marks = () if (i + j) % period == 0 else (pytest.mark.slow,)
                 if (nan and "guard" not in features) or (overflow and "fp16" not in features):
                     continue
                 if overflow == "first" and opt_name == "sgd-fused":
