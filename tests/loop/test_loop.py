@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import re
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -362,6 +365,27 @@ def test_a_plugin_exiting_at_the_end_waits_for_every_other_end() -> None:
     with pytest.raises(SystemExit) as caught:
         run(_step(), _state(), _data(2), max_steps=1, plugins=[exits, lambda e: ran.append(e.kind)])
     assert caught.value.code == 143 and ran[-1] == "end"
+
+
+@pytest.mark.parametrize("where", ["end", "step"])
+def test_an_exception_out_of_run_leaves_no_cycle_that_keeps_the_model_alive(where: str) -> None:
+    # Bug caught: run() kept the error (and _end the SystemExit) in a local of a frame its
+    # traceback holds: a cycle that kept the model until Python's last collection, and a DDP
+    # model keeps gloo's threads running, which can abort the interpreter's shutdown (-6).
+    def plugin(event: Event) -> None:
+        if event.kind == where:
+            raise SystemExit(143) if where == "end" else ValueError("a failing plugin")
+
+    state = _state()
+    model = weakref.ref(state.model)
+    gc.disable()  # only reference counts free it: no collection may hide a cycle
+    try:
+        with contextlib.suppress(SystemExit, ValueError):
+            run(_step(), state, _data(2), max_steps=1, plugins=[plugin])
+        del state
+        assert model() is None, gc.get_referrers(model())
+    finally:
+        gc.enable()
 
 
 def test_a_model_left_in_eval_mode_is_reported_once_at_the_start() -> None:

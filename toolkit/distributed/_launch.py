@@ -1,8 +1,10 @@
 """setup, teardown and process_group: see :mod:`toolkit.distributed`."""
 
+import atexit
 import contextlib
 import dataclasses
 import datetime
+import gc
 import os
 import random
 from collections.abc import Iterator, Mapping
@@ -59,7 +61,9 @@ def setup(
     Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` and
     ``TORCHELASTIC_RESTART_COUNT``. Without ``RANK`` (a plain ``python train.py``) the
     process is a world of one over an in-memory store. On CUDA it calls
-    ``torch.cuda.set_device(local_rank)``, one device per rank. The store is the rendezvous
+    ``torch.cuda.set_device(local_rank)``, one device per rank. It registers ``gc.collect``
+    to run at exit, so that a DDP model in a reference cycle frees gloo's threads while Python
+    is whole (docs/distributed.md). The store is the rendezvous
     store prefixed per restart attempt (see the module docstring); under torchrun every
     rank is a client of the agent's store, otherwise (``srun`` setting the variables
     itself) rank 0 hosts it.
@@ -123,6 +127,11 @@ def setup(
     dist.init_process_group(
         backend, store=store, rank=rank, world_size=world_size, device_id=device_id, timeout=timeout
     )
+    # A model in a reference cycle (torch's state-dict walkers leave some) holds the group,
+    # and so gloo's threads, until Python's last collection while it shuts down, which they
+    # can abort (-6): collect while Python is whole (docs/distributed.md). Once per process.
+    atexit.unregister(gc.collect)
+    atexit.register(gc.collect)
     own_seed = None if seed is None else seed + rank
     if own_seed is not None:  # Python's, torch's (CUDA too) and NumPy's generators
         random.seed(own_seed)
@@ -141,7 +150,8 @@ def teardown(*, barrier: bool = True) -> None:
     active exception``) when the ranks destroy the group at different moments. Skip it
     (``barrier=False``) when this rank failed: the others may never reach theirs. Nothing
     happens when no group is initialised. gloo's threads end only when the group object is
-    freed, and a DDP model holds it: keep the model local to a function (docs/distributed.md).
+    freed, and a DDP model holds it: keep the model local to a function, whose end frees it
+    before Python shuts down (docs/distributed.md).
 
     Args:
         barrier: wait for every rank before destroying the group.

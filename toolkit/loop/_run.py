@@ -414,7 +414,10 @@ def run(
     finally:
         outs, batches_ = tuple(window.outs), tuple(window.batches)
         end = Event("end", window.failed or state, loop, None, 0.0, 0.0, error, outs, batches_)
-        state = _end(plugins, end)
+        try:
+            state = _end(plugins, end)
+        finally:  # error's traceback holds this frame: no cycle may keep the model alive
+            del error, end  # (a DDP model's gloo threads at exit: docs/distributed.md)
     return state
 
 
@@ -578,5 +581,8 @@ def _end(plugins: Sequence[Plugin], event: Event) -> TrainState:
         except BaseException as exc:
             leave = leave or exc
     if leave is not None:
-        raise leave
+        try:
+            raise leave
+        finally:
+            del leave, event  # no cycle through this frame (see run())
     return event.state
