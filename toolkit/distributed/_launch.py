@@ -63,10 +63,9 @@ def setup(
     process is a world of one over an in-memory store. On CUDA it calls
     ``torch.cuda.set_device(local_rank)``, one device per rank. It registers ``gc.collect``
     to run at exit, so that a DDP model in a reference cycle frees gloo's threads while Python
-    is whole (docs/distributed.md). The store is the rendezvous
-    store prefixed per restart attempt (see the module docstring); under torchrun every
-    rank is a client of the agent's store, otherwise (``srun`` setting the variables
-    itself) rank 0 hosts it.
+    is whole (docs/distributed.md). The store is the rendezvous store prefixed per restart
+    attempt (see the module docstring); under torchrun every rank is a client of the
+    agent's store, otherwise (``srun`` setting the variables itself) rank 0 hosts it.
 
     Args:
         seed: when given, seeds Python's ``random``, NumPy (when installed) and torch (CPU
