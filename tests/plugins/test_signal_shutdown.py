@@ -200,12 +200,16 @@ def test_under_torchrun_every_rank_exits_128_plus_signal(tmp_path: Path) -> None
         job, pids = _torchrun(tmp_path / "job.py", TORCHRUN_JOB, tmp_path / f"ckpt{launch}", "pid ")
         time.sleep(0.3)
         os.kill(pids["1"], signal.SIGTERM)  # one rank only: both stop after the same update
-        code, out = _finish(job)
-        ranks = [line for line in out.splitlines() if line.strip().startswith("exitcode")]
-        assert code != 0 and len(ranks) == 2, out[-3000:]
-        codes = [line.split(":")[1].split()[0] for line in ranks]
-        assert codes == ["143", "143"], out[-3000:]
-        _no_gloo_thread_at_exit(out)
+        _both_ranks_exited_143(*_finish(job))
+
+
+def _both_ranks_exited_143(code: int, out: str) -> None:
+    """torchrun failed because both ranks exited 143 (its "exitcode" lines), and both left
+    no gloo thread running at Python's exit."""
+    ranks = [line for line in out.splitlines() if line.strip().startswith("exitcode")]
+    codes = [line.split(":")[1].split()[0] for line in ranks]
+    assert code != 0 and codes == ["143", "143"], out[-3000:]
+    _no_gloo_thread_at_exit(out)
 
 
 def _no_gloo_thread_at_exit(out: str) -> None:
@@ -240,12 +244,8 @@ def test_a_signal_that_arrives_while_the_ranks_exchange_stops_the_run_at_the_nex
     job, pids = _torchrun(tmp_path / "job.py", TORCHRUN_EXCHANGE_JOB, folder, "at10 ")
     time.sleep(1.0)  # rank 1 is in the exchange, waiting for rank 0
     os.kill(pids["1"], signal.SIGTERM)
-    code, out = _finish(job)
-    ranks = [line for line in out.splitlines() if line.strip().startswith("exitcode")]
-    codes = [line.split(":")[1].split()[0] for line in ranks]
-    assert code != 0 and codes == ["143", "143"], out[-3000:]
+    _both_ranks_exited_143(*_finish(job))
     assert [i.step for i in list_checkpoints(folder)] == [2 * SIGNAL_EVERY]  # the next exchange
-    _no_gloo_thread_at_exit(out)
 
 
 TORCHRUN_ENDED_JOB = (

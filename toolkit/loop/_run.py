@@ -584,5 +584,5 @@ def _end(plugins: Sequence[Plugin], event: Event) -> TrainState:
         try:
             raise leave
         finally:
-            del leave, event  # no cycle through this frame (see run())
+            del leave  # no cycle through this frame (see run())
     return event.state
